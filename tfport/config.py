@@ -1,0 +1,202 @@
+"""One configuration for every transformer family tfport handles.
+
+The same frozen dataclass is read by the PyTorch reference modules, the ONNX exporter and the
+torch-free runtime, so it imports nothing but the standard library. It round-trips through JSON
+(``to_json`` / ``from_json``) and validates itself on construction: a bad combination raises
+``ValueError`` naming the field, the value and what was expected.
+
+Shape legend used across the project: B batch, S new tokens, P past length, T = P + S,
+H query heads, Hkv key/value heads, D head dim, E model dim (d_model), V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+FAMILIES = ("encoder", "decoder", "encoder-decoder")
+NORMS = ("layernorm", "rmsnorm")
+NORM_POSITIONS = ("pre", "post")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "none")
+ROPE_SCALINGS = (None, "linear", "ntk")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of an encoder, decoder or encoder-decoder transformer.
+
+    Attention variants follow from ``n_kv_heads``: equal to ``n_heads`` is multi-head (MHA), 1 is
+    multi-query (MQA), anything between that divides ``n_heads`` is grouped-query (GQA).
+    The feed-forward is ``act(x W1) W2``, or ``(act(x Wg) * x W1) W2`` when ``gated_ffn``
+    (SwiGLU is ``activation="silu", gated_ffn=True``).
+    """
+
+    family: str
+    vocab_size: int
+    d_model: int
+    n_heads: int
+    d_ff: int
+    n_encoder_layers: int = 0
+    n_decoder_layers: int = 0
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    norm: str = "layernorm"
+    norm_position: str = "pre"
+    norm_eps: float = 1e-5
+    activation: str = "gelu"
+    gated_ffn: bool = False
+    position: str = "learned"
+    max_positions: int = 512
+    rope_theta: float = 10000.0
+    rope_scaling: str | None = None
+    rope_scaling_factor: float = 1.0
+    attention_bias: bool = True
+    mlp_bias: bool = True
+    attention_scale: float | None = None
+    tie_embeddings: bool = True
+    embedding_norm: bool = False
+    type_vocab_size: int = 0
+    pooler: bool = False
+    mlm_head: bool = False
+    pad_token_id: int = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    decoder_start_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ----------------------------------------------------------------------------- derived values
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (Hkv)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        """Head dimension D."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def attention_kind(self) -> str:
+        """``"mha"``, ``"gqa"`` or ``"mqa"``."""
+        if self.kv_heads == self.n_heads:
+            return "mha"
+        return "mqa" if self.kv_heads == 1 else "gqa"
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.dim_per_head**-0.5
+
+    @property
+    def has_encoder(self) -> bool:
+        return self.family in ("encoder", "encoder-decoder")
+
+    @property
+    def has_decoder(self) -> bool:
+        return self.family in ("decoder", "encoder-decoder")
+
+    @property
+    def uses_position_ids(self) -> bool:
+        """Whether graphs take ``position_ids`` (ALiBi derives positions from the mask)."""
+        return self.position in ("sinusoidal", "learned", "rope")
+
+    @property
+    def final_norm(self) -> bool:
+        """Pre-norm stacks end with a norm; post-norm blocks already end normalised."""
+        return self.norm_position == "pre"
+
+    # ---------------------------------------------------------------------------------- JSON I/O
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise TypeError(f"config: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"config: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        return cls.from_dict(json.loads(text))
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # -------------------------------------------------------------------------------- validation
+    def _validate(self) -> None:
+        def fail(field: str, expected: str) -> None:
+            raise ValueError(f"config.{field}={getattr(self, field)!r}: expected {expected}")
+
+        def choice(field: str, options: tuple) -> None:
+            if getattr(self, field) not in options:
+                fail(field, f"one of {list(options)}")
+
+        choice("family", FAMILIES)
+        choice("norm", NORMS)
+        choice("norm_position", NORM_POSITIONS)
+        choice("activation", ACTIVATIONS)
+        choice("position", POSITIONS)
+        choice("rope_scaling", ROPE_SCALINGS)
+        for field in ("vocab_size", "d_model", "n_heads", "d_ff", "max_positions"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                fail(field, "a positive integer")
+        for field in ("n_encoder_layers", "n_decoder_layers", "type_vocab_size"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                fail(field, "a non-negative integer")
+        if self.has_encoder and self.n_encoder_layers == 0:
+            fail("n_encoder_layers", f"at least 1 for family {self.family!r}")
+        if self.has_decoder and self.n_decoder_layers == 0:
+            fail("n_decoder_layers", f"at least 1 for family {self.family!r}")
+        if self.family == "encoder" and self.n_decoder_layers:
+            fail("n_decoder_layers", "0 for family 'encoder'")
+        if self.family == "decoder" and self.n_encoder_layers:
+            fail("n_encoder_layers", "0 for family 'decoder' (set family='encoder-decoder')")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            fail("d_model", f"a multiple of n_heads={self.n_heads} (or set head_dim)")
+        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim <= 0):
+            fail("head_dim", "a positive integer or null")
+        if self.n_kv_heads is not None:
+            if not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0:
+                fail("n_kv_heads", "a positive integer or null (= n_heads)")
+            if self.n_heads % self.n_kv_heads:
+                fail("n_kv_heads", f"a divisor of n_heads={self.n_heads}")
+        if self.position == "rope" and self.dim_per_head % 2:
+            fail("head_dim" if self.head_dim else "d_model",
+                 f"an even head dimension for RoPE, got {self.dim_per_head}")
+        if self.rope_theta <= 0:
+            fail("rope_theta", "a positive number")
+        if not math.isfinite(self.rope_scaling_factor) or self.rope_scaling_factor < 1.0:
+            fail("rope_scaling_factor", "a finite number >= 1")
+        if self.rope_scaling is None and self.rope_scaling_factor != 1.0:
+            fail("rope_scaling_factor", "1.0 unless rope_scaling is 'linear' or 'ntk'")
+        if self.rope_scaling is not None and self.position != "rope":
+            fail("rope_scaling", f"null unless position='rope' (position={self.position!r})")
+        if not (self.norm_eps > 0):
+            fail("norm_eps", "a positive number")
+        if self.attention_scale is not None and not (self.attention_scale > 0):
+            fail("attention_scale", "a positive number or null (= 1/sqrt(head_dim))")
+        if self.family != "encoder" and (self.pooler or self.mlm_head):
+            fail("pooler" if self.pooler else "mlm_head", "false unless family='encoder'")
+        if self.family != "encoder" and self.type_vocab_size:
+            fail("type_vocab_size", "0 unless family='encoder'")
+        for field in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
+                fail(field, f"a token id in [0, {self.vocab_size}) or null")
+        if self.family == "encoder-decoder" and self.decoder_start_token_id is None:
+            fail("decoder_start_token_id", "a token id for family 'encoder-decoder'")

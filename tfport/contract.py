@@ -1,0 +1,185 @@
+"""The I/O contract between exported graphs and the runtime.
+
+The exporter declares its graphs' inputs and outputs from ``graph_specs`` and writes a
+``manifest.json`` beside them; the runtime reads the manifest and checks each session against the
+same specs, so neither side needs anything from the other's Python code.
+
+Graphs per family (dims are named as in the ONNX files):
+
+* ``encoder``  -- ``input_ids`` int64 [batch, sequence], ``attention_mask`` int64 [batch, sequence],
+  ``token_type_ids`` int64 [batch, sequence] (if the config has token types) ->
+  ``last_hidden_state`` float32 [batch, sequence, E], ``pooler_output`` float32 [batch, E] (if
+  pooler), ``logits`` float32 [batch, sequence, V] (if MLM head); for encoder-decoder models also
+  ``present.{i}.encoder.key|value`` [batch, Hkv, sequence, D]: the cross-attention K/V, computed
+  once per request.
+* ``decoder``  -- ``input_ids`` int64 [batch, sequence], ``attention_mask`` int64
+  [batch, total_sequence], ``position_ids`` int64 [batch, sequence] (sinusoidal, learned, RoPE),
+  ``past_key_values.{i}.key|value`` [batch, Hkv, past_sequence, D] -> ``logits`` float32
+  [batch, sequence, V], ``present.{i}.key|value`` [batch, Hkv, total_sequence, D].
+  For encoder-decoder models the self-attention cache is ``...{i}.decoder.key|value``, and the
+  graph also takes ``encoder_attention_mask`` int64 [batch, encoder_sequence] and
+  ``past_key_values.{i}.encoder.key|value`` [batch, Hkv, encoder_sequence, D].
+
+User-facing outputs are float32 whatever the export dtype; KV caches are in the export dtype.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import ModelConfig
+
+FORMAT_NAME = "tfport"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+DTYPES = ("float32", "float16")
+TARGETS = ("portable",)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output: name, element type and shape (ints or symbolic dim names)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    name: str
+    file: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((t for t in self.inputs if t.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "inputs": [t.to_dict() for t in self.inputs],
+                "outputs": [t.to_dict() for t in self.outputs]}
+
+
+def cache_names(layer: int, prefix: str, kind: str | None = None) -> tuple[str, str]:
+    """Names of one layer's key and value cache, e.g. ``past_key_values.0.decoder.key``.
+
+    ``prefix`` is ``"past_key_values"`` or ``"present"``; ``kind`` is None for decoder-only
+    models, ``"decoder"`` (self-attention) or ``"encoder"`` (cross-attention) for seq2seq.
+    """
+    middle = f"{layer}." if kind is None else f"{layer}.{kind}."
+    return f"{prefix}.{middle}key", f"{prefix}.{middle}value"
+
+
+def _cache_specs(config: ModelConfig, n_layers: int, prefix: str, kind: str | None,
+                 length: str, dtype: str) -> list[TensorSpec]:
+    shape = ("batch", config.kv_heads, length, config.dim_per_head)
+    specs = []
+    for layer in range(n_layers):
+        specs += [TensorSpec(name, dtype, shape) for name in cache_names(layer, prefix, kind)]
+    return specs
+
+
+def graph_specs(config: ModelConfig, dtype: str = "float32") -> dict[str, GraphSpec]:
+    """The graphs an export of ``config`` contains, keyed ``"encoder"`` / ``"decoder"``."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {list(DTYPES)}")
+    ids = lambda name, length: TensorSpec(name, "int64", ("batch", length))  # noqa: E731
+    graphs: dict[str, GraphSpec] = {}
+    if config.has_encoder:
+        inputs = [ids("input_ids", "sequence"), ids("attention_mask", "sequence")]
+        if config.type_vocab_size:
+            inputs.append(ids("token_type_ids", "sequence"))
+        outputs = [TensorSpec("last_hidden_state", "float32", ("batch", "sequence", config.d_model))]
+        if config.pooler:
+            outputs.append(TensorSpec("pooler_output", "float32", ("batch", config.d_model)))
+        if config.mlm_head:
+            outputs.append(TensorSpec("logits", "float32", ("batch", "sequence", config.vocab_size)))
+        if config.family == "encoder-decoder":
+            outputs += _cache_specs(config, config.n_decoder_layers, "present", "encoder",
+                                    "sequence", dtype)
+        graphs["encoder"] = GraphSpec("encoder", "encoder.onnx", tuple(inputs), tuple(outputs))
+    if config.has_decoder:
+        seq2seq = config.family == "encoder-decoder"
+        kind = "decoder" if seq2seq else None
+        n = config.n_decoder_layers
+        inputs = [ids("input_ids", "sequence"), ids("attention_mask", "total_sequence")]
+        if seq2seq:
+            inputs.append(ids("encoder_attention_mask", "encoder_sequence"))
+        if config.uses_position_ids:
+            inputs.append(ids("position_ids", "sequence"))
+        inputs += _cache_specs(config, n, "past_key_values", kind, "past_sequence", dtype)
+        if seq2seq:
+            inputs += _cache_specs(config, n, "past_key_values", "encoder", "encoder_sequence", dtype)
+        outputs = [TensorSpec("logits", "float32", ("batch", "sequence", config.vocab_size))]
+        outputs += _cache_specs(config, n, "present", kind, "total_sequence", dtype)
+        graphs["decoder"] = GraphSpec("decoder", "decoder.onnx", tuple(inputs), tuple(outputs))
+    return graphs
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What ``manifest.json`` in an export directory says."""
+
+    config: ModelConfig
+    dtype: str = "float32"
+    opset: int = 18
+    target: str = "portable"
+    tokenizer: str | None = None
+    graphs: dict[str, GraphSpec] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.graphs:
+            object.__setattr__(self, "graphs", graph_specs(self.config, self.dtype))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "dtype": self.dtype,
+            "opset": self.opset, "target": self.target, "tokenizer": self.tokenizer,
+            "config": self.config.to_dict(),
+            "graphs": {name: g.to_dict() for name, g in self.graphs.items()},
+        }
+
+    def write(self, directory: str | Path) -> Path:
+        path = Path(directory) / MANIFEST_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, directory: str | Path) -> "Manifest":
+        """Read and check ``directory/manifest.json``; ``ValueError`` says what is wrong."""
+        directory = Path(directory)
+        path = directory / MANIFEST_FILE
+        if not directory.is_dir():
+            raise ValueError(f"model_dir={str(directory)!r}: expected a directory made by 'tfport export'")
+        if not path.is_file():
+            raise ValueError(f"model_dir={str(directory)!r}: no {MANIFEST_FILE}; expected a "
+                             "directory made by 'tfport export'")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            raise ValueError(f"{path}: expected format {FORMAT_NAME!r}, got "
+                             f"{data.get('format') if isinstance(data, dict) else data!r}")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{path}: format_version={data.get('format_version')!r}, this tfport "
+                             f"reads {FORMAT_VERSION}")
+        config = ModelConfig.from_dict(data["config"])
+        manifest = cls(config=config, dtype=data["dtype"], opset=int(data["opset"]),
+                       target=data.get("target", "portable"), tokenizer=data.get("tokenizer"))
+        for name, graph in manifest.graphs.items():
+            recorded = data.get("graphs", {}).get(name)
+            if recorded != graph.to_dict():
+                raise ValueError(f"{path}: graph {name!r} does not match the contract for its "
+                                 f"config (re-export with this tfport version)")
+            if not (directory / graph.file).is_file():
+                raise ValueError(f"model_dir={str(directory)!r}: graph file {graph.file!r} is missing")
+        return manifest
