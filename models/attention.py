@@ -1,0 +1,85 @@
+"""Multi-head, grouped-query and multi-query attention with a fused QKV projection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tfport.config import ModelConfig
+
+from .positions import apply_rope
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v with H query heads sharing Hkv key/value heads.
+
+    q [B, H, S, D], k and v [B, Hkv, T, D], bias float32 [B, 1 or H, S, T] -> [B, S, H*D].
+    Query heads h*G .. h*G+G-1 (G = H / Hkv) read key/value head h. Scores and softmax are
+    float32 whatever the input dtype. K and V are broadcast, never copied per query head.
+    """
+    b, h, s, d = q.shape
+    hkv = k.shape[1]
+    q = q.reshape(b, hkv, h // hkv, s, d)  # [B, Hkv, G, S, D]
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2))  # [B, Hkv, G, S, T]
+    scores = scores.float().reshape(b, h, s, -1) * scale + bias  # [B, H, S, T]
+    probs = scores.softmax(dim=-1).to(v.dtype).reshape(b, hkv, h // hkv, s, -1)
+    out = torch.matmul(probs, v.unsqueeze(2))  # [B, Hkv, G, S, D]
+    return out.reshape(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)  # [B, S, H*D]
+
+
+class Attention(nn.Module):
+    """Self-attention (fused QKV projection, optional RoPE and KV cache) or cross-attention.
+
+    Self-attention projects ``x`` [B, S, E] with one ``qkv`` matrix into H query and Hkv key and
+    value heads. Cross-attention projects queries from ``x`` and keys/values from the encoder
+    memory once per request (``project_memory``).
+    """
+
+    def __init__(self, config: ModelConfig, cross: bool = False):
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.dim_per_head
+        self.scale = config.softmax_scale
+        self.cross = cross
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
+        bias = config.attention_bias
+        if cross:
+            self.q = nn.Linear(config.d_model, q_dim, bias=bias)
+            self.kv = nn.Linear(config.d_model, 2 * kv_dim, bias=bias)
+        else:
+            self.qkv = nn.Linear(config.d_model, q_dim + 2 * kv_dim, bias=bias)
+        self.out = nn.Linear(q_dim, config.d_model, bias=bias)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, n, self.head_dim).transpose(1, 2)  # [B, N, S, D]
+
+    def project_memory(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-attention keys and values [B, Hkv, Senc, D] from encoder states [B, Senc, E]."""
+        k, v = self.kv(memory).chunk(2, dim=-1)
+        return self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                past: tuple[torch.Tensor, torch.Tensor] | None = None,
+                memory: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """x [B, S, E], bias float32 [B, 1|H, S, T] -> ([B, S, E], present (k, v) [B, Hkv, T, D]).
+
+        ``rope`` is (cos, sin) [B, 1, S, D/2]; ``past`` the cached (k, v) [B, Hkv, P, D];
+        ``memory`` the projected encoder (k, v) for cross-attention.
+        """
+        if self.cross:
+            q = self._heads(self.q(x), self.n_heads)
+            k, v = memory
+        else:
+            q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
+            q, k, v = self.qkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+            q, k, v = self._heads(q, self.n_heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            if past is not None:
+                k = torch.cat([past[0], k], dim=2)  # [B, Hkv, P+S, D]
+                v = torch.cat([past[1], v], dim=2)
+        out = grouped_attention(q, k, v, bias, self.scale)
+        return self.out(out), (k, v)

@@ -1,0 +1,89 @@
+"""Model directories: ``config.json`` + ``model.safetensors``; never unpickled.
+
+Tied weights (one tensor under several names) are stored once, under their first name. Loading
+checks every key and shape and says which are missing, unexpected or mismatched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tfport.config import ModelConfig
+from tfport.contract import CONFIG_FILE
+
+from . import build_model
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _aliases(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, str]]:
+    """(canonical name -> parameter, alias name -> canonical name) over the state dict."""
+    canonical: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[int, str] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            aliases[name] = seen[id(tensor)]
+        else:
+            seen[id(tensor)] = name
+            canonical[name] = tensor
+    return canonical, aliases
+
+
+def save_checkpoint(model: nn.Module, directory: str | os.PathLike) -> Path:
+    """Write ``model`` (with a ``.config``) to ``directory`` atomically; returns the directory."""
+    directory = Path(directory)
+    canonical, _ = _aliases(model)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in canonical.items()}
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        (tmp / CONFIG_FILE).write_text(model.config.to_json() + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "tfport"})
+        if directory.exists():
+            shutil.rmtree(directory)
+        tmp.rename(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def load_config(directory: str | os.PathLike) -> ModelConfig:
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"checkpoint={str(directory)!r}: no {CONFIG_FILE}; expected a directory "
+                         f"with {CONFIG_FILE} and {WEIGHTS_FILE}")
+    return ModelConfig.from_dict(json.loads(path.read_text()))
+
+
+def load_checkpoint(directory: str | os.PathLike) -> nn.Module:
+    """Build the model in ``directory/config.json`` and load ``model.safetensors`` strictly."""
+    directory = Path(directory)
+    config = load_config(directory)
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise ValueError(f"checkpoint={str(directory)!r}: no {WEIGHTS_FILE}")
+    tensors = load_file(str(weights))
+    model = build_model(config)
+    canonical, _ = _aliases(model)
+    missing = sorted(set(canonical) - set(tensors))
+    unexpected = sorted(set(tensors) - set(canonical))
+    mismatched = [f"{name}: file {tuple(tensors[name].shape)}, model {tuple(t.shape)}"
+                  for name, t in canonical.items()
+                  if name in tensors and tensors[name].shape != t.shape]
+    if missing or unexpected or mismatched:
+        raise ValueError(f"checkpoint={str(directory)!r} does not fit its config: missing keys "
+                         f"{missing}, unexpected keys {unexpected}, shape mismatches {mismatched}")
+    with torch.no_grad():
+        for name, tensor in canonical.items():
+            tensor.copy_(tensors[name].to(tensor.dtype))
+    return model.eval()

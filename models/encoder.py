@@ -1,0 +1,57 @@
+"""Encoder-only family (BERT-like): per-token states, pooled output, masked-LM head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tfport.config import ModelConfig
+
+from .layers import ACTIVATIONS, make_norm
+from .stack import Stack
+
+
+@dataclass
+class EncoderOutput:
+    last_hidden_state: torch.Tensor  # [B, S, E]
+    pooler_output: torch.Tensor | None = None  # [B, E]
+    logits: torch.Tensor | None = None  # [B, S, V]
+
+
+class MLMHead(nn.Module):
+    """dense -> activation -> norm -> vocabulary projection (optionally tied) + bias."""
+
+    def __init__(self, config: ModelConfig, tokens: nn.Embedding):
+        super().__init__()
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.act = ACTIVATIONS[config.activation]
+        self.norm = make_norm(config)
+        self.decoder = nn.Linear(config.d_model, config.vocab_size)
+        if config.tie_embeddings:
+            self.decoder.weight = tokens.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.norm(self.act(self.dense(x))))
+
+
+class EncoderModel(nn.Module):
+    """Bidirectional encoder. ``forward`` returns states, pooled [CLS] output and MLM logits."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.encoder = Stack(config, config.n_encoder_layers, causal=False, tokens=tokens,
+                             token_types=config.type_vocab_size > 0)
+        self.pooler = nn.Linear(config.d_model, config.d_model) if config.pooler else None
+        self.mlm = MLMHead(config, tokens) if config.mlm_head else None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None) -> EncoderOutput:
+        """input_ids, attention_mask, token_type_ids [B, S] -> EncoderOutput (float32)."""
+        x, _ = self.encoder(input_ids, attention_mask, token_type_ids=token_type_ids)
+        pooled = torch.tanh(self.pooler(x[:, 0])).float() if self.pooler is not None else None
+        logits = self.mlm(x).float() if self.mlm is not None else None
+        return EncoderOutput(x.float(), pooled, logits)

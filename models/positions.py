@@ -1,0 +1,87 @@
+"""Position encodings: sinusoidal and learned tables, rotary (RoPE) and ALiBi.
+
+All are real-valued (no complex dtypes) so they export as plain ONNX ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tfport.config import ModelConfig
+
+
+def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
+    """Vaswani et al. (2017) table [n_positions, dim]: sin on even, cos on odd channels."""
+    position = torch.arange(n_positions, dtype=torch.float64)[:, None]
+    inv = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))
+    table = torch.zeros(n_positions, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * inv)
+    table[:, 1::2] = torch.cos(position * inv)[:, : dim // 2]
+    return table.float()
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies [D/2], with the config's scaling folded in.
+
+    Linear scaling (position interpolation) divides positions by the factor, i.e. the
+    frequencies; NTK-aware scaling raises the base to theta * factor^(D / (D - 2)).
+    """
+    dim = config.dim_per_head
+    theta = config.rope_theta
+    if config.rope_scaling == "ntk":
+        theta = theta * config.rope_scaling_factor ** (dim / (dim - 2))
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if config.rope_scaling == "linear":
+        inv_freq = inv_freq / config.rope_scaling_factor
+    return inv_freq.float()
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [B, 1, S, D/2] (float32) for ``position_ids`` [B, S]."""
+    angles = position_ids.float()[:, None, :, None] * inv_freq.float()  # [B, 1, S, D/2]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, N, S, D]: channel i pairs with channel i + D/2 ("rotate half")."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """Head slopes from Press et al. (2022) [H].
+
+    For n a power of two: 2^(-8i/n), i = 1..n. Otherwise the slopes of the closest smaller power
+    of two, then every other slope of the next power of two.
+    """
+    def power_of_two(n: int) -> list[float]:
+        start = 2 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        slopes = power_of_two(n_heads)
+    else:
+        closest = 2 ** math.floor(math.log2(n_heads))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def positions_from_mask(attention_mask: torch.Tensor, query_length: int) -> torch.Tensor:
+    """Positions [B, S] of the last ``query_length`` tokens: count of real tokens before each.
+
+    ``attention_mask`` is [B, T] with 1 for real tokens; padded slots get position 0.
+    """
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return positions[:, attention_mask.shape[-1] - query_length:]
+
+
+def alibi_bias(attention_mask: torch.Tensor, query_length: int, slopes: torch.Tensor) -> torch.Tensor:
+    """ALiBi bias [B, H, S, T] = -slope_h * |pos(query) - pos(key)|, positions from the mask."""
+    key_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).float()  # [B, T]
+    query_pos = key_pos[:, key_pos.shape[-1] - query_length:]  # [B, S]
+    distance = (query_pos[:, :, None] - key_pos[:, None, :]).abs()  # [B, S, T]
+    return -slopes.float()[None, :, None, None] * distance[:, None]
