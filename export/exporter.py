@@ -1,0 +1,217 @@
+"""Export a reference module to a directory of ONNX graphs plus ``manifest.json``.
+
+``export_model`` builds each graph of the contract (tfport.contract.graph_specs) from the module's
+weights, checks it with ``onnx.checker`` (full check), writes everything to a temporary directory
+and renames it into place, so a failed export leaves nothing behind. Graphs whose weights exceed
+``external_data_threshold`` bytes keep them in ``<graph>.onnx.data`` beside the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import onnx
+from torch import nn
+from tqdm.auto import tqdm
+
+from tfport.config import ModelConfig
+from tfport.contract import (CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphSpec, Manifest,
+                             cache_names, graph_specs)
+
+from . import emit
+from .graph import GraphBuilder
+
+log = logging.getLogger(__name__)
+
+MIN_OPSET, MAX_OPSET = 18, 23
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # below protobuf's 2 GiB limit, with room for the graph
+
+
+def _token_table(g: GraphBuilder, tokens: nn.Embedding) -> str:
+    return g.weight("tokens", emit._np(tokens.weight))
+
+
+def _lm_head(g: GraphBuilder, x: str, model: nn.Module, token_table: str) -> str:
+    """Logits [B, S, V]: tied heads reuse the embedding table through a Transpose."""
+    if model.config.tie_embeddings:
+        return g.op("MatMul", x, g.op("Transpose", token_table, perm=[1, 0], name="lm_head.tied_t"), name="lm_head")
+    return emit.linear(g, x, model.lm_head, "lm_head")
+
+
+def _declare(g: GraphBuilder, spec: GraphSpec) -> dict[str, str]:
+    return {t.name: g.add_input(t) for t in spec.inputs}
+
+
+def _outputs(g: GraphBuilder, spec: GraphSpec, values: dict[str, str]) -> None:
+    for t in spec.outputs:
+        g.add_output(values[t.name], t)
+
+
+def _presents(presents, n_layers: int, kind: str | None) -> dict[str, str]:
+    out = {}
+    for i in range(n_layers):
+        key, value = cache_names(i, "present", kind)
+        out[key], out[value] = presents[i]
+    return out
+
+
+def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=None) -> GraphBuilder:
+    """Encoder graph of an EncoderModel or of an EncoderDecoderLM (which adds cross K/V outputs)."""
+    config: ModelConfig = model.config
+    g = GraphBuilder("encoder", dtype)
+    inputs = _declare(g, spec)
+    body = model.encoder
+    table = _token_table(g, body.embed.tokens)
+    position_ids = None
+    if config.uses_position_ids:  # positions count real tokens: cumsum(mask) - 1, at least 0
+        counts = g.op("CumSum", inputs["attention_mask"], g.const(1, name="axis"), name="positions.cumsum")
+        position_ids = g.op("Max", g.op("Sub", counts, g.const(1, name="one")), g.const(0, name="zero"),
+                            name="positions")
+    states, _ = emit.stack(g, body, config, input_ids=inputs["input_ids"],
+                           attention_mask=inputs["attention_mask"], position_ids=position_ids,
+                           token_table=table, causal=False, token_type_ids=inputs.get("token_type_ids"),
+                           progress=progress, name="encoder")
+    values = {"last_hidden_state": states}
+    if getattr(model, "pooler", None) is not None:
+        first = g.op("Gather", states, g.const(0, name="first"), axis=1, name="pooler.first")  # [B, E]
+        values["pooler_output"] = g.op("Tanh", emit.linear(g, first, model.pooler, "pooler.dense"), name="pooler")
+    if getattr(model, "mlm", None) is not None:
+        mlm = model.mlm
+        h = emit.activation(g, emit.linear(g, states, mlm.dense, "mlm.dense"), config.activation, "mlm.act")
+        h = emit.norm(g, h, mlm.norm, "mlm.norm")
+        if config.tie_embeddings:
+            logits = g.op("MatMul", h, g.op("Transpose", table, perm=[1, 0], name="mlm.tied_t"), name="mlm.decoder")
+            values["logits"] = g.op("Add", logits, g.weight("mlm.bias", emit._np(mlm.decoder.bias)))
+        else:
+            values["logits"] = emit.linear(g, h, mlm.decoder, "mlm.decoder")
+    if config.family == "encoder-decoder":
+        memories = [emit.cross_memory(g, states, layer.cross_attn, f"decoder.layers.{i}.cross")
+                    for i, layer in enumerate(model.decoder.layers)]
+        values.update(_presents(memories, config.n_decoder_layers, "encoder"))
+    _outputs(g, spec, values)
+    return g
+
+
+def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=None) -> GraphBuilder:
+    """Decoder graph of a DecoderLM or EncoderDecoderLM: one graph for prefill and decode."""
+    config: ModelConfig = model.config
+    seq2seq = config.family == "encoder-decoder"
+    kind = "decoder" if seq2seq else None
+    g = GraphBuilder("decoder", dtype)
+    inputs = _declare(g, spec)
+    n = config.n_decoder_layers
+    pasts = [tuple(inputs[name] for name in cache_names(i, "past_key_values", kind)) for i in range(n)]
+    memories = None
+    if seq2seq:
+        memories = [tuple(inputs[name] for name in cache_names(i, "past_key_values", "encoder")) for i in range(n)]
+    table = _token_table(g, model.decoder.embed.tokens)
+    states, presents = emit.stack(
+        g, model.decoder, config, input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+        position_ids=inputs.get("position_ids"), token_table=table, causal=True, pasts=pasts,
+        memories=memories, encoder_attention_mask=inputs.get("encoder_attention_mask"),
+        progress=progress, name="decoder")
+    values = {"logits": _lm_head(g, states, model, table)}
+    values.update(_presents(presents, n, kind))
+    _outputs(g, spec, values)
+    return g
+
+
+BUILDERS = {"encoder": build_encoder_graph, "decoder": build_decoder_graph}
+
+
+def _check_options(config: ModelConfig, dtype: str, opset: int) -> None:
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'float16'")
+    if not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ValueError(f"opset={opset!r}: expected an integer in [{MIN_OPSET}, {MAX_OPSET}] "
+                         f"(the function library needs opset 18 or newer)")
+
+
+def _save_graph(model: onnx.ModelProto, path: Path, threshold: int) -> bool:
+    """Save ``model`` to ``path``; weights go to ``path.data`` past ``threshold`` bytes."""
+    weight_bytes = sum(t.ByteSize() for t in model.graph.initializer)
+    external = weight_bytes > threshold
+    if external:
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    return external
+
+
+def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "float32",
+                 opset: int = 18, validate: bool = True, tokenizer: str | os.PathLike | None = None,
+                 overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+                 show_progress: bool | None = None) -> Manifest:
+    """Export ``model`` (a tfport reference module with ``.config``) to ``out_dir``.
+
+    Writes ``manifest.json``, ``config.json``, one ``.onnx`` per graph of the family (and
+    ``tokenizer.json`` if given). With ``validate``, runs ONNX Runtime against the module on fresh
+    random inputs (prefill and a decode step with past) and raises if they differ beyond the
+    dtype's tolerance. ``out_dir`` must not exist unless ``overwrite``.
+    """
+    config: ModelConfig = model.config
+    _check_options(config, dtype, opset)
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite and any(out_dir.iterdir()):
+        raise ValueError(f"out_dir={str(out_dir)!r} exists and is not empty; pass overwrite=True "
+                         "(CLI: --force) to replace it")
+    if tokenizer is not None and not Path(tokenizer).is_file():
+        raise ValueError(f"tokenizer={str(tokenizer)!r}: no such file (expected a tokenizer.json)")
+    specs = graph_specs(config, dtype)
+    manifest = Manifest(config=config, dtype=dtype, opset=opset,
+                        tokenizer=TOKENIZER_FILE if tokenizer is not None else None, graphs=specs)
+    model = model.eval()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
+    n_layers = config.n_encoder_layers * ("encoder" in specs) + config.n_decoder_layers * ("decoder" in specs)
+    if show_progress is None:
+        show_progress = n_layers * config.d_model * config.d_model > 64 * 2**20
+    try:
+        with tqdm(total=n_layers, desc="export", unit="layer", disable=not show_progress) as progress:
+            for name, spec in specs.items():
+                proto = BUILDERS[name](model, spec, dtype, progress).build(opset)
+                external = _save_graph(proto, tmp / spec.file, external_data_threshold)
+                log.info("wrote %s%s", spec.file, " with external data" if external else "")
+        (tmp / CONFIG_FILE).write_text(config.to_json() + "\n")
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+        manifest.write(tmp)
+        if validate:
+            from .parity import validate_export
+            validate_export(model, tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s model to %s (%s, opset %d)", config.family, out_dir, dtype, opset)
+    return manifest
+
+
+def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, seed: int = 0, **options) -> Manifest:
+    """``source`` is a preset name (random weights from ``seed``) or a checkpoint directory."""
+    from tfport.models import build_model
+    from tfport.models.checkpoint import load_checkpoint
+    from tfport.presets import PRESETS
+
+    path = Path(source)
+    if path.is_dir():
+        model = load_checkpoint(path)
+        if options.get("tokenizer") is None and (path / TOKENIZER_FILE).is_file():
+            options["tokenizer"] = path / TOKENIZER_FILE
+    elif source in PRESETS:
+        model = build_model(PRESETS[source], seed=seed)
+    else:
+        raise ValueError(f"source={source!r}: expected a preset name ({', '.join(sorted(PRESETS))}) "
+                         "or a checkpoint directory with config.json and model.safetensors")
+    return export_model(model, out_dir, **options)
+
+
+__all__ = ["export_model", "export_checkpoint_or_preset", "MANIFEST_FILE"]

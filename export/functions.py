@@ -1,0 +1,159 @@
+"""tfport's ONNX function library, written in onnxscript, in the custom domain ``ai.tfport``.
+
+Exported graphs call these as nodes (``ai.tfport.RotaryEmbedding`` ...) and carry their bodies as
+model-local functions, so a viewer shows one rotary / ALiBi / attention node per use that opens
+into its body, and a backend with a fused kernel can swap the node for it.
+
+Deliberate numeric choices, shared with the PyTorch reference (tfport.models):
+
+* Masked attention entries get the float32 minimum (finite), not -inf: a fully masked row (a
+  padded query) softmaxes to a uniform distribution instead of NaN, and padding rows stay finite.
+* Scores, the additive bias and the softmax are float32 for every model dtype, so an fp16 model
+  cannot overflow ``score + bias`` to -inf.
+* Rotary angles, cos and sin are computed in float32 from int64 positions.
+
+Shape legend: B batch, S new tokens, P past length, T = P + S, H query heads, Hkv key/value
+heads, G = H / Hkv, D head dim, E model dim.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnxscript import BOOL, FLOAT, script, values
+from onnxscript import opset18 as op
+
+DOMAIN = "ai.tfport"
+DOMAIN_VERSION = 1
+tfport = values.Opset(DOMAIN, DOMAIN_VERSION)
+
+MASK_VALUE = float(np.finfo(np.float32).min)
+
+
+@script(tfport, default_opset=op)
+def AttentionBias(attention_mask, query_length, causal: int):
+    """Additive float32 attention bias [B, 1, S, T] from a 0/1 padding mask.
+
+    PyTorch: ``tfport.models.masks.attention_bias(attention_mask, S, causal)``.
+    attention_mask int64 [B, T] (1 = real token); query_length int64 [1] = S, the queries being the
+    last S of the T positions. Entry (b, s, t) is 0 when key t is real and, if ``causal``, not after
+    query s (absolute index T - S + s); otherwise the finite float32 minimum (see module doc).
+    """
+    total = op.Squeeze(op.Shape(attention_mask, start=1, end=2))
+    length = op.Squeeze(query_length)
+    one = op.Constant(value_int=1)
+    key_index = op.Unsqueeze(op.Range(op.Constant(value_int=0), total, one), op.Constant(value_ints=[0]))  # [1, T]
+    query_index = op.Unsqueeze(op.Range(op.Sub(total, length), total, one), op.Constant(value_ints=[1]))  # [S, 1]
+    not_causal = op.Not(op.Cast(op.Constant(value_int=causal), to=BOOL.dtype))
+    in_order = op.Or(op.LessOrEqual(key_index, query_index), not_causal)  # [S, T]
+    real_key = op.Unsqueeze(op.Cast(attention_mask, to=BOOL.dtype), op.Constant(value_ints=[1, 2]))  # [B, 1, 1, T]
+    keep = op.And(real_key, in_order)  # [B, 1, S, T]
+    return op.Where(keep, op.Constant(value_float=0.0), op.Constant(value_float=MASK_VALUE))
+
+
+@script(tfport, default_opset=op)
+def AlibiBias(attention_mask, query_length, slopes):
+    """ALiBi bias float32 [B, H, S, T] = -slope_h * |pos(query) - pos(key)| (Press et al., 2022).
+
+    PyTorch: ``tfport.models.positions.alibi_bias``. Positions count the real tokens before each
+    slot (cumsum of the mask - 1, clamped at 0), so left padding does not shift distances.
+    attention_mask int64 [B, T]; query_length int64 [1]; slopes float32 [H].
+    """
+    counts = op.CumSum(attention_mask, op.Constant(value_int=1))
+    key_pos = op.Cast(op.Max(op.Sub(counts, op.Constant(value_int=1)), op.Constant(value_int=0)),
+                      to=FLOAT.dtype)  # [B, T]
+    total = op.Shape(attention_mask, start=1, end=2)
+    query_pos = op.Slice(key_pos, op.Sub(total, query_length), total, op.Constant(value_ints=[1]))  # [B, S]
+    distance = op.Abs(op.Sub(op.Unsqueeze(query_pos, op.Constant(value_ints=[2])),
+                             op.Unsqueeze(key_pos, op.Constant(value_ints=[1]))))  # [B, S, T]
+    slope = op.Unsqueeze(op.Neg(slopes), op.Constant(value_ints=[0, 2, 3]))  # [1, H, 1, 1]
+    return op.Mul(slope, op.Unsqueeze(distance, op.Constant(value_ints=[1])))  # [B, H, S, T]
+
+
+@script(tfport, default_opset=op)
+def RotaryEmbedding(x, position_ids, inv_freq):
+    """Rotary position embedding (RoPE, Su et al., 2021), "rotate half" channel pairing.
+
+    PyTorch: ``apply_rope(x, *rope_cos_sin(position_ids, inv_freq))``. x [B, N, S, D];
+    position_ids int64 [B, S]; inv_freq float32 [D/2] (scaling already folded in). Channel i is
+    rotated with channel i + D/2 by angle position * inv_freq[i]; computed in float32.
+    """
+    positions = op.Unsqueeze(op.Cast(position_ids, to=FLOAT.dtype), op.Constant(value_ints=[1, 3]))  # [B, 1, S, 1]
+    angles = op.Mul(positions, inv_freq)  # [B, 1, S, D/2]
+    cos = op.Cos(angles)
+    sin = op.Sin(angles)
+    first, second = op.Split(op.Cast(x, to=FLOAT.dtype), axis=-1, num_outputs=2)  # [B, N, S, D/2] each
+    rotated = op.Concat(op.Sub(op.Mul(first, cos), op.Mul(second, sin)),
+                        op.Add(op.Mul(second, cos), op.Mul(first, sin)), axis=-1)
+    return op.CastLike(rotated, x)
+
+
+@script(tfport, default_opset=op)
+def ScaledDotProductAttention(query, key, value, bias, scale: float):
+    """softmax(query key^T * scale + bias) value, with H query heads over Hkv key/value heads.
+
+    PyTorch: ``tfport.models.attention.grouped_attention``. query [B, H, S, D]; key, value
+    [B, Hkv, T, D]; bias float32 [B, 1 or H, S, T] -> [B, S, H*D]. Query heads are grouped
+    [B, Hkv, G, S, D] and key/value broadcast over G (MHA: G = 1; MQA: Hkv = 1), never copied.
+    Scores, bias and softmax are float32.
+    """
+    zero = op.Constant(value_ints=[0])
+    rest = op.Constant(value_ints=[-1])
+    heads = op.Shape(query, start=1, end=2)
+    kv_heads = op.Shape(key, start=1, end=2)
+    group = op.Div(heads, kv_heads)
+    length = op.Shape(query, start=2, end=3)
+    grouped = op.Reshape(query, op.Concat(zero, kv_heads, group, length, rest, axis=0))  # [B, Hkv, G, S, D]
+    keys_t = op.Unsqueeze(op.Transpose(key, perm=[0, 1, 3, 2]), op.Constant(value_ints=[2]))  # [B, Hkv, 1, D, T]
+    scores = op.Cast(op.MatMul(grouped, keys_t), to=FLOAT.dtype)  # [B, Hkv, G, S, T]
+    scores = op.Reshape(scores, op.Concat(zero, heads, length, rest, axis=0))  # [B, H, S, T]
+    scores = op.Add(op.Mul(scores, op.Constant(value_float=scale)), bias)
+    probs = op.CastLike(op.Softmax(scores, axis=-1), query)
+    probs = op.Reshape(probs, op.Concat(zero, kv_heads, group, length, rest, axis=0))  # [B, Hkv, G, S, T]
+    out = op.MatMul(probs, op.Unsqueeze(value, op.Constant(value_ints=[2])))  # [B, Hkv, G, S, D]
+    out = op.Transpose(op.Reshape(out, op.Shape(query)), perm=[0, 2, 1, 3])  # [B, S, H, D]
+    return op.Reshape(out, op.Concat(zero, zero, rest, axis=0))  # [B, S, H*D]
+
+
+@script(tfport, default_opset=op)
+def GroupQueryAttention(query, key, value, past_key, past_value, bias, scale: float):
+    """Causal/padded self-attention over a KV cache (MHA, GQA or MQA by the head counts).
+
+    PyTorch: ``tfport.models.attention.Attention.forward`` after the projections. query
+    [B, H, S, D]; key, value [B, Hkv, S, D] (new tokens); past_key, past_value [B, Hkv, P, D];
+    bias float32 [B, 1 or H, S, P+S] (masks, ALiBi) -> output [B, S, H*D], present_key and
+    present_value [B, Hkv, P+S, D] (past followed by the new tokens).
+    """
+    present_key = op.Concat(past_key, key, axis=2)
+    present_value = op.Concat(past_value, value, axis=2)
+    output = ScaledDotProductAttention(query, present_key, present_value, bias, scale=scale)
+    return output, present_key, present_value
+
+
+@script(tfport, default_opset=op)
+def RMSNorm(x, weight, epsilon: float):
+    """x / sqrt(mean(x^2, last axis) + epsilon) * weight, in float32. x [..., E]; weight [E]."""
+    xf = op.Cast(x, to=FLOAT.dtype)
+    mean_square = op.ReduceMean(op.Mul(xf, xf), op.Constant(value_ints=[-1]), keepdims=1)
+    normed = op.Mul(xf, op.Reciprocal(op.Sqrt(op.Add(mean_square, op.Constant(value_float=epsilon)))))
+    return op.CastLike(op.Mul(normed, op.Cast(weight, to=FLOAT.dtype)), x)
+
+
+FUNCTIONS = (AttentionBias, AlibiBias, RotaryEmbedding, ScaledDotProductAttention,
+             GroupQueryAttention, RMSNorm)
+
+
+def function_protos(opset: int) -> list[onnx.FunctionProto]:
+    """The library's FunctionProtos, their standard-domain import set to ``opset``.
+
+    The bodies use only operators whose semantics are unchanged from opset 18 up to the newest
+    opset onnx knows, so re-stamping the version keeps them valid for a model of that opset.
+    """
+    protos = []
+    for function in FUNCTIONS:
+        proto = function.to_function_proto()
+        for entry in proto.opset_import:
+            if entry.domain == "":
+                entry.version = opset
+        protos.append(proto)
+    return protos

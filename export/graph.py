@@ -1,0 +1,89 @@
+"""A small builder over ``onnx.helper``: nodes, initializers and typed graph I/O.
+
+The exporter writes graphs directly from a module's weights with this builder instead of tracing
+the module with ``torch.onnx.export``: the dynamo exporter inlines model-local functions during
+its opset conversion (torch 2.13, onnxscript 0.7.2), which would erase the ``ai.tfport`` rotary /
+ALiBi / attention nodes this project promises. Building the graph from the weights keeps those
+nodes, fixes the I/O names and dynamic dims to the contract, and takes milliseconds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from tfport.contract import TensorSpec
+
+from .functions import DOMAIN, DOMAIN_VERSION, function_protos
+
+ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64}
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
+
+
+def ir_version_for(opset: int) -> int:
+    """The oldest IR version that allows ``opset`` (older runtimes accept it; see onnx/helper.py)."""
+    return 10 if opset <= 22 else 11
+
+
+class GraphBuilder:
+    """Collects nodes and initializers; ``op`` returns the name(s) of the new node's outputs."""
+
+    def __init__(self, name: str, dtype: str):
+        self.name, self.dtype = name, dtype
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._used: Counter[str] = Counter()
+
+    def fresh(self, hint: str) -> str:
+        self._used[hint] += 1
+        count = self._used[hint]
+        return hint if count == 1 else f"{hint}_{count - 1}"
+
+    def weight(self, name: str, array: np.ndarray, dtype: str | None = None) -> str:
+        """Add an initializer (cast to ``dtype``, default the model dtype) and return its name."""
+        target = NUMPY_DTYPES[dtype or self.dtype]
+        name = self.fresh(name)
+        self.initializers.append(numpy_helper.from_array(np.array(array, dtype=target, order="C"), name))
+        return name
+
+    def const(self, values, dtype: str = "int64", name: str = "const") -> str:
+        return self.weight(name, np.asarray(values), dtype)
+
+    def op(self, op_type: str, *inputs: str, outputs: int | list[str] = 1, domain: str = "",
+           name: str | None = None, **attrs) -> str | list[str]:
+        hint = name or op_type.lower()
+        out_names = outputs if isinstance(outputs, list) else [self.fresh(f"{hint}_out") for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), out_names, name=self.fresh(hint),
+                                           domain=domain, **attrs))
+        return out_names[0] if len(out_names) == 1 else out_names
+
+    def fn(self, function: str, *inputs: str, outputs: int | list[str] = 1, name: str | None = None,
+           **attrs) -> str | list[str]:
+        """Call a function of the ``ai.tfport`` library."""
+        return self.op(function, *inputs, outputs=outputs, domain=DOMAIN, name=name, **attrs)
+
+    def add_input(self, spec: TensorSpec) -> str:
+        self.inputs.append(helper.make_tensor_value_info(spec.name, ONNX_DTYPES[spec.dtype], list(spec.shape)))
+        return spec.name
+
+    def add_output(self, value: str, spec: TensorSpec) -> None:
+        """Expose ``value`` as the graph output ``spec`` (cast to its dtype if needed)."""
+        source_dtype = self.dtype if spec.dtype != "int64" else "int64"
+        if spec.dtype != source_dtype:
+            self.op("Cast", value, outputs=[spec.name], to=ONNX_DTYPES[spec.dtype], name=f"cast_{spec.name}")
+        else:
+            self.op("Identity", value, outputs=[spec.name], name=f"out_{spec.name}")
+        self.outputs.append(helper.make_tensor_value_info(spec.name, ONNX_DTYPES[spec.dtype], list(spec.shape)))
+
+    def build(self, opset: int) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+        model = helper.make_model(
+            graph, producer_name="tfport", ir_version=ir_version_for(opset),
+            opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
+            functions=function_protos(opset))
+        return model
