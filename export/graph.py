@@ -85,5 +85,16 @@ class GraphBuilder:
         model = helper.make_model(
             graph, producer_name="tfport", ir_version=ir_version_for(opset),
             opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
-            functions=function_protos(opset))
+            functions=self._used_functions(function_protos(opset)))
         return model
+
+    def _used_functions(self, library: list[onnx.FunctionProto]) -> list[onnx.FunctionProto]:
+        """The library functions this graph calls, directly or through another function."""
+        by_name = {f.name: f for f in library}
+        needed, todo = set(), [n.op_type for n in self.nodes if n.domain == DOMAIN]
+        while todo:
+            name = todo.pop()
+            if name not in needed:
+                needed.add(name)
+                todo += [n.op_type for n in by_name[name].node if n.domain == DOMAIN]
+        return [f for f in library if f.name in needed]

@@ -1,0 +1,39 @@
+"""``tfport export SOURCE --out DIR``: a preset (random weights) or a checkpoint to ONNX."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from tfport.contract import DTYPES
+
+from .exporter import MAX_OPSET, MIN_OPSET, export_checkpoint_or_preset
+
+log = logging.getLogger(__name__)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    manifest = export_checkpoint_or_preset(
+        args.source, args.out, seed=args.seed, dtype=args.dtype, opset=args.opset,
+        validate=not args.no_validate, tokenizer=args.tokenizer, overwrite=args.force,
+        show_progress=None if not args.progress else True)
+    graphs = ", ".join(g.file for g in manifest.graphs.values())
+    print(f"exported {manifest.config.family} model to {args.out}: {graphs} "
+          f"({manifest.dtype}, opset {manifest.opset})")
+    return 0
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("export", help="export a preset or checkpoint to ONNX",
+                              description=__doc__)
+    p.add_argument("source", help="preset name (random weights) or checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (written atomically)")
+    p.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--opset", type=int, default=18, help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET}")
+    p.add_argument("--tokenizer", help="tokenizer.json to ship with the export")
+    p.add_argument("--force", action="store_true", help="replace an existing output directory")
+    p.add_argument("--no-validate", action="store_true",
+                   help="skip running ONNX Runtime against PyTorch after export")
+    p.add_argument("--progress", action="store_true", help="always show the progress bar")
+    p.set_defaults(func=run_export)

@@ -1,0 +1,23 @@
+"""Shared fixtures for export tests: tiny configs over the option matrix."""
+
+from __future__ import annotations
+
+import itertools
+
+from tfport.config import ModelConfig
+from tfport.presets import PRESETS
+
+FAMILY_BASE = {
+    "encoder": PRESETS["tiny-encoder"],
+    "decoder": PRESETS["tiny-decoder"],
+    "encoder-decoder": PRESETS["tiny-encoder-decoder"],
+}
+POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "none")
+ATTENTION = {"mha": None, "gqa": 2, "mqa": 1}  # n_kv_heads for 4 query heads
+
+
+def matrix_config(family: str, position: str, attention: str) -> ModelConfig:
+    return FAMILY_BASE[family].replace(position=position, n_kv_heads=ATTENTION[attention])
+
+
+MATRIX = list(itertools.product(FAMILY_BASE, POSITIONS, ATTENTION))
