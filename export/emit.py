@@ -7,6 +7,7 @@ transposed ([in, out]) so that ``MatMul(x, W)`` needs no runtime transpose.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -175,6 +176,18 @@ def embeddings(g: GraphBuilder, module: Embeddings, input_ids: str, position_ids
     return x
 
 
+def relative_bias(g: GraphBuilder, module: Stack, attention_mask: str, length: str, causal: bool,
+                  name: str) -> str:
+    """T5 relative bias [B, H, S, T]; bucket constants computed here as PyTorch computes them."""
+    config = module.config
+    buckets = config.relative_buckets if causal else config.relative_buckets // 2
+    max_exact = buckets // 2
+    table = g.weight(f"{name}.relative_bias", _np(module.relative_bias.weight))
+    return g.fn("RelativePositionBias", attention_mask, length, table, bidirectional=int(not causal),
+                num_buckets=buckets, max_exact=max_exact,
+                log_max_ratio=math.log(config.relative_max_distance / max_exact), name=f"{name}.relative")
+
+
 def stack(g: GraphBuilder, module: Stack, config: ModelConfig, *, input_ids: str, attention_mask: str,
           position_ids: str | None, token_table: str, causal: bool, token_type_ids: str | None = None,
           pasts: list[tuple[str, str]] | None = None, memories: list[tuple[str, str]] | None = None,
@@ -190,6 +203,9 @@ def stack(g: GraphBuilder, module: Stack, config: ModelConfig, *, input_ids: str
         slopes = g.weight(f"{name}.alibi_slopes", _np(module.alibi_slopes), "float32")
         alibi = g.fn("AlibiBias", attention_mask, length, slopes, name=f"{name}.alibi")
         bias = g.op("Add", bias, alibi, name=f"{name}.mask_alibi")  # [B, H, S, T]
+    if config.position == "relative":
+        bias = g.op("Add", bias, relative_bias(g, module, attention_mask, length, causal, name),
+                    name=f"{name}.mask_relative")  # [B, H, S, T]
     ctx = StackInputs(bias=bias)
     if config.position == "rope":
         ctx.position_ids = position_ids

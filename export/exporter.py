@@ -37,6 +37,8 @@ def _token_table(g: GraphBuilder, tokens: nn.Embedding) -> str:
 
 def _lm_head(g: GraphBuilder, x: str, model: nn.Module, token_table: str) -> str:
     """Logits [B, S, V]: tied heads reuse the embedding table through a Transpose."""
+    if model.config.lm_head_scale != 1.0:
+        x = g.op("Mul", x, g.const(model.config.lm_head_scale, g.dtype, "lm_head_scale"), name="lm_head.scale")
     if model.config.tie_embeddings:
         return g.op("MatMul", x, g.op("Transpose", token_table, perm=[1, 0], name="lm_head.tied_t"), name="lm_head")
     return emit.linear(g, x, model.lm_head, "lm_head")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnxscript import BOOL, FLOAT, script, values
+from onnxscript import BOOL, FLOAT, INT64, script, values
 from onnxscript import opset18 as op
 
 DOMAIN = "ai.tfport"
@@ -68,6 +68,40 @@ def AlibiBias(attention_mask, query_length, slopes):
                              op.Unsqueeze(key_pos, op.Constant(value_ints=[1]))))  # [B, S, T]
     slope = op.Unsqueeze(op.Neg(slopes), op.Constant(value_ints=[0, 2, 3]))  # [1, H, 1, 1]
     return op.Mul(slope, op.Unsqueeze(distance, op.Constant(value_ints=[1])))  # [B, H, S, T]
+
+
+@script(tfport, default_opset=op)
+def RelativePositionBias(attention_mask, query_length, table, bidirectional: int, num_buckets: int,
+                         max_exact: int, log_max_ratio: float):
+    """T5 relative attention bias float32 [B, H, S, T] (Raffel et al., 2020).
+
+    PyTorch: ``tfport.models.positions.relative_bias``. attention_mask int64 [B, T];
+    query_length int64 [1]; table [buckets, H]. Relative position = pos(key) - pos(query), with
+    positions counted over real tokens. ``num_buckets`` is the table size, halved when
+    ``bidirectional`` (keys after the query use the upper half); distances below ``max_exact``
+    get their own bucket, larger ones share log-spaced buckets up to the max distance
+    (``log_max_ratio`` = log(max_distance / max_exact), computed in double like PyTorch's).
+    """
+    counts = op.CumSum(attention_mask, op.Constant(value_int=1))
+    key_pos = op.Max(op.Sub(counts, op.Constant(value_int=1)), op.Constant(value_int=0))  # [B, T]
+    total = op.Shape(attention_mask, start=1, end=2)
+    query_pos = op.Slice(key_pos, op.Sub(total, query_length), total, op.Constant(value_ints=[1]))  # [B, S]
+    relative = op.Sub(op.Unsqueeze(key_pos, op.Constant(value_ints=[1])),
+                      op.Unsqueeze(query_pos, op.Constant(value_ints=[2])))  # [B, S, T]
+    two_sided = op.Cast(op.Constant(value_int=bidirectional), to=BOOL.dtype)
+    zero = op.Constant(value_int=0)
+    buckets = op.Constant(value_int=num_buckets)
+    exact = op.Constant(value_int=max_exact)
+    offset = op.Where(two_sided, op.Mul(op.Cast(op.Greater(relative, zero), to=INT64.dtype), buckets), zero)
+    distance = op.Where(two_sided, op.Abs(relative), op.Max(op.Neg(relative), zero))
+    ratio = op.Div(op.Log(op.Div(op.Cast(op.Max(distance, op.Constant(value_int=1)), to=FLOAT.dtype),
+                                 op.Cast(exact, to=FLOAT.dtype))),
+                   op.Constant(value_float=log_max_ratio))
+    large = op.Add(exact, op.Cast(op.Mul(ratio, op.Cast(op.Sub(buckets, exact), to=FLOAT.dtype)), to=INT64.dtype))
+    large = op.Min(large, op.Sub(buckets, op.Constant(value_int=1)))
+    bucket = op.Add(offset, op.Where(op.Less(distance, exact), distance, large))  # [B, S, T]
+    bias = op.Transpose(op.Gather(table, bucket), perm=[0, 3, 1, 2])  # [B, H, S, T]
+    return op.Cast(bias, to=FLOAT.dtype)
 
 
 @script(tfport, default_opset=op)
@@ -139,7 +173,7 @@ def RMSNorm(x, weight, epsilon: float):
     return op.CastLike(op.Mul(normed, op.Cast(weight, to=FLOAT.dtype)), x)
 
 
-FUNCTIONS = (AttentionBias, AlibiBias, RotaryEmbedding, ScaledDotProductAttention,
+FUNCTIONS = (AttentionBias, AlibiBias, RelativePositionBias, RotaryEmbedding, ScaledDotProductAttention,
              GroupQueryAttention, RMSNorm)
 
 

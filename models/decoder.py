@@ -28,4 +28,4 @@ class DecoderLM(nn.Module):
                 past_key_values: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
         """input_ids [B, S], attention_mask [B, P+S] -> (logits float32 [B, S, V], present cache)."""
         x, present = self.decoder(input_ids, attention_mask, position_ids, past=past_key_values)
-        return self.lm_head(x).float(), present
+        return self.lm_head(x * self.config.lm_head_scale).float(), present

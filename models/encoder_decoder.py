@@ -41,7 +41,7 @@ class EncoderDecoderLM(nn.Module):
         """Decoder input_ids [B, S] -> (logits float32 [B, S, V], self-attention cache)."""
         x, present = self.decoder(input_ids, attention_mask, position_ids, past=past_key_values,
                                   memory=cross_kv, memory_mask=encoder_attention_mask)
-        return self.lm_head(x).float(), present
+        return self.lm_head(x * self.config.lm_head_scale).float(), present
 
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None,

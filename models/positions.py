@@ -1,4 +1,4 @@
-"""Position encodings: sinusoidal and learned tables, rotary (RoPE) and ALiBi.
+"""Position encodings: sinusoidal and learned tables, rotary (RoPE), ALiBi, T5 relative bias.
 
 All are real-valued (no complex dtypes) so they export as plain ONNX ops.
 """
@@ -77,6 +77,42 @@ def positions_from_mask(attention_mask: torch.Tensor, query_length: int) -> torc
     """
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     return positions[:, attention_mask.shape[-1] - query_length:]
+
+
+def _mask_positions(attention_mask: torch.Tensor, query_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query positions [B, S], key positions [B, T]) counted over real tokens, as int64."""
+    key_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return key_pos[:, key_pos.shape[-1] - query_length:], key_pos
+
+
+def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
+                             max_distance: int) -> torch.Tensor:
+    """T5's bucket of each relative position (key - query), Raffel et al. (2020).
+
+    Half the buckets (all, if causal) hold exact distances below ``num_buckets // 2`` (halved
+    again if bidirectional); the rest cover distances up to ``max_distance`` logarithmically.
+    Bidirectional buckets put keys after the query in the upper half.
+    """
+    bucket = torch.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (relative > 0).long() * num_buckets
+        distance = relative.abs()
+    else:
+        distance = (-relative).clamp(min=0)
+    max_exact = num_buckets // 2
+    ratio = torch.log(distance.clamp(min=1).float() / max_exact) / math.log(max_distance / max_exact)
+    large = (max_exact + (ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
+    return bucket + torch.where(distance < max_exact, distance, large)
+
+
+def relative_bias(attention_mask: torch.Tensor, query_length: int, table: torch.Tensor,
+                  bidirectional: bool, max_distance: int) -> torch.Tensor:
+    """T5 relative attention bias float32 [B, H, S, T] from the bucket table [buckets, H]."""
+    query_pos, key_pos = _mask_positions(attention_mask, query_length)
+    relative = key_pos[:, None, :] - query_pos[:, :, None]  # [B, S, T]
+    buckets = relative_position_bucket(relative, bidirectional, table.shape[0], max_distance)
+    return table.float()[buckets].permute(0, 3, 1, 2)  # [B, H, S, T]
 
 
 def alibi_bias(attention_mask: torch.Tensor, query_length: int, slopes: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ from tfport.config import ModelConfig
 from .cache import KVCache
 from .layers import Block, make_norm
 from .masks import attention_bias
-from .positions import (alibi_bias, alibi_slopes, positions_from_mask, rope_cos_sin,
-                        rope_inv_freq, sinusoidal_table)
+from .positions import (alibi_bias, alibi_slopes, positions_from_mask, relative_bias,
+                        rope_cos_sin, rope_inv_freq, sinusoidal_table)
 
 
 class Embeddings(nn.Module):
@@ -57,6 +57,8 @@ class Stack(nn.Module):
             self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [D/2]
         if config.position == "alibi":
             self.register_buffer("alibi_slopes", alibi_slopes(config.n_heads), persistent=False)  # [H]
+        if config.position == "relative":  # one bucket table for all layers of the stack
+            self.relative_bias = nn.Embedding(config.relative_buckets, config.n_heads)  # [buckets, H]
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
@@ -82,6 +84,10 @@ class Stack(nn.Module):
         bias = attention_bias(attention_mask, length, self.causal)  # [B, 1, S, T]
         if self.config.position == "alibi":
             bias = bias + alibi_bias(attention_mask, length, self.alibi_slopes)  # [B, H, S, T]
+        if self.config.position == "relative":
+            bias = bias + relative_bias(attention_mask, length, self.relative_bias.weight,
+                                        bidirectional=not self.causal,
+                                        max_distance=self.config.relative_max_distance)
         rope = rope_cos_sin(position_ids, self.inv_freq) if self.config.position == "rope" else None
         memory_bias = None
         if memory is not None:

@@ -21,13 +21,17 @@ FAMILIES = ("encoder", "decoder", "encoder-decoder")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "none")
+POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 ROPE_SCALINGS = (None, "linear", "ntk")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of an encoder, decoder or encoder-decoder transformer.
+
+    ``position="relative"`` is T5's bucketed relative attention bias (``relative_buckets``,
+    ``relative_max_distance``), one table per stack shared by its layers. ``lm_head_scale``
+    multiplies the final states before the LM head (T5 with tied embeddings: d_model ** -0.5).
 
     Attention variants follow from ``n_kv_heads``: equal to ``n_heads`` is multi-head (MHA), 1 is
     multi-query (MQA), anything between that divides ``n_heads`` is grouped-query (GQA).
@@ -54,10 +58,13 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: str | None = None
     rope_scaling_factor: float = 1.0
+    relative_buckets: int = 32
+    relative_max_distance: int = 128
     attention_bias: bool = True
     mlp_bias: bool = True
     attention_scale: float | None = None
     tie_embeddings: bool = True
+    lm_head_scale: float = 1.0
     embedding_norm: bool = False
     type_vocab_size: int = 0
     pooler: bool = False
@@ -102,7 +109,7 @@ class ModelConfig:
 
     @property
     def uses_position_ids(self) -> bool:
-        """Whether graphs take ``position_ids`` (ALiBi derives positions from the mask)."""
+        """Whether graphs take ``position_ids`` (ALiBi and relative bias count them from the mask)."""
         return self.position in ("sinusoidal", "learned", "rope")
 
     @property
@@ -154,6 +161,14 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 fail(field, "a positive integer")
+        if self.position == "relative":
+            if not isinstance(self.relative_buckets, int) or self.relative_buckets < 4:
+                fail("relative_buckets", "an integer >= 4")
+            if not isinstance(self.relative_max_distance, int) or \
+                    self.relative_max_distance <= self.relative_buckets // 4:
+                fail("relative_max_distance", f"an integer > relative_buckets // 4 = {self.relative_buckets // 4}")
+        if not (math.isfinite(self.lm_head_scale) and self.lm_head_scale > 0):
+            fail("lm_head_scale", "a positive finite number")
         for field in ("n_encoder_layers", "n_decoder_layers", "type_vocab_size"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

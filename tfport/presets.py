@@ -44,6 +44,9 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-encoder-decoder": _TINY_SEQ2SEQ,
     "tiny-encoder-decoder-gqa": _TINY_SEQ2SEQ.replace(
         n_kv_heads=2, position="rope", activation="silu", gated_ffn=True),
+    "tiny-encoder-decoder-t5": _TINY_SEQ2SEQ.replace(
+        position="relative", relative_buckets=8, relative_max_distance=16, attention_scale=1.0,
+        lm_head_scale=32**-0.5, activation="gelu_tanh", gated_ffn=True),
     # ---- shapes the field knows (random weights unless a checkpoint is loaded)
     "bert-base": ModelConfig(
         family="encoder", vocab_size=30522, d_model=768, n_heads=12, d_ff=3072,
@@ -58,8 +61,9 @@ PRESETS: dict[str, ModelConfig] = {
     "t5-small": ModelConfig(
         family="encoder-decoder", vocab_size=32128, d_model=512, n_heads=8, d_ff=2048,
         n_encoder_layers=6, n_decoder_layers=6, norm="rmsnorm", norm_position="pre",
-        norm_eps=1e-6, activation="relu", position="sinusoidal", max_positions=512,
+        norm_eps=1e-6, activation="relu", position="relative", max_positions=512,
         attention_bias=False, mlp_bias=False, attention_scale=1.0, tie_embeddings=True,
+        lm_head_scale=512**-0.5,
         pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
     "llama3-8b": ModelConfig(
         family="decoder", vocab_size=128256, d_model=4096, n_heads=32, n_kv_heads=8,

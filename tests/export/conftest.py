@@ -12,7 +12,7 @@ FAMILY_BASE = {
     "decoder": PRESETS["tiny-decoder"],
     "encoder-decoder": PRESETS["tiny-encoder-decoder"],
 }
-POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "none")
+POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 ATTENTION = {"mha": None, "gqa": 2, "mqa": 1}  # n_kv_heads for 4 query heads
 
 

@@ -24,6 +24,8 @@ def expected_functions(config, graph: str) -> set[str]:
         names.add("RotaryEmbedding")
     if config.position == "alibi":
         names.add("AlibiBias")
+    if config.position == "relative":
+        names.add("RelativePositionBias")
     if config.norm == "rmsnorm":
         names.add("RMSNorm")
     return names
