@@ -102,8 +102,8 @@ def self_attention(g: GraphBuilder, x: str, module: Attention, ctx: StackInputs,
                    outputs=3, name=f"{name}.split")
     q, k, v = heads(g, q, h, d, f"{name}.q"), heads(g, k, hkv, d, f"{name}.k"), heads(g, v, hkv, d, f"{name}.v")
     if ctx.inv_freq is not None:
-        q = g.fn("RotaryEmbedding", q, ctx.position_ids, ctx.inv_freq, name=f"{name}.rotary_q")
-        k = g.fn("RotaryEmbedding", k, ctx.position_ids, ctx.inv_freq, name=f"{name}.rotary_k")
+        q = g.tap(f"{name}.rotary_q", g.fn("RotaryEmbedding", q, ctx.position_ids, ctx.inv_freq, name=f"{name}.rotary_q"))
+        k = g.tap(f"{name}.rotary_k", g.fn("RotaryEmbedding", k, ctx.position_ids, ctx.inv_freq, name=f"{name}.rotary_k"))
     if past is None:
         out = g.fn("ScaledDotProductAttention", q, k, v, ctx.bias, scale=module.scale, name=f"{name}.sdpa")
         present = None
@@ -111,7 +111,8 @@ def self_attention(g: GraphBuilder, x: str, module: Attention, ctx: StackInputs,
         out, pk, pv = g.fn("GroupQueryAttention", q, k, v, past[0], past[1], ctx.bias,
                            scale=module.scale, outputs=3, name=f"{name}.gqa")
         present = (pk, pv)
-    return linear(g, out, module.out, f"{name}.out"), present
+    g.tap(f"{name}.context", out)
+    return g.tap(name, linear(g, out, module.out, f"{name}.out")), present
 
 
 def cross_memory(g: GraphBuilder, states: str, module: Attention, name: str) -> tuple[str, str]:
@@ -125,9 +126,9 @@ def cross_memory(g: GraphBuilder, states: str, module: Attention, name: str) -> 
 def cross_attention(g: GraphBuilder, x: str, module: Attention, memory: tuple[str, str],
                     ctx: StackInputs, name: str) -> str:
     q = heads(g, linear(g, x, module.q, f"{name}.q"), module.n_heads, module.head_dim, f"{name}.q")
-    out = g.fn("ScaledDotProductAttention", q, memory[0], memory[1], ctx.memory_bias,
-               scale=module.scale, name=f"{name}.sdpa")
-    return linear(g, out, module.out, f"{name}.out")
+    out = g.tap(f"{name}.context", g.fn("ScaledDotProductAttention", q, memory[0], memory[1], ctx.memory_bias,
+                                         scale=module.scale, name=f"{name}.sdpa"))
+    return g.tap(name, linear(g, out, module.out, f"{name}.out"))
 
 
 def block(g: GraphBuilder, x: str, module: Block, config: ModelConfig, ctx: StackInputs,
@@ -138,9 +139,10 @@ def block(g: GraphBuilder, x: str, module: Block, config: ModelConfig, ctx: Stac
 
     def residual(x: str, norm_module: nn.Module, f, part: str) -> str:
         if module.pre:
-            return g.op("Add", x, f(norm(g, x, norm_module, f"{name}.{part}_norm")), name=f"{name}.{part}_residual")
+            normed = g.tap(f"{name}.{part}_norm", norm(g, x, norm_module, f"{name}.{part}_norm"))
+            return g.op("Add", x, f(normed), name=f"{name}.{part}_residual")
         summed = g.op("Add", x, f(x), name=f"{name}.{part}_residual")
-        return norm(g, summed, norm_module, f"{name}.{part}_norm")
+        return g.tap(f"{name}.{part}_norm", norm(g, summed, norm_module, f"{name}.{part}_norm"))
 
     def attend(h: str) -> str:
         nonlocal present
@@ -150,9 +152,10 @@ def block(g: GraphBuilder, x: str, module: Block, config: ModelConfig, ctx: Stac
     x = residual(x, module.attn_norm, attend, "attn")
     if module.cross_attn is not None:
         x = residual(x, module.cross_norm,
-                     lambda h: cross_attention(g, h, module.cross_attn, memory, ctx, f"{name}.cross"), "cross")
-    x = residual(x, module.ffn_norm, lambda h: feed_forward(g, h, module.ffn, config.activation, f"{name}.ffn"), "ffn")
-    return x, present
+                     lambda h: cross_attention(g, h, module.cross_attn, memory, ctx, f"{name}.cross_attn"), "cross")
+    x = residual(x, module.ffn_norm, lambda h: g.tap(
+        f"{name}.ffn", feed_forward(g, h, module.ffn, config.activation, f"{name}.ffn")), "ffn")
+    return g.tap(name, x), present
 
 
 def embeddings(g: GraphBuilder, module: Embeddings, input_ids: str, position_ids: str | None,
@@ -212,7 +215,9 @@ def stack(g: GraphBuilder, module: Stack, config: ModelConfig, *, input_ids: str
         ctx.inv_freq = g.weight(f"{name}.inv_freq", _np(module.inv_freq), "float32")
     if memories is not None:
         ctx.memory_bias = g.fn("AttentionBias", encoder_attention_mask, length, causal=0, name=f"{name}.cross_mask")
-    x = embeddings(g, module.embed, input_ids, position_ids, token_type_ids, token_table, f"{name}.embed")
+    g.tap(f"{name}.bias", bias, "float32")
+    x = g.tap(f"{name}.embed", embeddings(g, module.embed, input_ids, position_ids, token_type_ids,
+                                          token_table, f"{name}.embed"))
     presents = []
     for i, layer in enumerate(module.layers):
         past = pasts[i] if pasts is not None else None
@@ -222,5 +227,5 @@ def stack(g: GraphBuilder, module: Stack, config: ModelConfig, *, input_ids: str
         if progress is not None:
             progress.update(1)
     if module.norm is not None:
-        x = norm(g, x, module.norm, f"{name}.norm")
+        x = g.tap(f"{name}.norm", norm(g, x, module.norm, f"{name}.norm"))
     return x, presents

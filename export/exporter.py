@@ -91,7 +91,7 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=
         else:
             values["logits"] = emit.linear(g, h, mlm.decoder, "mlm.decoder")
     if config.family == "encoder-decoder":
-        memories = [emit.cross_memory(g, states, layer.cross_attn, f"decoder.layers.{i}.cross")
+        memories = [emit.cross_memory(g, states, layer.cross_attn, f"decoder.layers.{i}.cross_attn")
                     for i, layer in enumerate(model.decoder.layers)]
         values.update(_presents(memories, config.n_decoder_layers, "encoder"))
     _outputs(g, spec, values)

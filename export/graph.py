@@ -9,6 +9,7 @@ nodes, fixes the I/O names and dynamic dims to the contract, and takes milliseco
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -19,6 +20,7 @@ from tfport.contract import TensorSpec
 
 from .functions import DOMAIN, DOMAIN_VERSION, function_protos
 
+TAPS_KEY = "tfport.taps"  # metadata: reference point -> (graph value, dtype), for localisation
 ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64}
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
 
@@ -38,6 +40,9 @@ class GraphBuilder:
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self._used: Counter[str] = Counter()
+        # Intermediate values worth comparing when a graph diverges from PyTorch, keyed by the
+        # reference module path they correspond to ("decoder.layers.0.ffn"), in graph order.
+        self.taps: dict[str, tuple[str, str]] = {}
 
     def fresh(self, hint: str) -> str:
         self._used[hint] += 1
@@ -50,6 +55,11 @@ class GraphBuilder:
         name = self.fresh(name)
         self.initializers.append(numpy_helper.from_array(np.array(array, dtype=target, order="C"), name))
         return name
+
+    def tap(self, point: str, value: str, dtype: str | None = None) -> str:
+        """Record ``value`` as the graph's counterpart of reference point ``point``; returns it."""
+        self.taps[point] = (value, dtype or self.dtype)
+        return value
 
     def const(self, values, dtype: str = "int64", name: str = "const") -> str:
         return self.weight(name, np.asarray(values), dtype)
@@ -86,6 +96,7 @@ class GraphBuilder:
             graph, producer_name="tfport", ir_version=ir_version_for(opset),
             opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
             functions=self._used_functions(function_protos(opset)))
+        helper.set_model_props(model, {TAPS_KEY: json.dumps(self.taps)})
         return model
 
     def _used_functions(self, library: list[onnx.FunctionProto]) -> list[onnx.FunctionProto]:

@@ -9,19 +9,29 @@ Tolerances are per (dtype, provider); see ``TOLERANCES``.
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 from torch import nn
 
 from tfport.contract import Manifest, cache_names
 
+from tfport.models.attention import Attention
 from tfport.models.cache import KVCache
+from tfport.models.layers import Block, FeedForward, RMSNorm
+from tfport.models.masks import MASK_VALUE
 from tfport.models.positions import positions_from_mask
+from tfport.models.stack import Embeddings, Stack
+
+from .graph import ONNX_DTYPES, TAPS_KEY
 
 # (rtol, atol) per (dtype, provider): an output passes where |ort - torch| <= atol + rtol * |torch|.
 TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {
@@ -172,26 +182,66 @@ def _cache_feeds(prefix: str, kind: str | None, tensors: list[np.ndarray], n_lay
     return feeds
 
 
+@dataclass
+class Prepared:
+    """Inputs of one graph run: ONNX feeds, the reference call, and which positions are real."""
+
+    graph: str
+    feeds: dict[str, np.ndarray]
+    reference: Callable[[], dict[str, torch.Tensor]]
+    query_mask: np.ndarray  # [B, S] bool: real query positions
+    key_mask: np.ndarray  # [B, T] bool: real key positions (for present K/V)
+
+
+@contextmanager
+def capture(model: nn.Module):
+    """Collect the outputs of the reference's norms, attention, FFNs and blocks by module path.
+
+    Yields a dict filled during the forward: ``{"decoder.layers.0.ffn": tensor, ...}``, plus the
+    attention internals (``...attn.rotary_q``, ``...attn.context``) and each stack's bias.
+    """
+    captured: dict[str, torch.Tensor] = {}
+    handles, recorders = [], []
+
+    def hook(path):
+        def store(module, args, output):
+            captured[path] = output[0] if isinstance(output, tuple) else output
+        return store
+
+    for path, module in model.named_modules():
+        if isinstance(module, (Embeddings, RMSNorm, nn.LayerNorm, FeedForward, Attention, Block)):
+            handles.append(module.register_forward_hook(hook(path)))
+        if isinstance(module, (Attention, Stack)):
+            module.record = {}
+            recorders.append((path, module))
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+        for path, module in recorders:
+            captured.update({f"{path}.{key}": value for key, value in module.record.items()})
+            module.record = None
+
+
 class Runner:
     """Sessions of one export plus its reference module, for running cases."""
 
     def __init__(self, model: nn.Module, export_dir: str | Path, provider: str = "cpu"):
         self.model = model.eval()
+        self.export_dir = Path(export_dir)
         self.manifest = Manifest.read(export_dir)
         self.config = self.manifest.config
         self.provider = provider
         self.dtype = self.manifest.dtype
         self.tolerance = TOLERANCES[(self.dtype, provider)]
-        self.sessions = {name: make_session(Path(export_dir) / g.file, provider)
+        self.sessions = {name: make_session(self.export_dir / g.file, provider)
                          for name, g in self.manifest.graphs.items()}
         self.torch_dtype = torch.float16 if self.dtype == "float16" else torch.float32
         if self.torch_dtype != torch.float32:
             self.model = self.model.to(self.torch_dtype)
 
     # ----------------------------------------------------------------------------- inputs
-    def _rng(self, case: Case) -> np.random.Generator:
-        return np.random.default_rng(case.seed)
-
     def _ids(self, rng: np.random.Generator, shape) -> np.ndarray:
         return rng.integers(3, self.config.vocab_size, size=shape, dtype=np.int64)
 
@@ -199,60 +249,53 @@ class Runner:
         c = self.config
         return rng.standard_normal((batch, c.kv_heads, length, c.dim_per_head)).astype(self.dtype)
 
-    # ----------------------------------------------------------------------------- cases
-    def run(self, case: Case) -> list[CaseResult]:
+    def prepare(self, case: Case) -> list[Prepared]:
+        """The graph runs of ``case``: the encoder, the decoder, or both (seq2seq)."""
+        rng = np.random.default_rng(case.seed)
         if self.config.family == "encoder":
-            return [self.run_encoder(case)]
+            return [self._prepare_encoder(case, rng)]
         if self.config.family == "decoder":
-            return [self.run_decoder(case)]
-        return self.run_seq2seq(case)
+            return [self._prepare_decoder(case, rng)]
+        encoder = self._prepare_encoder(case, rng)
+        return [encoder, self._prepare_decoder(case, rng, encoder)]
 
-    @torch.no_grad()
-    def run_encoder(self, case: Case) -> CaseResult:
-        c, rng = self.config, self._rng(case)
-        length = case.new + case.past  # encoders have no past: use the whole length
+    def _prepare_encoder(self, case: Case, rng: np.random.Generator) -> Prepared:
+        c = self.config
+        seq2seq = c.family == "encoder-decoder"
+        length = case.encoder_length if seq2seq else case.past + case.new  # no past in encoders
+        padding = ("right" if case.padding != "none" else "none") if seq2seq else case.padding
         ids = self._ids(rng, (case.batch, length))
-        mask = _mask(case, length, rng)
+        mask = _mask(Case(case.batch, padding=padding), length, rng)
         feeds = {"input_ids": ids, "attention_mask": mask}
+        t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
         kwargs = {}
         if c.type_vocab_size:
             feeds["token_type_ids"] = rng.integers(0, c.type_vocab_size, (case.batch, length), dtype=np.int64)
             kwargs["token_type_ids"] = torch.from_numpy(feeds["token_type_ids"])
-        session = self.sessions["encoder"]
-        actual = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-        result = CaseResult(case, "encoder", self.provider)
-        real_tokens = mask.astype(bool)[:, :, None]  # [B, S, 1]
-        if c.family == "encoder":
-            out = self.model(torch.from_numpy(ids), torch.from_numpy(mask), **kwargs)
-            expected = {"last_hidden_state": out.last_hidden_state, "pooler_output": out.pooler_output,
-                        "logits": out.logits}
-        else:
-            states = self.model.encode(torch.from_numpy(ids), torch.from_numpy(mask))
-            expected = {"last_hidden_state": states.float()}
-            for i, (k, v) in enumerate(self.model.cross_kv(states)):
-                key, value = cache_names(i, "present", "encoder")
-                expected[key], expected[value] = k, v
-        for name, tensor in expected.items():
-            if tensor is None:
-                continue
-            e = tensor.float().numpy()
-            if name == "pooler_output":
-                real = np.ones(e.shape, dtype=bool)
-            elif name.startswith("present"):
-                real = mask.astype(bool)[:, None, :, None]
-            else:
-                real = real_tokens
-            result.diffs.append(_compare(name, e, actual[name], real, self.tolerance, logits=name == "logits"))
-        return result
 
-    @torch.no_grad()
-    def run_decoder(self, case: Case, memory: dict | None = None) -> CaseResult:
-        """Decoder graph: random past [B, Hkv, P, D], S new tokens, the mask over P + S."""
-        c, rng = self.config, self._rng(case)
-        seq2seq = c.family == "encoder-decoder"
-        kind = "decoder" if seq2seq else None
+        def reference() -> dict[str, torch.Tensor]:
+            if not seq2seq:
+                out = self.model(t_ids, t_mask, **kwargs)
+                found = {"last_hidden_state": out.last_hidden_state, "pooler_output": out.pooler_output,
+                         "logits": out.logits}
+                return {k: v for k, v in found.items() if v is not None}
+            states = self.model.encode(t_ids, t_mask)
+            found = {"last_hidden_state": states.float()}
+            for i, (k, v) in enumerate(self.model.cross_kv(states)):
+                found.update(zip(cache_names(i, "present", "encoder"), (k, v)))
+            return found
+
+        real = mask.astype(bool)
+        return Prepared("encoder", feeds, reference, real, real)
+
+    def _prepare_decoder(self, case: Case, rng: np.random.Generator,
+                         encoder: Prepared | None = None) -> Prepared:
+        """Random past [B, Hkv, P, D], S new tokens, the mask over P + S; for seq2seq the cross
+        K/V come from running the encoder graph (computed once, reused as the decoder's past)."""
+        c = self.config
+        kind = "decoder" if encoder is not None else None
         total = case.past + case.new
-        padding = case.padding if not (case.padding == "right" and case.past) else "left"
+        padding = "left" if (case.padding == "right" and case.past) else case.padding
         mask = _mask(Case(case.batch, padding=padding), total, rng)
         ids = self._ids(rng, (case.batch, case.new))
         position_ids = positions_from_mask(torch.from_numpy(mask), case.new).numpy()
@@ -264,45 +307,111 @@ class Runner:
         cache = KVCache([(torch.from_numpy(past[2 * i]), torch.from_numpy(past[2 * i + 1]))
                          for i in range(c.n_decoder_layers)]) if case.past else None
         t_ids, t_mask, t_pos = (torch.from_numpy(x) for x in (ids, mask, position_ids))
-        if seq2seq:
-            memory = memory or self._memory(case, rng)
-            feeds["encoder_attention_mask"] = memory["mask"]
-            feeds.update(_cache_feeds("past_key_values", "encoder", memory["kv"], c.n_decoder_layers))
-            t_memory = [(torch.from_numpy(memory["kv"][2 * i]), torch.from_numpy(memory["kv"][2 * i + 1]))
-                        for i in range(c.n_decoder_layers)]
-            logits, present = self.model.decode(t_ids, t_memory, torch.from_numpy(memory["mask"]),
-                                                t_mask, t_pos, cache)
-        else:
-            logits, present = self.model(t_ids, t_mask, t_pos, cache)
-        session = self.sessions["decoder"]
-        actual = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-        result = CaseResult(case, "decoder", self.provider)
-        real_queries = mask[:, case.past:].astype(bool)[:, :, None]  # [B, S, 1]
-        result.diffs.append(_compare("logits", logits.numpy(), actual["logits"], real_queries,
-                                     self.tolerance, logits=True))
-        real_keys = mask.astype(bool)[:, None, :, None]  # [B, 1, T, 1]
-        for i, (k, v) in enumerate(present.layers):
-            for name, tensor in zip(cache_names(i, "present", kind), (k, v)):
-                result.diffs.append(_compare(name, tensor.float().numpy(), actual[name].astype(np.float32),
-                                             real_keys, self.tolerance))
+        memory = None
+        if encoder is not None:
+            outputs = self.run_onnx(encoder)
+            kv = [outputs[name] for i in range(c.n_decoder_layers) for name in cache_names(i, "present", "encoder")]
+            feeds["encoder_attention_mask"] = encoder.feeds["attention_mask"]
+            feeds.update(_cache_feeds("past_key_values", "encoder", kv, c.n_decoder_layers))
+            memory = [(torch.from_numpy(kv[2 * i]), torch.from_numpy(kv[2 * i + 1]))
+                      for i in range(c.n_decoder_layers)]
+            memory_mask = torch.from_numpy(encoder.feeds["attention_mask"])
+
+        def reference() -> dict[str, torch.Tensor]:
+            if memory is not None:
+                logits, present = self.model.decode(t_ids, memory, memory_mask, t_mask, t_pos, cache)
+            else:
+                logits, present = self.model(t_ids, t_mask, t_pos, cache)
+            found = {"logits": logits}
+            for i, (k, v) in enumerate(present.layers):
+                found.update(zip(cache_names(i, "present", kind), (k, v)))
+            return found
+
+        return Prepared("decoder", feeds, reference, mask[:, case.past:].astype(bool), mask.astype(bool))
+
+    # ----------------------------------------------------------------------------- running
+    def run_onnx(self, prepared: Prepared, session: ort.InferenceSession | None = None) -> dict[str, np.ndarray]:
+        session = session or self.sessions[prepared.graph]
+        names = [o.name for o in session.get_outputs()]
+        return dict(zip(names, session.run(None, prepared.feeds)))
+
+    def _real(self, name: str, expected: np.ndarray, prepared: Prepared) -> np.ndarray:
+        """Where ``expected`` holds real values: real queries, real keys, unmasked bias entries."""
+        if name.startswith("present"):
+            return prepared.key_mask[:, None, :, None]  # [B, 1, T, 1]
+        if name == "pooler_output":
+            return np.ones(expected.shape, dtype=bool)
+        if name.endswith(".bias"):
+            return expected > MASK_VALUE / 2  # [B, 1|H, S, T]
+        if expected.ndim == 4:  # rotary q/k [B, N, S, D]
+            return prepared.query_mask[:, None, :, None]
+        return prepared.query_mask[:, :, None]  # [B, S, ...]
+
+    @torch.no_grad()
+    def check(self, prepared: Prepared, case: Case) -> CaseResult:
+        actual = self.run_onnx(prepared)
+        result = CaseResult(case, prepared.graph, self.provider)
+        for name, tensor in prepared.reference().items():
+            expected = tensor.float().numpy()
+            result.diffs.append(_compare(name, expected, actual[name].astype(np.float32),
+                                         self._real(name, expected, prepared), self.tolerance,
+                                         logits=name == "logits"))
         return result
 
-    def _memory(self, case: Case, rng: np.random.Generator) -> dict:
-        """Encoder side of a seq2seq case, computed by the ONNX encoder graph (run once)."""
-        ids = self._ids(rng, (case.batch, case.encoder_length))
-        mask = _mask(Case(case.batch, padding="right" if case.padding != "none" else "none"),
-                     case.encoder_length, rng)
-        session = self.sessions["encoder"]
-        outputs = dict(zip([o.name for o in session.get_outputs()],
-                           session.run(None, {"input_ids": ids, "attention_mask": mask})))
-        kv = []
-        for i in range(self.config.n_decoder_layers):
-            kv += [outputs[name] for name in cache_names(i, "present", "encoder")]
-        return {"mask": mask, "kv": kv}
+    def run(self, case: Case) -> list[CaseResult]:
+        return [self.check(prepared, case) for prepared in self.prepare(case)]
 
-    def run_seq2seq(self, case: Case) -> list[CaseResult]:
-        """Encoder case, then the decoder with the encoder's cross K/V reused."""
-        return [self.run_encoder(case), self.run_decoder(case)]
+    # ----------------------------------------------------------------------------- localisation
+    def _tap_session(self, graph: str) -> tuple[ort.InferenceSession, dict[str, tuple[str, str]]]:
+        """A session of ``graph`` whose outputs also include every recorded tap."""
+        proto = onnx.load(str(self.export_dir / self.manifest.graphs[graph].file))
+        props = {p.key: p.value for p in proto.metadata_props}
+        taps = json.loads(props.get(TAPS_KEY, "{}"))
+        existing = {o.name for o in proto.graph.output}
+        for value, dtype in taps.values():
+            if value not in existing:
+                proto.graph.output.append(onnx.helper.make_tensor_value_info(value, ONNX_DTYPES[dtype], None))
+                existing.add(value)
+        return make_session(proto.SerializeToString(), self.provider), taps
+
+    @torch.no_grad()
+    def localize(self, case: Case) -> list[Diff]:
+        """Compare every tapped intermediate of every graph of ``case`` in graph order.
+
+        Returns the diffs in order; ``first_divergence`` names the first that fails.
+        """
+        diffs = []
+        for prepared in self.prepare(case):
+            session, taps = self._tap_session(prepared.graph)
+            actual = self.run_onnx(prepared, session)
+            with capture(self.model) as captured:
+                prepared.reference()
+            for point, (value, _) in taps.items():
+                if point not in captured:
+                    continue
+                expected = captured[point].float().numpy()
+                diffs.append(_compare(point, expected, actual[value].astype(np.float32),
+                                      self._real(point, expected, prepared), self.tolerance))
+        return diffs
+
+
+PIECES = (("rotary_", "rotary"), ("context", "attention"), ("attn_norm", "norm"), ("cross_norm", "norm"),
+          ("ffn_norm", "norm"), ("attn", "attention output"), ("cross_attn", "cross-attention"),
+          ("ffn", "FFN"), ("bias", "mask / position bias (ALiBi, relative)"), ("embed", "embeddings"),
+          ("norm", "final norm"))
+
+
+def first_divergence(diffs: list[Diff]) -> str | None:
+    """'layer 3 of decoder, rotary (decoder.layers.3.attn.rotary_q): max_abs=...' or None."""
+    for diff in diffs:
+        if diff.ok:
+            continue
+        parts = diff.output.split(".")
+        last = parts[-1]
+        piece = next((label for key, label in PIECES if last.startswith(key)), "block output")
+        where = f"layer {parts[2]} of {parts[0]}" if len(parts) > 2 and parts[1] == "layers" else parts[0]
+        return f"{where}, {piece} ({diff.output}): max_abs={diff.max_abs:.3g} max_rel={diff.max_rel:.3g}"
+    return None
 
 
 def validate_export(model: nn.Module, export_dir: str | Path, provider: str = "cpu",

@@ -33,7 +33,8 @@ class Attention(nn.Module):
 
     Self-attention projects ``x`` [B, S, E] with one ``qkv`` matrix into H query and Hkv key and
     value heads. Cross-attention projects queries from ``x`` and keys/values from the encoder
-    memory once per request (``project_memory``).
+    memory once per request (``project_memory``). Setting ``record`` to a dict captures the
+    rotated queries/keys and the attention context (for divergence localisation).
     """
 
     def __init__(self, config: ModelConfig, cross: bool = False):
@@ -49,6 +50,7 @@ class Attention(nn.Module):
         else:
             self.qkv = nn.Linear(config.d_model, q_dim + 2 * kv_dim, bias=bias)
         self.out = nn.Linear(q_dim, config.d_model, bias=bias)
+        self.record: dict[str, torch.Tensor] | None = None  # set to a dict to capture internals
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, s, _ = x.shape
@@ -78,8 +80,12 @@ class Attention(nn.Module):
             q, k, v = self._heads(q, self.n_heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
             if rope is not None:
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+                if self.record is not None:
+                    self.record.update(rotary_q=q, rotary_k=k)
             if past is not None:
                 k = torch.cat([past[0], k], dim=2)  # [B, Hkv, P+S, D]
                 v = torch.cat([past[1], v], dim=2)
         out = grouped_attention(q, k, v, bias, self.scale)
+        if self.record is not None:
+            self.record["context"] = out
         return self.out(out), (k, v)

@@ -50,6 +50,7 @@ class Stack(nn.Module):
                  cross: bool = False, token_types: bool = False):
         super().__init__()
         self.config, self.causal = config, causal
+        self.record: dict[str, torch.Tensor] | None = None  # set to a dict to capture the bias
         self.embed = Embeddings(config, tokens, token_types)
         self.layers = nn.ModuleList(Block(config, cross=cross) for _ in range(n_layers))
         self.norm = make_norm(config) if config.final_norm else None
@@ -88,6 +89,8 @@ class Stack(nn.Module):
             bias = bias + relative_bias(attention_mask, length, self.relative_bias.weight,
                                         bidirectional=not self.causal,
                                         max_distance=self.config.relative_max_distance)
+        if self.record is not None:
+            self.record["bias"] = bias
         rope = rope_cos_sin(position_ids, self.inv_freq) if self.config.position == "rope" else None
         memory_bias = None
         if memory is not None:
