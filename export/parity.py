@@ -46,6 +46,11 @@ TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {
     ("float16", "cuda"): (2e-2, 2e-2),
 }
 
+# The standard cases: padding (none, left, right) x phase (prefill; decode step with past; a chunk
+# of several new tokens on top of a past). Decoders are causal in every case; "right" padding
+# on top of a past becomes left padding (a real cache never has holes before new tokens).
+CASES: list = []  # filled below, after Case
+
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
 
@@ -63,6 +68,12 @@ class Case:
     @property
     def label(self) -> str:
         return f"B{self.batch}-P{self.past}-S{self.new}-{self.padding}"
+
+
+PHASES = {"prefill": (0, 6), "decode": (5, 1), "chunk": (4, 3)}  # (P, S)
+CASES.extend(Case(batch=3, past=p, new=s, padding=padding, seed=seed)
+             for seed, (padding, (p, s)) in enumerate(
+                 (padding, phase) for padding in ("none", "left", "right") for phase in PHASES.values()))
 
 
 @dataclass
@@ -119,10 +130,13 @@ def cuda_available() -> tuple[bool, str]:
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    ort.set_default_logger_severity(4)  # the probe's failure is reported by the return value
     try:
         make_session(model.SerializeToString(), "cuda")
     except Exception as err:  # noqa: BLE001 - any failure means "not usable", with its reason
         return False, f"CUDA execution provider not usable here: {str(err).splitlines()[0][:200]}"
+    finally:
+        ort.set_default_logger_severity(2)
     return True, "CUDA execution provider creates sessions"
 
 

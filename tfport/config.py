@@ -151,6 +151,12 @@ class ModelConfig:
             if getattr(self, field) not in options:
                 fail(field, f"one of {list(options)}")
 
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_number(value) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
         choice("family", FAMILIES)
         choice("norm", NORMS)
         choice("norm_position", NORM_POSITIONS)
@@ -158,21 +164,29 @@ class ModelConfig:
         choice("position", POSITIONS)
         choice("rope_scaling", ROPE_SCALINGS)
         for field in ("vocab_size", "d_model", "n_heads", "d_ff", "max_positions"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(getattr(self, field)) or getattr(self, field) <= 0:
                 fail(field, "a positive integer")
-        if self.position == "relative":
-            if not isinstance(self.relative_buckets, int) or self.relative_buckets < 4:
-                fail("relative_buckets", "an integer >= 4")
-            if not isinstance(self.relative_max_distance, int) or \
-                    self.relative_max_distance <= self.relative_buckets // 4:
-                fail("relative_max_distance", f"an integer > relative_buckets // 4 = {self.relative_buckets // 4}")
-        if not (math.isfinite(self.lm_head_scale) and self.lm_head_scale > 0):
-            fail("lm_head_scale", "a positive finite number")
         for field in ("n_encoder_layers", "n_decoder_layers", "type_vocab_size"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not is_int(getattr(self, field)) or getattr(self, field) < 0:
                 fail(field, "a non-negative integer")
+        for field in ("rope_theta", "norm_eps", "lm_head_scale"):
+            if not is_number(getattr(self, field)) or getattr(self, field) <= 0:
+                fail(field, "a positive finite number")
+        for field in ("head_dim", "n_kv_heads"):
+            value = getattr(self, field)
+            if value is not None and (not is_int(value) or value <= 0):
+                fail(field, "a positive integer or null")
+        if self.attention_scale is not None and (not is_number(self.attention_scale) or self.attention_scale <= 0):
+            fail("attention_scale", "a positive finite number or null (= 1/sqrt(head_dim))")
+        if not is_number(self.rope_scaling_factor) or self.rope_scaling_factor < 1.0:
+            fail("rope_scaling_factor", "a finite number >= 1")
+        if self.position == "relative":
+            if not is_int(self.relative_buckets) or self.relative_buckets < 4:
+                fail("relative_buckets", "an integer >= 4")
+            # Causal stacks give exact buckets to distances below relative_buckets // 2; the
+            # logarithmic buckets need a larger max distance (bidirectional ones use half).
+            if not is_int(self.relative_max_distance) or self.relative_max_distance <= self.relative_buckets // 2:
+                fail("relative_max_distance", f"an integer > relative_buckets // 2 = {self.relative_buckets // 2}")
         if self.has_encoder and self.n_encoder_layers == 0:
             fail("n_encoder_layers", f"at least 1 for family {self.family!r}")
         if self.has_decoder and self.n_decoder_layers == 0:
@@ -183,35 +197,22 @@ class ModelConfig:
             fail("n_encoder_layers", "0 for family 'decoder' (set family='encoder-decoder')")
         if self.head_dim is None and self.d_model % self.n_heads:
             fail("d_model", f"a multiple of n_heads={self.n_heads} (or set head_dim)")
-        if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim <= 0):
-            fail("head_dim", "a positive integer or null")
-        if self.n_kv_heads is not None:
-            if not isinstance(self.n_kv_heads, int) or self.n_kv_heads <= 0:
-                fail("n_kv_heads", "a positive integer or null (= n_heads)")
-            if self.n_heads % self.n_kv_heads:
-                fail("n_kv_heads", f"a divisor of n_heads={self.n_heads}")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            fail("n_kv_heads", f"a divisor of n_heads={self.n_heads}")
         if self.position == "rope" and self.dim_per_head % 2:
             fail("head_dim" if self.head_dim else "d_model",
                  f"an even head dimension for RoPE, got {self.dim_per_head}")
-        if self.rope_theta <= 0:
-            fail("rope_theta", "a positive number")
-        if not math.isfinite(self.rope_scaling_factor) or self.rope_scaling_factor < 1.0:
-            fail("rope_scaling_factor", "a finite number >= 1")
         if self.rope_scaling is None and self.rope_scaling_factor != 1.0:
             fail("rope_scaling_factor", "1.0 unless rope_scaling is 'linear' or 'ntk'")
         if self.rope_scaling is not None and self.position != "rope":
             fail("rope_scaling", f"null unless position='rope' (position={self.position!r})")
-        if not (self.norm_eps > 0):
-            fail("norm_eps", "a positive number")
-        if self.attention_scale is not None and not (self.attention_scale > 0):
-            fail("attention_scale", "a positive number or null (= 1/sqrt(head_dim))")
         if self.family != "encoder" and (self.pooler or self.mlm_head):
             fail("pooler" if self.pooler else "mlm_head", "false unless family='encoder'")
         if self.family != "encoder" and self.type_vocab_size:
             fail("type_vocab_size", "0 unless family='encoder'")
         for field in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
             value = getattr(self, field)
-            if value is not None and not (isinstance(value, int) and 0 <= value < self.vocab_size):
+            if value is not None and not (is_int(value) and 0 <= value < self.vocab_size):
                 fail(field, f"a token id in [0, {self.vocab_size}) or null")
         if self.family == "encoder-decoder" and self.decoder_start_token_id is None:
             fail("decoder_start_token_id", "a token id for family 'encoder-decoder'")

@@ -12,7 +12,7 @@ from tfport.export.functions import DOMAIN
 from tfport.export.parity import Case, Runner
 from tfport.models import build_model
 
-from .conftest import MATRIX, matrix_config
+from tests.matrix import MATRIX, matrix_config
 
 # Which library functions each graph must call (by configuration), as a viewer would show them.
 def expected_functions(config, graph: str) -> set[str]:

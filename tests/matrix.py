@@ -1,4 +1,4 @@
-"""Shared fixtures for export tests: tiny configs over the option matrix."""
+"""The option matrix shared by the export and parity tests: family x position x attention."""
 
 from __future__ import annotations
 

@@ -1,0 +1,97 @@
+"""``tfport parity DIR --against SOURCE``: an export against its PyTorch reference, per provider.
+
+Prints one row per case and graph (max abs / max rel difference, argmax agreement on logits) and,
+for a failing case, the first layer and piece that diverges. ``--json PATH`` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from tfport.contract import Manifest
+
+from .parity import CASES, Runner, cuda_available, first_divergence
+
+
+def load_reference(source: str, seed: int):
+    """A checkpoint directory (tfport or Hugging Face) or a preset name with ``seed``."""
+    from tfport.models import build_model
+    from tfport.models.checkpoint import load_checkpoint
+    from tfport.presets import PRESETS
+
+    path = Path(source)
+    if path.is_dir():
+        try:
+            from tfport.models.hf import is_hf_checkpoint, load_hf_model
+        except ImportError:  # pragma: no cover - hf support not installed
+            is_hf_checkpoint = None
+        if is_hf_checkpoint is not None and is_hf_checkpoint(path):
+            return load_hf_model(path)
+        return load_checkpoint(path)
+    if source in PRESETS:
+        return build_model(PRESETS[source], seed=seed)
+    raise ValueError(f"--against={source!r}: expected a checkpoint directory or a preset name")
+
+
+def run_parity(args: argparse.Namespace) -> int:
+    manifest = Manifest.read(args.model_dir)
+    model = load_reference(args.against, args.seed)
+    if model.config != manifest.config:
+        raise ValueError(f"--against={args.against!r}: its config differs from the export's "
+                         f"({args.model_dir}/config.json)")
+    providers = [p.strip() for p in args.providers.split(",") if p.strip()]
+    for provider in providers:
+        if provider not in ("cpu", "cuda"):
+            raise ValueError(f"--providers: {provider!r} is not one of cpu, cuda")
+    rows, failed = [], False
+    header = f"{'case':<18} {'graph':<8} {'provider':<8} {'max_abs':>10} {'max_rel':>10} {'tokens':>7}  status"
+    print(header)
+    print("-" * len(header))
+    for provider in providers:
+        if provider == "cuda":
+            usable, reason = cuda_available()
+            if not usable:
+                print(f"{'(all)':<18} {'-':<8} {'cuda':<8} {'':>10} {'':>10} {'':>7}  skipped: {reason}")
+                rows.append({"provider": "cuda", "skipped": reason})
+                continue
+        runner = Runner(model, args.model_dir, provider)
+        for case in CASES:
+            for result in runner.run(case):
+                worst_abs = max(d.max_abs for d in result.diffs)
+                worst_rel = max(d.max_rel for d in result.diffs)
+                agreement = [d.token_agreement for d in result.diffs if d.token_agreement is not None]
+                tokens = f"{min(agreement):.0%}" if agreement else "-"
+                status = "ok" if result.ok else "MISMATCH"
+                row = {"case": case.label, "graph": result.graph, "provider": provider,
+                       "max_abs": worst_abs, "max_rel": worst_rel,
+                       "token_agreement": min(agreement) if agreement else None, "ok": result.ok,
+                       "diffs": [d.to_dict() for d in result.diffs]}
+                if not result.ok:
+                    failed = True
+                    row["first_divergence"] = first_divergence(runner.localize(case))
+                    status += f": {row['first_divergence']}"
+                rows.append(row)
+                print(f"{case.label:<18} {result.graph:<8} {provider:<8} {worst_abs:>10.3g} "
+                      f"{worst_rel:>10.3g} {tokens:>7}  {status}")
+    if args.json:
+        path = Path(args.json)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent or ".", delete=False, suffix=".tmp") as f:
+            json.dump({"model_dir": str(args.model_dir), "dtype": manifest.dtype, "rows": rows}, f, indent=2)
+        os.replace(f.name, path)
+    return 1 if failed else 0
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("parity", help="compare an export with its PyTorch reference",
+                              description=__doc__)
+    p.add_argument("model_dir", help="directory made by 'tfport export'")
+    p.add_argument("--against", required=True,
+                   help="reference: checkpoint directory (tfport or Hugging Face) or preset name")
+    p.add_argument("--seed", type=int, default=0, help="seed when --against is a preset")
+    p.add_argument("--providers", default="cpu", help="comma-separated: cpu,cuda")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.set_defaults(func=run_parity)
