@@ -10,7 +10,7 @@ import torch
 from tfport.models import build_model
 from tfport.models.attention import Attention, grouped_attention
 
-from torch_reference import (assert_close, model_for, random_ids, reference_attention,
+from .torch_reference import (assert_close, model_for, random_ids, reference_attention,
                              reference_inv_freq, reference_rope, tiny)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from tfport.config import POSITIONS
 
-from torch_reference import assert_close, model_for, random_ids, tiny
+from .torch_reference import assert_close, model_for, random_ids, tiny
 
 KV_HEADS = {"mha": None, "gqa": 2, "mqa": 1}
 

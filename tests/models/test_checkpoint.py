@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tfport.models import build_model
 from tfport.models.checkpoint import WEIGHTS_FILE, load_checkpoint, save_checkpoint
 
-from torch_reference import random_ids, tiny
+from .torch_reference import random_ids, tiny
 
 
 @dataclass(frozen=True)

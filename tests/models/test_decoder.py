@@ -7,7 +7,7 @@ import torch
 
 from tfport.models import build_model
 
-from torch_reference import assert_close, random_ids, tiny
+from .torch_reference import assert_close, random_ids, tiny
 
 
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 from tfport.models.generate import generate, generate_seq2seq, next_token
 
-from torch_reference import left_pad, model_for, random_ids, right_pad, tiny
+from .torch_reference import left_pad, model_for, random_ids, right_pad, tiny
 
 PROMPT_LENGTHS = [4, 2, 6]
 NEW_TOKENS = 6

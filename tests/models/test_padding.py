@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from torch_reference import assert_close, left_pad, model_for, random_ids, right_pad, tiny
+from .torch_reference import assert_close, left_pad, model_for, random_ids, right_pad, tiny
 
 FILLER = 5  # token placed in padding slots
 LENGTHS = [5, 3, 6]

@@ -12,7 +12,7 @@ from tfport.models.positions import (alibi_bias, alibi_slopes, apply_rope, posit
                                      relative_bias, relative_position_bucket, rope_cos_sin,
                                      rope_inv_freq, sinusoidal_table)
 
-from torch_reference import assert_close, reference_inv_freq, reference_rope, tiny
+from .torch_reference import assert_close, reference_inv_freq, reference_rope, tiny
 
 
 # ------------------------------------------------------------------------------------ sinusoidal
