@@ -72,18 +72,23 @@ def test_greedy_tokens_match(exported, family, position, attention, provider, dt
     if dtype == "float16":
         model = model.to(torch.float16)
     runtime = load_model(out, provider=provider)
-    prompt = torch.tensor([[5, 17, 33, 8, 61]])
-    steps = 12
-    if family == "decoder":
-        expected = generate(model, prompt, max_new_tokens=steps)[0].tolist()
-        encoder_ids = None
-    else:
-        expected = generate_seq2seq(model, prompt, max_new_tokens=steps)[0].tolist()
-        encoder_ids = prompt
-    actual = runtime.generate(prompt.numpy(), max_new_tokens=steps, stop_token_ids=())[0].tolist()
-    assert len(actual) == steps
+    prompts = [[5, 17, 33, 8, 61], [44, 9], [70, 2, 91, 12], [30, 31, 32, 33, 34, 35, 36]]
+    steps = 10
+    # The runtime decodes the prompts as one left-padded batch; the reference runs each alone.
+    actual = runtime.generate(prompts, max_new_tokens=steps, stop_token_ids=())
+    assert actual.shape == (len(prompts), steps)
     rtol, atol = runner_tolerance(provider, dtype)
-    assert_greedy_agrees(model, expected, actual, prompt, tie=atol + rtol, encoder_ids=encoder_ids)
+    seen = set()
+    for row, ids in enumerate(prompts):
+        prompt = torch.tensor([ids])
+        if family == "decoder":
+            expected = generate(model, prompt, max_new_tokens=steps)[0].tolist()
+        else:
+            expected = generate_seq2seq(model, prompt, max_new_tokens=steps)[0].tolist()
+        seen.update(expected)
+        assert_greedy_agrees(model, expected, actual[row].tolist(), prompt, tie=atol + rtol,
+                             encoder_ids=prompt if family != "decoder" else None)
+    assert len(seen) >= 4, f"reference outputs too uniform to test anything: {sorted(seen)}"
 
 
 def runner_tolerance(provider: str, dtype: str) -> tuple[float, float]:

@@ -1,0 +1,95 @@
+"""Running a graph through IO binding, and the KV cache it keeps on the session's device.
+
+Outputs the next step feeds back (``present.*``, cross-attention K/V) are bound to the session's
+device and returned as ``OrtValue``s, which are bound again as the next step's
+``past_key_values.*`` inputs: on CUDA the cache never leaves the GPU. Outputs the host reads
+(``logits``, hidden states) are bound to the CPU. The same code runs on the CPU provider.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Union
+
+import numpy as np
+import onnxruntime as ort
+
+from tfport.contract import GraphSpec
+
+from .session import device_of
+
+PAST = "past_key_values."
+PRESENT = "present."
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
+
+# A graph input: a host array (copied to the device by ONNX Runtime) or an OrtValue already there.
+Feed = Union[np.ndarray, ort.OrtValue]
+# Cache: input name ``past_key_values.*`` -> OrtValue [B, Hkv, P, D] on the session's device.
+KVCache = dict[str, ort.OrtValue]
+
+
+def past_name(present: str) -> str:
+    """``present.0.key`` -> ``past_key_values.0.key`` (the input that takes it next step)."""
+    assert present.startswith(PRESENT), present
+    return PAST + present[len(PRESENT):]
+
+
+def self_cache_inputs(spec: GraphSpec) -> list[str]:
+    """The decoder's self-attention cache inputs (not the seq2seq cross-attention ones)."""
+    return [t.name for t in spec.inputs if t.name.startswith(PAST) and ".encoder." not in t.name]
+
+
+def empty_cache(spec: GraphSpec, batch: int) -> dict[str, np.ndarray]:
+    """Zero-length past for the prefill: each self-attention cache input [B, Hkv, 0, D]."""
+    cache = {}
+    for name in self_cache_inputs(spec):
+        tensor = spec.input(name)
+        _, heads, _, dim = tensor.shape
+        cache[name] = np.zeros((batch, heads, 0, dim), dtype=NUMPY_DTYPES[tensor.dtype])
+    return cache
+
+
+def cache_length(cache: Mapping[str, Feed]) -> int:
+    """Past length P of a cache (all entries share it)."""
+    value = next(iter(cache.values()))
+    shape = value.shape() if isinstance(value, ort.OrtValue) else value.shape
+    return int(shape[2])
+
+
+class GraphRunner:
+    """One session, its contract and its device; ``run`` binds inputs and outputs and runs."""
+
+    def __init__(self, session: ort.InferenceSession, spec: GraphSpec, device_id: int = 0):
+        self.session = session
+        self.spec = spec
+        self.device = device_of(session)
+        self.device_id = device_id if self.device != "cpu" else 0
+
+    @property
+    def input_names(self) -> set[str]:
+        return {t.name for t in self.spec.inputs}
+
+    def run(self, feeds: Mapping[str, Feed], device_outputs: Iterable[str] = (),
+            host_outputs: Iterable[str] = ()) -> dict[str, ort.OrtValue]:
+        """Run once: ``device_outputs`` stay on the session's device, ``host_outputs`` come to
+        the CPU (read them with ``.numpy()``). Returns output name -> OrtValue."""
+        binding = self.session.io_binding()
+        arrays = []  # keep host arrays alive until the run has copied them
+        for name, value in feeds.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                array = np.ascontiguousarray(value)
+                arrays.append(array)
+                binding.bind_cpu_input(name, array)
+        names = []
+        for name in device_outputs:
+            binding.bind_output(name, self.device, self.device_id)
+            names.append(name)
+        for name in host_outputs:
+            binding.bind_output(name, "cpu")
+            names.append(name)
+        binding.synchronize_inputs()
+        self.session.run_with_iobinding(binding)
+        binding.synchronize_outputs()
+        return dict(zip(names, binding.get_outputs()))

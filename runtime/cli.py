@@ -1,0 +1,132 @@
+"""``tfport generate`` and ``tfport embed``: run an export from the command line, without torch.
+
+    tfport generate DIR --ids 1,5,7 [--ids 1,9] --max-new-tokens 32 [--stream]
+    tfport generate DIR --text "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 0
+    tfport embed DIR --text "a sentence" --pooling mean --normalize
+
+Generated ids print one line per prompt (comma-separated; the text too when the export has a
+tokenizer); embeddings print one JSON list per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .model import Model, cut_at_stop, load_model
+from .session import PROVIDERS
+
+logger = logging.getLogger(__name__)
+
+# Show a progress bar (stderr) when not streaming and generating at least this many tokens.
+PROGRESS_MIN_TOKENS = 32
+
+
+def parse_ids(text: str) -> list[int]:
+    """``"1,2,3"`` -> [1, 2, 3]."""
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--ids {text!r}: expected comma-separated integers "
+                                         "such as 1,2,3") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--ids: expected at least one token id")
+    return ids
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", metavar="DIR", help="directory written by 'tfport export'")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ids", type=parse_ids, action="append",
+                        help="a prompt as comma-separated token ids (repeat for a batch)")
+    source.add_argument("--text", action="append",
+                        help="a prompt as text, needs the export's tokenizer.json (repeatable)")
+    parser.add_argument("--provider", choices=PROVIDERS, default="cpu",
+                        help="execution provider (default: cpu; auto tries CUDA)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads (default: ONNX Runtime's choice)")
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``generate`` and ``embed``."""
+    gen = subparsers.add_parser("generate",
+                                help="continue prompts with a decoder or seq2seq export",
+                                description="Greedy or sampled generation with ONNX Runtime.")
+    _add_common(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=16)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1: all)")
+    gen.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    gen.set_defaults(func=run_generate)
+
+    emb = subparsers.add_parser("embed", help="sentence embeddings from an encoder export",
+                                description="Pooled (and optionally normalised) encoder states.")
+    _add_common(emb)
+    emb.add_argument("--pooling", choices=("cls", "mean"), default="mean")
+    emb.add_argument("--normalize", action="store_true", help="scale to unit L2 norm")
+    emb.set_defaults(func=run_embed)
+
+
+def _open(args: argparse.Namespace) -> tuple[Model, list[list[int]]]:
+    model = load_model(args.model_dir, args.provider, intra_op_threads=args.threads)
+    logger.debug("%r: session providers %s", model, model.providers)
+    if args.text is not None:
+        tokenizer = model.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"--text: {args.model_dir} has no tokenizer.json; pass --ids")
+        return model, tokenizer.encode_batch(args.text)
+    return model, args.ids
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    model, prompts = _open(args)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    text = args.text is not None
+    if args.stream:
+        if len(prompts) != 1:
+            raise ValueError(f"--stream: expects one prompt, got {len(prompts)}")
+        _stream(model, prompts, options, text)
+        return 0
+    progress = args.max_new_tokens >= PROGRESS_MIN_TOKENS
+    tokens = model.generate(prompts, progress=progress, **options)
+    stops = model.stop_ids(None)
+    for row in tokens:
+        kept = cut_at_stop(row, stops)
+        if text:
+            print(model.tokenizer.decode(kept))
+        else:  # ids up to and including the stop id; the padding after it is dropped
+            print(",".join(str(t) for t in [*kept, *row[len(kept):len(kept) + 1]]))
+    return 0
+
+
+def _stream(model: Model, prompts: list[list[int]], options: dict, text: bool) -> None:
+    stops = model.stop_ids(None)
+    generated: list[int] = []
+    shown = ""
+    for tokens in model.stream(prompts, **options):
+        token = int(tokens[0])
+        if text:
+            if token in stops:
+                break
+            generated.append(token)
+            decoded = model.tokenizer.decode(generated)
+            sys.stdout.write(decoded[len(shown):])
+            shown = decoded
+        else:
+            sys.stdout.write(("," if generated else "") + str(token))
+            generated.append(token)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def run_embed(args: argparse.Namespace) -> int:
+    model, prompts = _open(args)
+    embeddings = model.embed(prompts, pooling=args.pooling, normalize=args.normalize)
+    for row in embeddings:
+        print(json.dumps([round(float(x), 6) for x in row]))
+    return 0

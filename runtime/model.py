@@ -1,0 +1,304 @@
+"""An exported model directory, opened with ONNX Runtime: generate, stream, encode, embed.
+
+    >>> model = load_model("out/tiny-decoder", provider="cpu")
+    >>> model.generate([[1, 5, 7], [1, 9]], max_new_tokens=8)       # int64 [2, <=8]
+    >>> for tokens in model.stream([[1, 5, 7]], max_new_tokens=8):   # int64 [1] per step
+    ...     print(tokens)
+
+Prompts of different lengths are padded internally (left for decoders, right for encoders), so
+each row of a batch gets its unbatched result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from tfport.config import ModelConfig
+from tfport.contract import MANIFEST_FILE, TOKENIZER_FILE, Manifest
+
+from .binding import GraphRunner
+from .encoding import EncoderOutput, pool
+from .generation import generate_steps
+from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
+from .sampling import SamplingParams, make_rng
+from .session import SessionSettings, open_session
+from .tokenizer import TextTokenizer
+
+# callback(step, tokens int64 [B]) after each generated step.
+StepCallback = Callable[[int, np.ndarray], None]
+
+
+class Model:
+    """The graphs of one export directory as ONNX Runtime sessions (see ``load_model``)."""
+
+    def __init__(self, directory: Path, manifest: Manifest, runners: dict[str, GraphRunner],
+                 settings: SessionSettings):
+        self.directory = directory
+        self.manifest = manifest
+        self.runners = runners
+        self.settings = settings
+        self._tokenizer: TextTokenizer | None = None
+
+    # ----------------------------------------------------------------------------------- loading
+    @classmethod
+    def load(cls, model_dir: str | Path, provider: str = "cpu", *,
+             settings: SessionSettings | None = None) -> "Model":
+        """Open ``model_dir`` (made by ``tfport export``) on ``provider`` (cpu, cuda, auto).
+
+        ``settings`` overrides the session options (threads, graph optimisation level); its
+        provider wins over ``provider``. Raises ``ValueError`` for a directory that is not an
+        export or a graph that cannot be loaded, ``RuntimeError`` if ``cuda`` is not usable.
+        """
+        if not isinstance(model_dir, (str, Path)):
+            raise TypeError(f"model_dir: expected a path, got {type(model_dir).__name__}")
+        settings = settings if settings is not None else SessionSettings(provider=provider)
+        directory = Path(model_dir)
+        try:
+            manifest = Manifest.read(directory)  # ValueError naming model_dir when not an export
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"model_dir={str(directory)!r}: {MANIFEST_FILE} is incomplete or "
+                             f"malformed ({type(err).__name__}: {err}); re-export it") from None
+        runners = {}
+        for name, spec in manifest.graphs.items():
+            session = open_session(directory / spec.file, spec, settings)
+            runners[name] = GraphRunner(session, spec, settings.device_id)
+            if settings.provider == "auto":  # the other graphs follow the first one's device
+                chosen = "cuda" if runners[name].device == "cuda" else "cpu"
+                settings = dataclasses.replace(settings, provider=chosen)
+        return cls(directory, manifest, runners, settings)
+
+    def __repr__(self) -> str:
+        return (f"Model({str(self.directory)!r}, family={self.config.family!r}, "
+                f"dtype={self.manifest.dtype!r}, device={self.device!r})")
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.manifest.config
+
+    @property
+    def providers(self) -> dict[str, list[str]]:
+        """Graph name -> the execution providers its session really got."""
+        return {name: runner.session.get_providers() for name, runner in self.runners.items()}
+
+    @property
+    def device(self) -> str:
+        """``"cuda"`` or ``"cpu"``: where the sessions run and the KV cache lives."""
+        return next(iter(self.runners.values())).device
+
+    @property
+    def tokenizer(self) -> TextTokenizer | None:
+        """The export's tokenizer (``manifest.tokenizer`` or ``tokenizer.json``), or None."""
+        if self._tokenizer is None:
+            name = self.manifest.tokenizer or TOKENIZER_FILE
+            path = self.directory / name
+            if self.manifest.tokenizer is None and not path.is_file():
+                return None
+            self._tokenizer = TextTokenizer(path)
+        return self._tokenizer
+
+    def _runner(self, graph: str, method: str) -> GraphRunner:
+        if graph not in self.runners:
+            raise ValueError(f"{method}: model family {self.config.family!r} has no {graph} graph "
+                             f"(it has {sorted(self.runners)})")
+        return self.runners[graph]
+
+    def _text_tokenizer(self, argument: str) -> TextTokenizer:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"{argument}: this export has no {TOKENIZER_FILE}; pass token ids "
+                             "or export with a tokenizer")
+        return tokenizer
+
+    # -------------------------------------------------------------------------------- generation
+    def stream(self, input_ids: Prompts, attention_mask: np.ndarray | None = None, *,
+               max_new_tokens: int = 16, stop_token_ids: Sequence[int] | None = None,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | np.random.Generator | None = None) -> Iterator[np.ndarray]:
+        """Tokens int64 [B] per step, as they are produced (see ``generate`` for arguments).
+
+        Arguments are checked now, before the first token is asked for.
+        """
+        runner = self._runner("decoder", "generate")
+        config = self.config
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+                or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
+        params = SamplingParams(temperature, top_k, top_p)
+        rng = None if params.greedy and seed is None else make_rng(seed)
+        stops = self.stop_ids(stop_token_ids)
+        rows = split_prompts(input_ids, attention_mask)
+        check_vocab(rows, config.vocab_size)
+        ids, mask, static = self._first_decoder_inputs(rows, int(max_new_tokens))
+        return generate_steps(runner, ids, mask, int(max_new_tokens), params, rng, stops,
+                              config.pad_token_id, static)
+
+    def _first_decoder_inputs(self, rows: list[np.ndarray], max_new_tokens: int
+                              ) -> tuple[np.ndarray, np.ndarray, dict]:
+        """Checked prompts -> the first decoder call's input_ids and attention_mask [B, S] and
+        the per-request static inputs: left-padded prompts for decoders; for seq2seq the
+        decoder start token [B, 1], with the encoder run once for the cross-attention K/V."""
+        config = self.config
+        longest = max(len(row) for row in rows)
+        limit = config.max_positions
+        if config.family == "encoder-decoder":
+            check_length("input_ids", longest, limit, "the longest prompt")
+            check_length("max_new_tokens", max_new_tokens, limit,
+                         "decoder start token plus generated tokens")
+            encoder_ids, encoder_mask = pad_batch(rows, config.pad_token_id, "right")
+            static = self._cross_attention(encoder_ids, encoder_mask)
+            ids = np.full((len(rows), 1), config.decoder_start_token_id, dtype=np.int64)
+            return ids, np.ones_like(ids), static
+        check_length("input_ids", longest + 1, limit,
+                     f"the longest prompt has {longest} tokens, leaving no room for new ones")
+        check_length("max_new_tokens", longest + max_new_tokens, limit,
+                     f"longest prompt {longest} + max_new_tokens {max_new_tokens}; lower "
+                     f"max_new_tokens to at most {limit - longest}")
+        ids, mask = pad_batch(rows, config.pad_token_id, "left")
+        return ids, mask, {}
+
+    def generate(self, input_ids: Prompts, attention_mask: np.ndarray | None = None, *,
+                 max_new_tokens: int = 16, stop_token_ids: Sequence[int] | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | np.random.Generator | None = None,
+                 callback: StepCallback | None = None, progress: bool = False) -> np.ndarray:
+        """Continue prompts -> generated tokens int64 [B, N], N <= max_new_tokens.
+
+        ``input_ids``: ragged id lists, or int array [B, S] with an optional 0/1
+        ``attention_mask`` [B, S] (padding on either side). For encoder-decoder models the
+        prompts are the encoder input and decoding starts from ``decoder_start_token_id``.
+        ``stop_token_ids`` default to the config's ``eos_token_id`` (``()`` never stops early);
+        generation ends when every row has produced one, and finished rows continue with
+        ``pad_token_id``. ``temperature`` 0 is greedy; otherwise sampling with ``top_k`` /
+        ``top_p`` from ``seed`` (an int or a ``numpy.random.Generator``). ``callback(step,
+        tokens [B])`` runs after each step; ``progress`` shows a tqdm bar on stderr.
+        """
+        steps = self.stream(input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                            stop_token_ids=stop_token_ids, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed)
+        tokens = []
+        with tqdm(total=int(max_new_tokens), desc="generate", unit="tok", file=sys.stderr,
+                  disable=not progress, leave=False) as bar:
+            for step, token in enumerate(steps):
+                tokens.append(token)
+                if callback is not None:
+                    callback(step, token)
+                bar.update(1)
+        return np.stack(tokens, axis=1)
+
+    def generate_text(self, prompts: str | Sequence[str], **kwargs: Any) -> str | list[str]:
+        """Generate from text prompt(s) -> the continuation text(s) (one per prompt).
+
+        Keyword arguments are those of ``generate``; text stops before the first stop token.
+        """
+        tokenizer = self._text_tokenizer("prompts")
+        single = isinstance(prompts, str)
+        tokens = self.generate(tokenizer.encode_batch(prompts), **kwargs)
+        stops = self.stop_ids(kwargs.get("stop_token_ids"))
+        texts = [tokenizer.decode(cut_at_stop(row, stops)) for row in tokens]
+        return texts[0] if single else texts
+
+    def stop_ids(self, stop_token_ids: Sequence[int] | None = None) -> tuple[int, ...]:
+        """The stop ids ``generate`` uses: ``stop_token_ids`` checked, or the config's eos."""
+        if stop_token_ids is None:
+            eos = self.config.eos_token_id
+            return () if eos is None else (eos,)
+        if isinstance(stop_token_ids, (int, str)) or not isinstance(stop_token_ids, Sequence):
+            raise TypeError(f"stop_token_ids={stop_token_ids!r}: expected a sequence of token "
+                            "ids (or None for the config's eos_token_id)")
+        stops = tuple(int(i) for i in stop_token_ids)
+        bad = [i for i in stops if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad} outside [0, {self.config.vocab_size})")
+        return stops
+
+    def _cross_attention(self, ids: np.ndarray, mask: np.ndarray) -> dict:
+        """Run encoder.onnx once -> the decoder's static inputs: ``encoder_attention_mask``
+        [B, Senc] and ``past_key_values.{i}.encoder.key|value`` [B, Hkv, Senc, D] (OrtValues
+        on the session's device)."""
+        runner = self.runners["encoder"]
+        names = [t.name for t in runner.spec.outputs if t.name.startswith("present.")]
+        outputs = runner.run({"input_ids": ids, "attention_mask": mask}, device_outputs=names)
+        static: dict = {"encoder_attention_mask": mask}
+        static.update({"past_key_values." + n[len("present."):]: outputs[n] for n in names})
+        return static
+
+    # ---------------------------------------------------------------------------------- encoding
+    def encode(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
+               token_type_ids: Prompts | None = None) -> EncoderOutput:
+        """Per-token states of the encoder -> EncoderOutput (rows right-padded).
+
+        ``input_ids`` as in ``generate``; ``token_type_ids`` alike (same lengths), only for
+        exports whose config has token types (default all 0).
+        """
+        runner = self._runner("encoder", "encode")
+        config = self.config
+        rows = split_prompts(input_ids, attention_mask)
+        check_vocab(rows, config.vocab_size)
+        check_length("input_ids", max(len(r) for r in rows), config.max_positions,
+                     "the longest prompt")
+        ids, mask = pad_batch(rows, config.pad_token_id, "right")
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in runner.input_names:
+            feeds["token_type_ids"] = self._token_types(token_type_ids, attention_mask, rows)
+        elif token_type_ids is not None:
+            raise ValueError("token_type_ids: this export takes none (config.type_vocab_size=0)")
+        host = [t.name for t in runner.spec.outputs if not t.name.startswith("present.")]
+        out = {name: value.numpy() for name, value in runner.run(feeds, host_outputs=host).items()}
+        return EncoderOutput(out["last_hidden_state"], mask, out.get("pooler_output"),
+                             out.get("logits"))
+
+    def _token_types(self, token_type_ids: Prompts | None, attention_mask: np.ndarray | None,
+                     rows: list[np.ndarray]) -> np.ndarray:
+        if token_type_ids is None:
+            return pad_batch([np.zeros_like(r) for r in rows], 0, "right")[0]
+        types = split_prompts(token_type_ids, attention_mask, "token_type_ids")
+        lengths = [len(r) for r in rows]
+        if [len(t) for t in types] != lengths:
+            raise ValueError(f"token_type_ids: lengths {[len(t) for t in types]} do not match "
+                             f"input_ids {lengths}")
+        check_vocab(types, self.config.type_vocab_size, "token_type_ids")
+        return pad_batch(types, 0, "right")[0]
+
+    def embed(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
+              token_type_ids: Prompts | None = None, *, pooling: str = "mean",
+              normalize: bool = False) -> np.ndarray:
+        """Sentence embeddings float32 [B, E]: ``cls`` (first token's state) or ``mean`` over
+        real tokens of ``last_hidden_state``, optionally L2-normalised."""
+        if pooling not in ("cls", "mean"):
+            raise ValueError(f"pooling={pooling!r}: expected one of ['cls', 'mean']")
+        out = self.encode(input_ids, attention_mask, token_type_ids)
+        return pool(out.last_hidden_state, out.attention_mask, pooling, normalize)
+
+    def embed_text(self, texts: str | Sequence[str], *, pooling: str = "mean",
+                   normalize: bool = False) -> np.ndarray:
+        """Sentence embeddings float32 [B, E] of text(s) (B = 1 for one str)."""
+        ids = self._text_tokenizer("texts").encode_batch(texts)
+        return self.embed(ids, pooling=pooling, normalize=normalize)
+
+
+def cut_at_stop(tokens: Sequence[int], stop_token_ids: Sequence[int]) -> list[int]:
+    """Tokens before the first stop id."""
+    out = []
+    for token in tokens:
+        if int(token) in stop_token_ids:
+            break
+        out.append(int(token))
+    return out
+
+
+def load_model(model_dir: str | Path, provider: str = "cpu", *, intra_op_threads: int = 0,
+               inter_op_threads: int = 0, graph_optimization: str = "all",
+               device_id: int = 0) -> Model:
+    """Open an export directory; see ``Model.load`` and ``SessionSettings``."""
+    settings = SessionSettings(provider=provider, device_id=device_id,
+                               intra_op_threads=intra_op_threads,
+                               inter_op_threads=inter_op_threads,
+                               graph_optimization=graph_optimization)
+    return Model.load(model_dir, settings=settings)

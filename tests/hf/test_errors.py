@@ -1,0 +1,221 @@
+"""What the importer refuses, and how it says so; config translation; the export entry point."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tfport.export.exporter import export_checkpoint_or_preset
+from tfport.models.checkpoint import save_checkpoint
+from tfport.models.hf import hf_config_to_tfport, is_hf_checkpoint, load_hf_model
+
+from .cases import batch
+
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture
+def llama_dir(imported, tmp_path):
+    """A writable copy of the tiny LLaMA checkpoint."""
+    return shutil.copytree(imported("llama").directory, tmp_path / "llama")
+
+
+def edit_config(directory, **changes):
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def edit_tensors(directory, edit):
+    tensors = load_file(str(directory / WEIGHTS))
+    edit(tensors)
+    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+
+
+# ------------------------------------------------------------------------------ refusals
+def test_unknown_model_type(llama_dir):
+    edit_config(llama_dir, model_type="falcon", architectures=["FalconForCausalLM"])
+    with pytest.raises(ValueError, match=r"model_type='falcon'.*expected one of \['bert', 'bloom', 'gpt2', 'llama', 'mistral', 'mpt'\]"):
+        load_hf_model(llama_dir)
+
+
+def test_unknown_architecture_class(llama_dir):
+    edit_config(llama_dir, architectures=["LlamaForSequenceClassification"])
+    with pytest.raises(ValueError, match=r"architectures=\['LlamaForSequenceClassification'\].*LlamaForCausalLM"):
+        load_hf_model(llama_dir)
+
+
+def test_missing_key(llama_dir):
+    edit_tensors(llama_dir, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(ValueError, match=re.escape(
+            "missing key(s): model.layers.1.self_attn.k_proj.weight (for decoder.layers.1.attn.qkv.weight)")):
+        load_hf_model(llama_dir)
+
+
+def test_unexpected_key(llama_dir):
+    edit_tensors(llama_dir, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(8)}))
+    with pytest.raises(ValueError, match=re.escape(
+            "unexpected key(s): model.safetensors: model.layers.0.self_attn.q_norm.weight (8,)")):
+        load_hf_model(llama_dir)
+
+
+def test_extra_layer_is_unexpected(llama_dir):
+    def add_layer(tensors):
+        for key in [k for k in tensors if k.startswith("model.layers.1.")]:
+            tensors[key.replace("layers.1.", "layers.2.")] = tensors[key].clone()
+    edit_tensors(llama_dir, add_layer)
+    with pytest.raises(ValueError, match=r"unexpected key\(s\): .*model\.layers\.2\."):
+        load_hf_model(llama_dir)
+
+
+def test_shape_mismatch(llama_dir):
+    edit_tensors(llama_dir, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(40, 32)}))
+    with pytest.raises(ValueError, match=re.escape(
+            "model.safetensors: model.layers.0.mlp.up_proj.weight has shape (40, 32), expected (48, 32) "
+            "(for decoder.layers.0.ffn.up.weight")):
+        load_hf_model(llama_dir)
+
+
+def test_config_disagreeing_with_weights(llama_dir):
+    edit_config(llama_dir, num_key_value_heads=4)  # the file holds 2 KV heads
+    with pytest.raises(ValueError, match=r"k_proj\.weight has shape \(16, 32\), expected \(32, 32\)"):
+        load_hf_model(llama_dir)
+
+
+def test_pickled_weights_only(llama_dir):
+    (llama_dir / WEIGHTS).unlink()
+    (llama_dir / "pytorch_model.bin").write_bytes(b"never unpickled")
+    with pytest.raises(ValueError, match=r"no model\.safetensors or model\.safetensors\.index\.json; "
+                                         r"it has \['pytorch_model\.bin'\], pickled weights"):
+        load_hf_model(llama_dir)
+
+
+def test_tied_copy_must_match(imported, tmp_path):
+    directory = shutil.copytree(imported("gpt2").directory, tmp_path / "gpt2")
+    edit_tensors(directory, lambda t: t.update({"lm_head.weight": t["transformer.wte.weight"] + 1}))
+    with pytest.raises(ValueError, match=r"lm_head\.weight differs from the tensor it is tied to"):
+        load_hf_model(directory)
+    edit_tensors(directory, lambda t: t.update({"lm_head.weight": t["transformer.wte.weight"].clone()}))
+    load_hf_model(directory)  # an equal saved copy is accepted
+
+
+def test_ignored_keys_are_accepted(imported, tmp_path):
+    """Buffers older checkpoints saved (GPT-2's causal mask) are listed as ignored, not unexpected."""
+    directory = shutil.copytree(imported("gpt2").directory, tmp_path / "gpt2")
+    edit_tensors(directory, lambda t: t.update({"transformer.h.0.attn.bias": torch.ones(1, 1, 4, 4),
+                                                "transformer.h.1.attn.masked_bias": torch.tensor(-1e4)}))
+    load_hf_model(directory)
+
+
+# ------------------------------------------------------------------------- file layouts
+def test_sharded_checkpoint(imported, tmp_path):
+    it = imported("llama")
+    it.hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    model = load_hf_model(tmp_path / "sharded")
+    ids, mask = batch("left", seed=21)
+    torch.testing.assert_close(model(ids, mask)[0], it.model(ids, mask)[0], rtol=0, atol=0)
+
+
+def test_shards_without_index(imported, tmp_path):
+    imported("llama").hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    (tmp_path / "sharded" / "model.safetensors.index.json").unlink()
+    with pytest.raises(ValueError, match=r"safetensors shards \[.*\] but no model\.safetensors\.index\.json"):
+        load_hf_model(tmp_path / "sharded")
+
+
+def test_base_model_without_prefix(imported, tmp_path):
+    """A BertModel-style file (no 'bert.' prefix) maps like the task model's."""
+    it = imported("bert")
+    it.hf.bert.save_pretrained(tmp_path / "base")
+    model = load_hf_model(tmp_path / "base")
+    assert model.config.pooler and not model.config.mlm_head
+    ids, mask = batch("right", seed=22)
+    torch.testing.assert_close(model(ids, mask).last_hidden_state, it.model(ids, mask).last_hidden_state,
+                               rtol=0, atol=0)
+
+
+def test_is_hf_checkpoint(imported, tmp_path):
+    assert is_hf_checkpoint(imported("mpt").directory)
+    assert not is_hf_checkpoint(save_checkpoint(imported("mpt").model, tmp_path / "tfport"))
+    assert not is_hf_checkpoint(tmp_path)
+    assert not is_hf_checkpoint(tmp_path / "absent")
+
+
+def test_export_entry_point_takes_hf_directory(imported, tmp_path):
+    """``tfport export DIR`` imports an HF directory and ships its tokenizer.json."""
+    from tokenizers import Tokenizer, models
+
+    directory = shutil.copytree(imported("bloom").directory, tmp_path / "bloom")
+    Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(str(directory / "tokenizer.json"))
+    manifest = export_checkpoint_or_preset(str(directory), tmp_path / "out", validate=False)
+    assert manifest.config.position == "alibi" and manifest.tokenizer == "tokenizer.json"
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
+
+
+# ------------------------------------------------------------------- config translation
+LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+
+
+def test_llama_config_legacy_rope_fields():
+    """transformers 4 wrote rope_theta and rope_scaling at the top level."""
+    config = hf_config_to_tfport({**LLAMA, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    assert (config.rope_theta, config.rope_scaling, config.rope_scaling_factor) == (5e5, "linear", 4.0)
+    assert (config.n_kv_heads, config.norm, config.gated_ffn, config.tie_embeddings) == (2, "rmsnorm", True, False)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                                  {"rope_type": "yarn", "factor": 4.0}])
+def test_other_rope_types_are_refused(rope):
+    with pytest.raises(ValueError, match=rf"rope_type='{rope['rope_type']}' is not supported"):
+        hf_config_to_tfport({**LLAMA, "rope_parameters": rope})
+
+
+def test_mistral_sliding_window_caps_max_positions():
+    config = hf_config_to_tfport({**LLAMA, "model_type": "mistral", "max_position_embeddings": 32768,
+                                  "sliding_window": 4096})
+    assert config.max_positions == 4096
+
+
+def test_token_ids_fit_tfport():
+    config = hf_config_to_tfport({**LLAMA, "eos_token_id": [2, 7], "bos_token_id": 500, "pad_token_id": None})
+    assert (config.eos_token_id, config.bos_token_id, config.pad_token_id) == (2, None, 2)
+
+
+@pytest.mark.parametrize("hf,message", [
+    (dict(model_type="mpt", d_model=48, n_heads=6, n_layers=1, vocab_size=10), r"n_heads=6 .*power of two"),
+    (dict(model_type="mpt", d_model=32, n_heads=4, n_layers=1, vocab_size=10, attn_config={"clip_qkv": 6.0}),
+     r"attn_config\.clip_qkv=6\.0"),
+    (dict(model_type="mpt", d_model=32, n_heads=4, n_layers=1, vocab_size=10, no_bias=False), r"no_bias=False"),
+    (dict(model_type="bloom", hidden_size=32, n_head=4, n_layer=1, vocab_size=10,
+          apply_residual_connection_post_layernorm=True), r"apply_residual_connection_post_layernorm"),
+    (dict(model_type="gpt2", n_embd=32, n_head=4, n_layer=1, vocab_size=10,
+          scale_attn_by_inverse_layer_idx=True), r"scale_attn_by_inverse_layer_idx"),
+    (dict(model_type="gpt2", n_embd=32, n_head=4, n_layer=1, vocab_size=10,
+          activation_function="quick_gelu"), r"activation='quick_gelu'"),
+    (dict(model_type="bert", hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+          intermediate_size=64, vocab_size=10, position_embedding_type="relative_key"),
+     r"position_embedding_type='relative_key'"),
+])
+def test_inexpressible_options_are_refused(hf, message):
+    with pytest.raises(ValueError, match=message):
+        hf_config_to_tfport(hf)
+
+
+def test_bert_heads_follow_architecture_or_keys():
+    bert = dict(model_type="bert", hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                intermediate_size=64, vocab_size=10)
+    masked = hf_config_to_tfport({**bert, "architectures": ["BertForMaskedLM"]})
+    assert (masked.pooler, masked.mlm_head) == (False, True)
+    no_pooler = hf_config_to_tfport({**bert, "architectures": ["BertModel"]},
+                                    keys=["embeddings.word_embeddings.weight"])
+    assert (no_pooler.pooler, no_pooler.mlm_head) == (False, False)

