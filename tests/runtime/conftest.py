@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime_cases import ExportStore
+from .runtime_cases import ExportStore
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime_cases import DECODER_CASES
+from .runtime_cases import DECODER_CASES
 
 PROMPTS = [[1, 5, 7, 9, 11], [1, 20, 3, 44], [1, 60]]
 SAMPLING = dict(temperature=0.9, top_k=40, top_p=0.95)

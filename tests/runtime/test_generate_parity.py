@@ -15,7 +15,7 @@ from tfport.runtime.binding import GraphRunner, empty_cache
 from tfport.runtime.generation import decoder_forward
 from tfport.runtime.inputs import pad_batch
 
-from runtime_cases import DECODER_CASES
+from .runtime_cases import DECODER_CASES
 
 STEPS = 32
 PROMPTS = [[1, 5, 7, 9, 11], [1, 20, 3, 44], [1, 60]]
