@@ -18,13 +18,13 @@ _COMMANDS = {
     "generate": "tfport.runtime.cli",
     "embed": "tfport.runtime.cli",
     "parity": "tfport.export.parity_cli",
-    "bench": "tfport.runtime.bench",
+    "bench": "tfport.export.bench",
 }
 _EXTRA_HINT = {
     "tfport.export.cli": "pip install 'tfport[export]'",
     "tfport.export.parity_cli": "pip install 'tfport[export]'",
     "tfport.runtime.cli": "pip install 'tfport[gpu]' (or 'tfport[cpu]')",
-    "tfport.runtime.bench": "pip install 'tfport[gpu,export]'",
+    "tfport.export.bench": "pip install 'tfport[gpu,export]'",
 }
 
 
