@@ -27,6 +27,9 @@ class TextTokenizer:
             self._tokenizer = Tokenizer.from_file(str(self.path))
         except Exception as err:  # tokenizers raises its own Exception type
             raise ValueError(f"tokenizer: could not read {str(self.path)!r}: {err}") from None
+        # The runtime pads batches itself (left for decoders, right for encoders) and masks the
+        # padding; padding configured in tokenizer.json (e.g. fixed to 128) would be averaged in.
+        self._tokenizer.no_padding()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``."""

@@ -5,12 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="the HF import tests compare against transformers "
-                    "(the 'dev' extra installs it)")
+from tfport.models.hf import load_hf_model
 
-from tfport.models.hf import load_hf_model  # noqa: E402
-
-from .cases import CASES, build_hf, save_hf  # noqa: E402
+from .cases import CASES, build_hf, save_hf
 
 
 @pytest.fixture(autouse=True)

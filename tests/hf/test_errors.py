@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -15,6 +16,9 @@ from tfport.models.checkpoint import save_checkpoint
 from tfport.models.hf import hf_config_to_tfport, is_hf_checkpoint, load_hf_model
 
 from .cases import batch
+
+transformers = pytest.importorskip("transformers", reason="compared against transformers, which the "
+                                   "'dev' extra installs")
 
 WEIGHTS = "model.safetensors"
 
@@ -41,7 +45,8 @@ def edit_tensors(directory, edit):
 # ------------------------------------------------------------------------------ refusals
 def test_unknown_model_type(llama_dir):
     edit_config(llama_dir, model_type="falcon", architectures=["FalconForCausalLM"])
-    with pytest.raises(ValueError, match=r"model_type='falcon'.*expected one of \['bert', 'bloom', 'gpt2', 'llama', 'mistral', 'mpt'\]"):
+    expected = r"\['bert', 'bloom', 'gpt2', 'llama', 'mistral', 'mpt'\]"
+    with pytest.raises(ValueError, match=rf"model_type='falcon'.*expected one of {expected}"):
         load_hf_model(llama_dir)
 
 
@@ -113,6 +118,22 @@ def test_ignored_keys_are_accepted(imported, tmp_path):
     load_hf_model(directory)
 
 
+def test_legacy_bert_keys_are_accepted(imported, tmp_path):
+    """transformers 4 saved the MLM decoder (a tied copy), its bias and the position_ids buffer."""
+    it = imported("bert")
+    directory = shutil.copytree(it.directory, tmp_path / "bert")
+    edit_tensors(directory, lambda t: t.update({
+        "cls.predictions.decoder.weight": t["bert.embeddings.word_embeddings.weight"].clone(),
+        "cls.predictions.decoder.bias": t["cls.predictions.bias"].clone(),
+        "bert.embeddings.position_ids": torch.arange(64)[None]}))
+    ids, mask = batch("right", seed=23)
+    torch.testing.assert_close(load_hf_model(directory)(ids, mask).logits, it.model(ids, mask).logits,
+                               rtol=0, atol=0)
+    edit_tensors(directory, lambda t: t.update({"cls.predictions.decoder.bias": t["cls.predictions.bias"] + 1}))
+    with pytest.raises(ValueError, match=r"cls\.predictions\.decoder\.bias differs from .*cls\.predictions\.bias"):
+        load_hf_model(directory)
+
+
 # ------------------------------------------------------------------------- file layouts
 def test_sharded_checkpoint(imported, tmp_path):
     it = imported("llama")
@@ -121,6 +142,16 @@ def test_sharded_checkpoint(imported, tmp_path):
     model = load_hf_model(tmp_path / "sharded")
     ids, mask = batch("left", seed=21)
     torch.testing.assert_close(model(ids, mask)[0], it.model(ids, mask)[0], rtol=0, atol=0)
+
+
+def test_half_precision_checkpoint_loads_as_float32(imported, tmp_path):
+    copy.deepcopy(imported("mistral").hf).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    model = load_hf_model(tmp_path / "bf16")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    stored = load_file(str(tmp_path / "bf16" / WEIGHTS))["model.layers.0.self_attn.q_proj.weight"]
+    assert stored.dtype == torch.bfloat16
+    torch.testing.assert_close(model.decoder.layers[0].attn.qkv.weight[:stored.shape[0]], stored.float(),
+                               rtol=0, atol=0)
 
 
 def test_shards_without_index(imported, tmp_path):

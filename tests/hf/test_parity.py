@@ -19,6 +19,9 @@ from tfport.models.positions import positions_from_mask
 
 from .cases import CASES, assert_close, batch, hf_decoder_step, hf_encoder, hf_layer_kv
 
+transformers = pytest.importorskip("transformers", reason="compared against transformers, which the "
+                                   "'dev' extra installs")
+
 DECODERS = [name for name, case in CASES.items() if case.decoder]
 # One ONNX comparison per architecture (the tied/biased LLaMA variant adds nothing to the graph).
 ONNX_CASES = [name for name in CASES if name != "llama-mqa-bias-tied"]
@@ -99,7 +102,7 @@ def test_onnx_export_matches_transformers(imported, tmp_path, name):
     ids, mask = batch(padding, seed=14)
     real = mask.bool().numpy()
     if it.case.decoder:
-        (logits, *_), names = session.run(None, onnx_feeds(manifest, graph, ids, mask, {})), None
+        logits = session.run(["logits"], onnx_feeds(manifest, graph, ids, mask, {}))[0]  # [B, S, V]
         expected, _ = hf_decoder_step(it.hf, it.case, ids, mask)
         assert_close(logits, expected, real, f"{name} onnx logits")
     else:
