@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from tfport.contract import DTYPES
+from tfport.contract import DTYPES, TARGETS
 
 from .exporter import MAX_OPSET, MIN_OPSET, export_checkpoint_or_preset
 
@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 def run_export(args: argparse.Namespace) -> int:
     manifest = export_checkpoint_or_preset(
-        args.source, args.out, seed=args.seed, dtype=args.dtype, opset=args.opset,
+        args.source, args.out, seed=args.seed, dtype=args.dtype, opset=args.opset, target=args.target,
         validate=not args.no_validate, tokenizer=args.tokenizer, overwrite=args.force,
         show_progress=None if not args.progress else True)
     graphs = ", ".join(g.file for g in manifest.graphs.values())
@@ -31,6 +31,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--opset", type=int, default=18, help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET}")
+    p.add_argument("--target", choices=TARGETS, default="portable",
+                   help="portable: any ONNX runtime; ort: fused ONNX Runtime attention with an "
+                        "in-place KV cache (decoder-only RoPE models)")
     p.add_argument("--tokenizer", help="tokenizer.json to ship with the export")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-validate", action="store_true",

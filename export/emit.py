@@ -18,6 +18,7 @@ from torch import nn
 from tfport.config import ModelConfig
 from tfport.models.attention import Attention
 from tfport.models.layers import Block, FeedForward, RMSNorm
+from tfport.models.positions import rope_cos_sin
 from tfport.models.stack import Embeddings, Stack
 
 from .graph import GraphBuilder
@@ -87,10 +88,11 @@ def heads(g: GraphBuilder, x: str, n: int, head_dim: int, name: str) -> str:
 class StackInputs:
     """Graph values a stack reads: bias/rope are shared by all layers of the stack."""
 
-    bias: str  # float32 [B, 1|H, S, T]
+    bias: str | None  # float32 [B, 1|H, S, T]
     position_ids: str | None = None  # int64 [B, S] (RoPE)
     inv_freq: str | None = None  # float32 [D/2]
     memory_bias: str | None = None  # float32 [B, 1, S, Senc] (cross-attention)
+    fused: dict[str, str] | None = None  # target "ort": seqlens_k, total_sequence_length, cos, sin
 
 
 def self_attention(g: GraphBuilder, x: str, module: Attention, ctx: StackInputs,
@@ -100,6 +102,16 @@ def self_attention(g: GraphBuilder, x: str, module: Attention, ctx: StackInputs,
     qkv = linear(g, x, module.qkv, f"{name}.qkv")  # [B, S, (H + 2 Hkv) D]
     q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d], name="qkv_split"), axis=-1,
                    outputs=3, name=f"{name}.split")
+    if ctx.fused is not None:  # [B, S, N*D] straight into ONNX Runtime's kernel
+        f = ctx.fused
+        out, pk, pv = g.fn("FusedGroupQueryAttention", q, k, v, past[0], past[1], f["seqlens_k"],
+                           f["total_sequence_length"], f["cos"], f["sin"], num_heads=h,
+                           kv_num_heads=hkv, scale=module.scale, outputs=3, name=f"{name}.gqa")
+        g.declare(out, g.dtype, ["batch", "sequence", h * d])  # com.microsoft: no ONNX schema
+        for value in (pk, pv):
+            g.declare(value, g.dtype, ["batch", hkv, "max_sequence", d])
+        g.tap(f"{name}.context", out)
+        return g.tap(name, linear(g, out, module.out, f"{name}.out")), (pk, pv)
     q, k, v = heads(g, q, h, d, f"{name}.q"), heads(g, k, hkv, d, f"{name}.k"), heads(g, v, hkv, d, f"{name}.v")
     if ctx.inv_freq is not None:
         q = g.tap(f"{name}.rotary_q", g.fn("RotaryEmbedding", q, ctx.position_ids, ctx.inv_freq, name=f"{name}.rotary_q"))
@@ -194,12 +206,20 @@ def relative_bias(g: GraphBuilder, module: Stack, attention_mask: str, length: s
 def stack(g: GraphBuilder, module: Stack, config: ModelConfig, *, input_ids: str, attention_mask: str,
           position_ids: str | None, token_table: str, causal: bool, token_type_ids: str | None = None,
           pasts: list[tuple[str, str]] | None = None, memories: list[tuple[str, str]] | None = None,
-          encoder_attention_mask: str | None = None, progress=None, name: str = "stack"
-          ) -> tuple[str, list[tuple[str, str] | None]]:
+          encoder_attention_mask: str | None = None, fused: dict[str, str] | None = None,
+          progress=None, name: str = "stack") -> tuple[str, list[tuple[str, str] | None]]:
     """Embeddings, masks/positions shared by all layers, the blocks and the final norm.
 
+    ``fused`` (target "ort") holds the seqlens_k / total_sequence_length inputs: masking and
+    RoPE then happen inside ONNX Runtime's GroupQueryAttention, from cos/sin tables built here.
     Returns (states [B, S, E] in the model dtype, per-layer present (k, v) or None).
     """
+    if fused is not None:
+        cos, sin = rope_tables(module.inv_freq, module.config.max_positions)
+        ctx = StackInputs(bias=None, fused=dict(fused, cos=g.weight(f"{name}.rope_cos", cos),
+                                                 sin=g.weight(f"{name}.rope_sin", sin)))
+        return _layers(g, module, config, ctx, input_ids, position_ids, token_type_ids, token_table,
+                       pasts, memories, progress, name)
     length = g.op("Shape", input_ids, start=1, end=2, name=f"{name}.query_length")  # [1] = S
     bias = g.fn("AttentionBias", attention_mask, length, causal=int(causal), name=f"{name}.mask")
     if config.position == "alibi":
@@ -216,6 +236,19 @@ def stack(g: GraphBuilder, module: Stack, config: ModelConfig, *, input_ids: str
     if memories is not None:
         ctx.memory_bias = g.fn("AttentionBias", encoder_attention_mask, length, causal=0, name=f"{name}.cross_mask")
     g.tap(f"{name}.bias", bias, "float32")
+    return _layers(g, module, config, ctx, input_ids, position_ids, token_type_ids, token_table,
+                   pasts, memories, progress, name)
+
+
+def rope_tables(inv_freq, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [n_positions, D/2] exactly as the reference computes them per position."""
+    cos, sin = rope_cos_sin(torch.arange(n_positions)[None], inv_freq)  # [1, 1, N, D/2]
+    return _np(cos[0, 0]), _np(sin[0, 0])
+
+
+def _layers(g: GraphBuilder, module: Stack, config: ModelConfig, ctx: StackInputs, input_ids: str,
+            position_ids: str | None, token_type_ids: str | None, token_table: str, pasts, memories,
+            progress, name: str) -> tuple[str, list[tuple[str, str] | None]]:
     x = g.tap(f"{name}.embed", embeddings(g, module.embed, input_ids, position_ids, token_type_ids,
                                           token_table, f"{name}.embed"))
     presents = []

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from tfport.config import ModelConfig
 from tfport.contract import (CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphSpec, Manifest,
-                             cache_names, graph_specs)
+                             cache_names, check_target, graph_specs)
 
 from . import emit
 from .graph import GraphBuilder
@@ -111,11 +111,14 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=
     if seq2seq:
         memories = [tuple(inputs[name] for name in cache_names(i, "past_key_values", "encoder")) for i in range(n)]
     table = _token_table(g, model.decoder.embed.tokens)
+    fused = None
+    if "seqlens_k" in inputs:  # target "ort"
+        fused = {"seqlens_k": inputs["seqlens_k"], "total_sequence_length": inputs["total_sequence_length"]}
     states, presents = emit.stack(
-        g, model.decoder, config, input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+        g, model.decoder, config, input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
         position_ids=inputs.get("position_ids"), token_table=table, causal=True, pasts=pasts,
         memories=memories, encoder_attention_mask=inputs.get("encoder_attention_mask"),
-        progress=progress, name="decoder")
+        fused=fused, progress=progress, name="decoder")
     values = {"logits": _lm_head(g, states, model, table)}
     values.update(_presents(presents, n, kind))
     _outputs(g, spec, values)
@@ -125,7 +128,8 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=
 BUILDERS = {"encoder": build_encoder_graph, "decoder": build_decoder_graph}
 
 
-def _check_options(config: ModelConfig, dtype: str, opset: int) -> None:
+def _check_options(config: ModelConfig, dtype: str, opset: int, target: str) -> None:
+    check_target(config, target)
     if dtype not in ("float32", "float16"):
         raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'float16'")
     if not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
@@ -147,26 +151,29 @@ def _save_graph(model: onnx.ModelProto, path: Path, threshold: int) -> bool:
 
 
 def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "float32",
-                 opset: int = 18, validate: bool = True, tokenizer: str | os.PathLike | None = None,
+                 opset: int = 18, target: str = "portable", validate: bool = True,
+                 tokenizer: str | os.PathLike | None = None,
                  overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  show_progress: bool | None = None) -> Manifest:
     """Export ``model`` (a tfport reference module with ``.config``) to ``out_dir``.
 
     Writes ``manifest.json``, ``config.json``, one ``.onnx`` per graph of the family (and
-    ``tokenizer.json`` if given). With ``validate``, runs ONNX Runtime against the module on fresh
+    ``tokenizer.json`` if given). ``target`` is "portable" (any ONNX runtime) or "ort" (the
+    decoder's RoPE attention lowered to ONNX Runtime's fused GroupQueryAttention with an in-place
+    KV buffer; decoder-only RoPE models). With ``validate``, runs ONNX Runtime against the module on fresh
     random inputs (prefill and a decode step with past) and raises if they differ beyond the
     dtype's tolerance. ``out_dir`` must not exist unless ``overwrite``.
     """
     config: ModelConfig = model.config
-    _check_options(config, dtype, opset)
+    _check_options(config, dtype, opset, target)
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite and any(out_dir.iterdir()):
         raise ValueError(f"out_dir={str(out_dir)!r} exists and is not empty; pass overwrite=True "
                          "(CLI: --force) to replace it")
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ValueError(f"tokenizer={str(tokenizer)!r}: no such file (expected a tokenizer.json)")
-    specs = graph_specs(config, dtype)
-    manifest = Manifest(config=config, dtype=dtype, opset=opset,
+    specs = graph_specs(config, dtype, target)
+    manifest = Manifest(config=config, dtype=dtype, opset=opset, target=target,
                         tokenizer=TOKENIZER_FILE if tokenizer is not None else None, graphs=specs)
     model = model.eval()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -204,8 +211,10 @@ def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, seed: i
     from tfport.presets import PRESETS
 
     path = Path(source)
-    if path.is_dir():
-        model = load_checkpoint(path)
+    if path.is_dir():  # a tfport checkpoint, or a Hugging Face one (config.json with model_type)
+        from tfport.models.hf import is_hf_checkpoint, load_hf_model
+
+        model = load_hf_model(path) if is_hf_checkpoint(path) else load_checkpoint(path)
         if options.get("tokenizer") is None and (path / TOKENIZER_FILE).is_file():
             options["tokenizer"] = path / TOKENIZER_FILE
     elif source in PRESETS:

@@ -26,6 +26,7 @@ from onnxscript import opset18 as op
 DOMAIN = "ai.tfport"
 DOMAIN_VERSION = 1
 tfport = values.Opset(DOMAIN, DOMAIN_VERSION)
+msft = values.Opset("com.microsoft", 1)  # ONNX Runtime's contrib operators (target "ort")
 
 MASK_VALUE = float(np.finfo(np.float32).min)
 
@@ -165,6 +166,27 @@ def GroupQueryAttention(query, key, value, past_key, past_value, bias, scale: fl
 
 
 @script(tfport, default_opset=op)
+def FusedGroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
+                             cos_cache, sin_cache, num_heads: int, kv_num_heads: int, scale: float):
+    """RotaryEmbedding + GroupQueryAttention lowered to ONNX Runtime's fused kernel (target "ort").
+
+    PyTorch: as ``GroupQueryAttention`` with RoPE applied to query and key first. query
+    [B, S, H*D]; key, value [B, S, Hkv*D] (not rotated); past_key, past_value [B, Hkv, M, D]: a
+    preallocated buffer of M >= P + S slots that the runtime binds as both past and present, so
+    the new keys/values are written in place (no copy that grows with the context). seqlens_k
+    int32 [B] = index of each row's last real token (rows are right-padded); total_sequence_length
+    int32 scalar = the longest row's P + S; cos_cache, sin_cache float [max_positions, D/2] =
+    cos/sin(position * inv_freq), positions counted from 0 at each row's first token.
+    -> output [B, S, H*D], present_key, present_value [B, Hkv, M, D].
+    """
+    output, present_key, present_value = msft.GroupQueryAttention(
+        query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache,
+        sin_cache, num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, do_rotary=1,
+        rotary_interleaved=0)
+    return output, present_key, present_value
+
+
+@script(tfport, default_opset=op)
 def RMSNorm(x, weight, epsilon: float):
     """x / sqrt(mean(x^2, last axis) + epsilon) * weight, in float32. x [..., E]; weight [E]."""
     xf = op.Cast(x, to=FLOAT.dtype)
@@ -174,7 +196,7 @@ def RMSNorm(x, weight, epsilon: float):
 
 
 FUNCTIONS = (AttentionBias, AlibiBias, RelativePositionBias, RotaryEmbedding, ScaledDotProductAttention,
-             GroupQueryAttention, RMSNorm)
+             GroupQueryAttention, FusedGroupQueryAttention, RMSNorm)
 
 
 def function_protos(opset: int) -> list[onnx.FunctionProto]:

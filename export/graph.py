@@ -21,8 +21,9 @@ from tfport.contract import TensorSpec
 from .functions import DOMAIN, DOMAIN_VERSION, function_protos
 
 TAPS_KEY = "tfport.taps"  # metadata: reference point -> (graph value, dtype), for localisation
-ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64}
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
+ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64,
+               "int32": TensorProto.INT32}
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
 
 
 def ir_version_for(opset: int) -> int:
@@ -39,6 +40,7 @@ class GraphBuilder:
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
+        self.value_info: list[onnx.ValueInfoProto] = []
         self._used: Counter[str] = Counter()
         # Intermediate values worth comparing when a graph diverges from PyTorch, keyed by the
         # reference module path they correspond to ("decoder.layers.0.ffn"), in graph order.
@@ -77,13 +79,18 @@ class GraphBuilder:
         """Call a function of the ``ai.tfport`` library."""
         return self.op(function, *inputs, outputs=outputs, domain=DOMAIN, name=name, **attrs)
 
+    def declare(self, value: str, dtype: str, shape: list) -> str:
+        """State ``value``'s type where ONNX shape inference cannot (outputs of contrib ops)."""
+        self.value_info.append(helper.make_tensor_value_info(value, ONNX_DTYPES[dtype], shape))
+        return value
+
     def add_input(self, spec: TensorSpec) -> str:
         self.inputs.append(helper.make_tensor_value_info(spec.name, ONNX_DTYPES[spec.dtype], list(spec.shape)))
         return spec.name
 
     def add_output(self, value: str, spec: TensorSpec) -> None:
         """Expose ``value`` as the graph output ``spec`` (cast to its dtype if needed)."""
-        source_dtype = self.dtype if spec.dtype != "int64" else "int64"
+        source_dtype = self.dtype if spec.dtype in ("float32", "float16") else spec.dtype
         if spec.dtype != source_dtype:
             self.op("Cast", value, outputs=[spec.name], to=ONNX_DTYPES[spec.dtype], name=f"cast_{spec.name}")
         else:
@@ -91,11 +98,15 @@ class GraphBuilder:
         self.outputs.append(helper.make_tensor_value_info(spec.name, ONNX_DTYPES[spec.dtype], list(spec.shape)))
 
     def build(self, opset: int) -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers,
+                                  value_info=self.value_info)
+        functions = self._used_functions(function_protos(opset))
+        imports = {"": opset, DOMAIN: DOMAIN_VERSION}
+        for function in functions:  # e.g. com.microsoft for the ort target's fused operators
+            imports.update({o.domain: o.version for o in function.opset_import if o.domain not in imports})
         model = helper.make_model(
             graph, producer_name="tfport", ir_version=ir_version_for(opset),
-            opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, DOMAIN_VERSION)],
-            functions=self._used_functions(function_protos(opset)))
+            opset_imports=[helper.make_opsetid(d, v) for d, v in imports.items()], functions=functions)
         helper.set_model_props(model, {TAPS_KEY: json.dumps(self.taps)})
         return model
 

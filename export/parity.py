@@ -9,6 +9,7 @@ Tolerances are per (dtype, provider); see ``TOLERANCES``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -205,6 +206,10 @@ class Prepared:
     reference: Callable[[], dict[str, torch.Tensor]]
     query_mask: np.ndarray  # [B, S] bool: real query positions
     key_mask: np.ndarray  # [B, T] bool: real key positions (for present K/V)
+    # Target "ort": buffers bound as both past and present (updated in place), and a function
+    # mapping each ONNX output back to the portable layout the reference uses.
+    inplace: dict[str, np.ndarray] | None = None
+    to_reference_layout: Callable[[str, np.ndarray], np.ndarray] | None = None
 
 
 @contextmanager
@@ -251,6 +256,7 @@ class Runner:
         self.tolerance = TOLERANCES[(self.dtype, provider)]
         self.sessions = {name: make_session(self.export_dir / g.file, provider)
                          for name, g in self.manifest.graphs.items()}
+        self._device = "cuda" if provider == "cuda" else "cpu"
         self.torch_dtype = torch.float16 if self.dtype == "float16" else torch.float32
         if self.torch_dtype != torch.float32:
             self.model = self.model.to(self.torch_dtype)
@@ -269,6 +275,8 @@ class Runner:
         if self.config.family == "encoder":
             return [self._prepare_encoder(case, rng)]
         if self.config.family == "decoder":
+            if self.manifest.target == "ort":
+                return [self._prepare_fused_decoder(case, rng)]
             return [self._prepare_decoder(case, rng)]
         encoder = self._prepare_encoder(case, rng)
         return [encoder, self._prepare_decoder(case, rng, encoder)]
@@ -343,11 +351,73 @@ class Runner:
 
         return Prepared("decoder", feeds, reference, mask[:, case.past:].astype(bool), mask.astype(bool))
 
+    def _prepare_fused_decoder(self, case: Case, rng: np.random.Generator) -> Prepared:
+        """Target "ort": the portable case, re-laid out as ONNX Runtime's GroupQueryAttention wants
+        it. Each row's real tokens move to the front (right padding), its past to the front of a
+        buffer of P + S + 3 slots whose spare slots hold large random values (they must be ignored),
+        ``seqlens_k`` = each row's real P + S - 1. The kernel accepts several new tokens on top of a
+        past only for batch 1, so such cases run with batch 1."""
+        if case.past and case.new > 1:
+            case = dataclasses.replace(case, batch=1)
+        portable = self._prepare_decoder(case, rng)
+        c, mask = self.config, portable.feeds["attention_mask"]  # [B, P+S], left- or right-padded
+        batch, total = mask.shape
+        slots = total + 3
+        real = mask.astype(bool)
+        new_real = real[:, case.past:]
+        ids = np.zeros_like(portable.feeds["input_ids"])
+        for b in range(batch):
+            ids[b, :new_real[b].sum()] = portable.feeds["input_ids"][b][new_real[b]]
+        feeds = {"input_ids": ids, "seqlens_k": (real.sum(1) - 1).astype(np.int32),
+                 "total_sequence_length": np.array(real.sum(1).max(), dtype=np.int32)}
+        buffers = {}
+        for name, past in portable.feeds.items():
+            if not name.startswith("past_key_values."):
+                continue
+            buffer = (rng.standard_normal((batch, c.kv_heads, slots, c.dim_per_head)) * 100).astype(self.dtype)
+            for b in range(batch):
+                n_past = real[b, :case.past].sum()
+                buffer[b][:, :n_past] = past[b][:, real[b, :case.past]]
+            buffers[name] = buffer
+
+        def to_reference_layout(name: str, value: np.ndarray) -> np.ndarray:
+            if name == "logits":  # [B, S, V]: row b's queries are at its real new slots
+                out = np.zeros((batch, case.new) + value.shape[2:], dtype=value.dtype)
+                for b in range(batch):
+                    out[b, new_real[b]] = value[b, :new_real[b].sum()]
+                return out
+            if name.startswith("present."):  # [B, Hkv, M, D] -> [B, Hkv, P+S, D]
+                out = np.zeros(value.shape[:2] + (total,) + value.shape[3:], dtype=value.dtype)
+                for b in range(batch):
+                    out[b][:, real[b]] = value[b][:, :real[b].sum()]
+                return out
+            return value  # taps are [B, S, ...] in the ONNX layout: compare rows of equal layout
+
+        return dataclasses.replace(portable, feeds=feeds, inplace=buffers,
+                                   to_reference_layout=to_reference_layout)
+
     # ----------------------------------------------------------------------------- running
     def run_onnx(self, prepared: Prepared, session: ort.InferenceSession | None = None) -> dict[str, np.ndarray]:
         session = session or self.sessions[prepared.graph]
         names = [o.name for o in session.get_outputs()]
-        return dict(zip(names, session.run(None, prepared.feeds)))
+        if prepared.inplace is None:
+            return dict(zip(names, session.run(None, prepared.feeds)))
+        binding = session.io_binding()  # one OrtValue per buffer, bound as past AND present
+        for name, value in prepared.feeds.items():
+            binding.bind_cpu_input(name, value)
+        shared = {}
+        for name, buffer in prepared.inplace.items():
+            shared[name] = ort.OrtValue.ortvalue_from_numpy(buffer.copy(), self._device, 0)
+            binding.bind_ortvalue_input(name, shared[name])
+        for name in names:
+            past = "past_key_values." + name[len("present."):]
+            if past in shared:
+                binding.bind_ortvalue_output(name, shared[past])
+            else:
+                binding.bind_output(name, "cpu")
+        session.run_with_iobinding(binding)
+        outputs = dict(zip(names, (v.numpy() for v in binding.get_outputs())))
+        return {name: prepared.to_reference_layout(name, value) for name, value in outputs.items()}
 
     def _real(self, name: str, expected: np.ndarray, prepared: Prepared) -> np.ndarray:
         """Where ``expected`` holds real values: real queries, real keys, unmasked bias entries."""

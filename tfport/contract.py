@@ -21,6 +21,13 @@ Graphs per family (dims are named as in the ONNX files):
   ``past_key_values.{i}.encoder.key|value`` [batch, Hkv, encoder_sequence, D].
 
 User-facing outputs are float32 whatever the export dtype; KV caches are in the export dtype.
+
+Target ``ort`` (decoder-only RoPE models) changes the decoder graph: prompts are right-padded and
+described by ``seqlens_k`` int32 [batch] (index of each row's last real token, past included) and
+``total_sequence_length`` int32 scalar (the longest row's total length) instead of
+``attention_mask``; positions come from ``seqlens_k``; ``past_key_values.{i}.key|value`` and
+``present.{i}.key|value`` are the same preallocated buffer [batch, Hkv, max_sequence, D], which
+the runtime binds to both and ONNX Runtime updates in place.
 """
 
 from __future__ import annotations
@@ -38,7 +45,10 @@ MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 DTYPES = ("float32", "float16")
-TARGETS = ("portable",)
+# "portable": standard ONNX ops plus ai.tfport functions; runs on any ONNX runtime.
+# "ort": the decoder's RoPE + attention lowered to ONNX Runtime's com.microsoft.GroupQueryAttention,
+#        with a preallocated KV buffer shared by past and present (updated in place).
+TARGETS = ("portable", "ort")
 
 
 @dataclass(frozen=True)
@@ -87,10 +97,27 @@ def _cache_specs(config: ModelConfig, n_layers: int, prefix: str, kind: str | No
     return specs
 
 
-def graph_specs(config: ModelConfig, dtype: str = "float32") -> dict[str, GraphSpec]:
+def check_target(config: ModelConfig, target: str) -> None:
+    """Refuse a target the config cannot use, naming the option and the reason."""
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r}: expected one of {list(TARGETS)}")
+    if target == "ort":
+        if config.family != "decoder":
+            raise ValueError(f"target='ort' lowers a decoder-only model's cached self-attention; "
+                             f"family={config.family!r} models use target='portable'")
+        if config.position != "rope":
+            raise ValueError(f"target='ort' fuses RoPE into com.microsoft.GroupQueryAttention; "
+                             f"position={config.position!r} models use target='portable'")
+        if config.dim_per_head % 16:
+            raise ValueError(f"target='ort': ONNX Runtime's GroupQueryAttention with rotary needs a "
+                             f"head dimension that is a multiple of 16, got {config.dim_per_head}")
+
+
+def graph_specs(config: ModelConfig, dtype: str = "float32", target: str = "portable") -> dict[str, GraphSpec]:
     """The graphs an export of ``config`` contains, keyed ``"encoder"`` / ``"decoder"``."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {list(DTYPES)}")
+    check_target(config, target)
     ids = lambda name, length: TensorSpec(name, "int64", ("batch", length))  # noqa: E731
     graphs: dict[str, GraphSpec] = {}
     if config.has_encoder:
@@ -110,6 +137,15 @@ def graph_specs(config: ModelConfig, dtype: str = "float32") -> dict[str, GraphS
         seq2seq = config.family == "encoder-decoder"
         kind = "decoder" if seq2seq else None
         n = config.n_decoder_layers
+        if target == "ort":
+            n = config.n_decoder_layers
+            inputs = [ids("input_ids", "sequence"), TensorSpec("seqlens_k", "int32", ("batch",)),
+                      TensorSpec("total_sequence_length", "int32", ())]
+            inputs += _cache_specs(config, n, "past_key_values", None, "max_sequence", dtype)
+            outputs = [TensorSpec("logits", "float32", ("batch", "sequence", config.vocab_size))]
+            outputs += _cache_specs(config, n, "present", None, "max_sequence", dtype)
+            graphs["decoder"] = GraphSpec("decoder", "decoder.onnx", tuple(inputs), tuple(outputs))
+            return graphs
         inputs = [ids("input_ids", "sequence"), ids("attention_mask", "total_sequence")]
         if seq2seq:
             inputs.append(ids("encoder_attention_mask", "encoder_sequence"))
@@ -137,7 +173,7 @@ class Manifest:
 
     def __post_init__(self) -> None:
         if not self.graphs:
-            object.__setattr__(self, "graphs", graph_specs(self.config, self.dtype))
+            object.__setattr__(self, "graphs", graph_specs(self.config, self.dtype, self.target))
 
     def to_dict(self) -> dict[str, Any]:
         return {
