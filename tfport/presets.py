@@ -44,9 +44,10 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-encoder-decoder": _TINY_SEQ2SEQ,
     "tiny-encoder-decoder-gqa": _TINY_SEQ2SEQ.replace(
         n_kv_heads=2, position="rope", activation="silu", gated_ffn=True),
+    # T5 v1.1 style: relative bias, unscaled attention, gated GELU, untied head.
     "tiny-encoder-decoder-t5": _TINY_SEQ2SEQ.replace(
         position="relative", relative_buckets=8, relative_max_distance=16, attention_scale=1.0,
-        lm_head_scale=32**-0.5, activation="gelu_tanh", gated_ffn=True),
+        activation="gelu_tanh", gated_ffn=True, tie_embeddings=False),
     # ---- shapes the field knows (random weights unless a checkpoint is loaded)
     "bert-base": ModelConfig(
         family="encoder", vocab_size=30522, d_model=768, n_heads=12, d_ff=3072,

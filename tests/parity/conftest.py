@@ -23,15 +23,15 @@ TARGETS = [
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """``exported(config, dtype) -> (model, export_dir)``, cached per (config, dtype)."""
+    """``exported(config, dtype, target) -> (model, export_dir)``, cached per argument set."""
     cache = {}
 
-    def get(config, dtype="float32"):
-        key = (config, dtype)
+    def get(config, dtype="float32", target="portable"):
+        key = (config, dtype, target)
         if key not in cache:
             model = build_model(config, seed=1234)
             out = tmp_path_factory.mktemp("parity") / "export"
-            export_model(model, out, dtype=dtype, validate=False)
+            export_model(model, out, dtype=dtype, target=target, validate=False)
             cache[key] = (model, out)
         return cache[key]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.matrix import MATRIX, matrix_config
+from tests.matrix import MATRIX, ORT_MATRIX, matrix_config, ort_config
 from tfport.export.parity import CASES, Runner, first_divergence
 from tfport.models.generate import generate, generate_seq2seq
 from tfport.runtime import load_model
@@ -23,7 +23,17 @@ IDS = ["-".join(m) for m in MATRIX]
 @pytest.mark.parametrize("provider,dtype", TARGETS)
 @pytest.mark.parametrize("family,position,attention", MATRIX, ids=IDS)
 def test_outputs_match(exported, family, position, attention, provider, dtype):
-    model, out = exported(matrix_config(family, position, attention), dtype)
+    check_outputs(*exported(matrix_config(family, position, attention), dtype), provider)
+
+
+@pytest.mark.parametrize("provider,dtype", TARGETS)
+@pytest.mark.parametrize("family,position,attention", ORT_MATRIX, ids=["-".join(m) for m in ORT_MATRIX])
+def test_outputs_match_ort_target(exported, family, position, attention, provider, dtype):
+    """Target "ort": the same cases through ONNX Runtime's fused kernel and in-place KV buffer."""
+    check_outputs(*exported(ort_config(attention), dtype, "ort"), provider)
+
+
+def check_outputs(model, out, provider: str) -> None:
     runner = Runner(model, out, provider)
     failures = []
     for case in CASES:
@@ -68,7 +78,16 @@ def assert_greedy_agrees(model, expected: list[int], actual: list[int], prompt, 
                          [m for m in MATRIX if m[0] != "encoder"],
                          ids=[i for m, i in zip(MATRIX, IDS) if m[0] != "encoder"])
 def test_greedy_tokens_match(exported, family, position, attention, provider, dtype):
-    model, out = exported(matrix_config(family, position, attention), dtype)
+    check_greedy(*exported(matrix_config(family, position, attention), dtype), family, provider, dtype)
+
+
+@pytest.mark.parametrize("provider,dtype", TARGETS)
+@pytest.mark.parametrize("family,position,attention", ORT_MATRIX, ids=["-".join(m) for m in ORT_MATRIX])
+def test_greedy_tokens_match_ort_target(exported, family, position, attention, provider, dtype):
+    check_greedy(*exported(ort_config(attention), dtype, "ort"), family, provider, dtype)
+
+
+def check_greedy(model, out, family: str, provider: str, dtype: str) -> None:
     if dtype == "float16":
         model = model.to(torch.float16)
     runtime = load_model(out, provider=provider)

@@ -1,0 +1,86 @@
+"""Target "ort": RoPE attention lowered to ONNX Runtime's fused GroupQueryAttention, inside the
+named ai.tfport function, with a KV buffer shared by past and present; refusals name the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from tests.matrix import ort_config
+from tfport.contract import Manifest
+from tfport.export import export_model
+from tfport.export.functions import DOMAIN
+from tfport.models import build_model
+from tfport.models.generate import generate
+from tfport.presets import PRESETS
+from tfport.runtime import load_model
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory):
+    model = build_model(ort_config("gqa"), seed=5)
+    out = tmp_path_factory.mktemp("ort") / "export"
+    export_model(model, out, target="ort")  # validated against PyTorch on export
+    return model, out
+
+
+def test_graph_keeps_named_function_over_the_fused_kernel(fused):
+    _, out = fused
+    path = out / "decoder.onnx"
+    onnx.checker.check_model(str(path), full_check=True)
+    proto = onnx.load(str(path))
+    called = {n.op_type for n in proto.graph.node if n.domain == DOMAIN}
+    assert "FusedGroupQueryAttention" in called and "GroupQueryAttention" not in called
+    body = next(f for f in proto.functions if f.name == "FusedGroupQueryAttention")
+    assert [(n.domain, n.op_type) for n in body.node] == [("com.microsoft", "GroupQueryAttention")]
+    inputs = [i.name for i in proto.graph.input]
+    assert inputs[:3] == ["input_ids", "seqlens_k", "total_sequence_length"]
+    assert "attention_mask" not in inputs and "position_ids" not in inputs
+    assert Manifest.read(out).target == "ort"
+
+
+def test_cache_is_updated_in_place(fused):
+    """The runtime binds one buffer as past and present: its OrtValue is written, not replaced."""
+    _, out = fused
+    runtime = load_model(out)
+    from tfport.runtime.fused import allocate_cache, fused_forward
+
+    runner = runtime.runners["decoder"]
+    cache = allocate_cache(runner, batch=1, slots=8)
+    before = {name: value.data_ptr() for name, value in cache.items()}
+    fused_forward(runner, np.array([[5, 6, 7]]), np.array([2]), cache)
+    key = cache["past_key_values.0.key"].numpy()
+    assert np.abs(key[0, :, :3]).sum() > 0 and np.abs(key[0, :, 3:]).sum() == 0
+    fused_forward(runner, np.array([[9]]), np.array([3]), cache)
+    assert np.abs(cache["past_key_values.0.key"].numpy()[0, :, 3]).sum() > 0
+    assert {name: value.data_ptr() for name, value in cache.items()} == before
+
+
+def test_runtime_generates_like_the_reference(fused):
+    model, out = fused
+    runtime = load_model(out)
+    prompts = [[5, 17, 33, 8, 61], [44, 9], [70, 2, 91, 12]]
+    tokens = runtime.generate(prompts, max_new_tokens=24, stop_token_ids=())
+    for row, prompt in zip(tokens, prompts):
+        assert row.tolist() == generate(model, torch.tensor([prompt]), max_new_tokens=24)[0].tolist()
+    streamed = np.stack(list(runtime.stream(prompts, max_new_tokens=24, stop_token_ids=())), axis=1)
+    assert (streamed == tokens).all()
+
+
+@pytest.mark.parametrize("config,needle", [
+    (PRESETS["tiny-encoder"], "family='encoder'"),
+    (PRESETS["tiny-encoder-decoder"].replace(position="rope"), "family='encoder-decoder'"),
+    (ort_config("mha").replace(position="alibi"), "position='alibi'"),
+    (PRESETS["tiny-decoder"], "multiple of 16, got 8"),
+])
+def test_unsupported_combinations_are_refused(tmp_path, config, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        export_model(build_model(config, seed=0), tmp_path / "x", target="ort")
+    assert not (tmp_path / "x").exists()
+
+
+def test_unknown_target(tmp_path):
+    with pytest.raises(ValueError, match="target='tensorrt'"):
+        export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "x", target="tensorrt")
