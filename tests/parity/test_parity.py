@@ -17,6 +17,12 @@ from tfport.runtime import load_model
 
 from .conftest import TARGETS
 
+# ONNX Runtime registers its CUDA GroupQueryAttention kernel for float16 and bfloat16 only.
+ORT_TARGETS = [p if p.id != "cuda-fp32" else pytest.param(
+    *p.values, id=p.id, marks=[*p.marks, pytest.mark.xfail(
+        reason="ORT's CUDA GroupQueryAttention has no float32 kernel; export target 'ort' in "
+               "float16 for CUDA", strict=False)]) for p in TARGETS]
+
 IDS = ["-".join(m) for m in MATRIX]
 
 
@@ -26,7 +32,7 @@ def test_outputs_match(exported, family, position, attention, provider, dtype):
     check_outputs(*exported(matrix_config(family, position, attention), dtype), provider)
 
 
-@pytest.mark.parametrize("provider,dtype", TARGETS)
+@pytest.mark.parametrize("provider,dtype", ORT_TARGETS)
 @pytest.mark.parametrize("family,position,attention", ORT_MATRIX, ids=["-".join(m) for m in ORT_MATRIX])
 def test_outputs_match_ort_target(exported, family, position, attention, provider, dtype):
     """Target "ort": the same cases through ONNX Runtime's fused kernel and in-place KV buffer."""
@@ -81,7 +87,7 @@ def test_greedy_tokens_match(exported, family, position, attention, provider, dt
     check_greedy(*exported(matrix_config(family, position, attention), dtype), family, provider, dtype)
 
 
-@pytest.mark.parametrize("provider,dtype", TARGETS)
+@pytest.mark.parametrize("provider,dtype", ORT_TARGETS)
 @pytest.mark.parametrize("family,position,attention", ORT_MATRIX, ids=["-".join(m) for m in ORT_MATRIX])
 def test_greedy_tokens_match_ort_target(exported, family, position, attention, provider, dtype):
     check_greedy(*exported(ort_config(attention), dtype, "ort"), family, provider, dtype)
