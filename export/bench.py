@@ -10,7 +10,8 @@ while the cache already holds at least C tokens:
 * PyTorch: a plain loop ``logits, cache = module(token, mask, past_key_values=cache)`` under
   ``torch.no_grad`` with ``torch.set_num_threads`` equal to ONNX Runtime's intra-op threads.
 
-Per cell: one untimed warm-up run per side, then ``repeats`` timed runs; a run's step time is the
+Per cell: one untimed warm-up run per side, then ``repeats`` rounds of one timed run per side,
+alternating so that load from other processes hits every side alike; a run's step time is the
 median over its steps, a cell's the median over its runs (the machine may be shared and noisy).
 
 The roofline: decoding is bound by reading the weights once per step, so with ``W`` bytes of
@@ -322,10 +323,18 @@ def time_torch(module: nn.Module, prompts: np.ndarray, steps: int) -> RunTiming:
                      torch.stack(tokens, dim=1).cpu().numpy())
 
 
-def measure(run: Callable[[int], RunTiming], steps: int, repeats: int) -> list[RunTiming]:
-    """One untimed warm-up run (a few steps, same shapes), then ``repeats`` timed runs."""
-    run(min(steps, 4))
-    return [run(steps) for _ in range(repeats)]
+def measure(runs: Sequence[Callable[[int], RunTiming]], steps: int, repeats: int
+            ) -> list[list[RunTiming]]:
+    """Each of ``runs`` once untimed (a few steps, same shapes), then ``repeats`` rounds of one
+    timed run each, alternating, so that a burst of load from other processes hits every side.
+    Returns the timed runs per entry of ``runs``."""
+    for run in runs:
+        run(min(steps, 4))
+    timings: list[list[RunTiming]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for run, timed in zip(runs, timings):
+            timed.append(run(steps))
+    return timings
 
 
 # ----------------------------------------------------------------------------------- results
@@ -465,8 +474,13 @@ def step_growth(rows: list[Row]) -> list[Growth]:
     return growth
 
 
+def _load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS has none)."""
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
 def machine_info(settings: BenchSettings) -> dict[str, Any]:
-    """Where the figures come from (the host may be shared: see load_average)."""
+    """Where the figures come from."""
     try:
         affinity = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -476,7 +490,6 @@ def machine_info(settings: BenchSettings) -> dict[str, Any]:
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "usable_cpus": affinity,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
         "numpy": np.__version__,
         "torch": torch.__version__,
@@ -542,6 +555,7 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
 
     config = get_preset(settings.preset)
     device = _torch_device(settings)
+    load_before = _load_average()
     memory = [mark_memory("start")]
     module = build_model(config, seed=settings.seed)
     weight_bytes = weight_bytes_per_token(module)
@@ -556,7 +570,7 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
             skipped += load_skipped
             memory.append(mark_memory("sessions loaded"))
             module = module.to(device)
-            rows = time_cells(models, module, settings, weight_bytes)
+            rows = time_cells(models, module, settings)
             memory.append(mark_memory("decode runs"))
             del models
     finally:
@@ -568,14 +582,14 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
     params = sum(p.numel() for p in module.parameters())
     model_info = {"preset": settings.preset, "dtype": "float32", "parameters": params,
                   "weight_bytes_per_token": weight_bytes, "config": config.to_dict()}
-    return BenchResult(settings, machine_info(settings), model_info, bandwidth, rows,
-                       step_growth(rows), memory, skipped)
+    machine = {**machine_info(settings), "load_average_before": load_before,
+               "load_average_after": _load_average()}
+    return BenchResult(settings, machine, model_info, bandwidth, rows, step_growth(rows), memory,
+                       skipped)
 
 
-def time_cells(models: dict[str, Any], module: nn.Module, settings: BenchSettings,
-               weight_bytes: int) -> list[Row]:
-    """Time every (batch, context): each tfport target's runs, then PyTorch's, side by side in
-    time so that both see the same load on a shared machine."""
+def time_cells(models: dict[str, Any], module: nn.Module, settings: BenchSettings) -> list[Row]:
+    """Time every (batch, context) on each tfport target and PyTorch, runs alternating."""
     rng = np.random.default_rng(settings.seed)
     vocab = module.config.vocab_size
     steps, repeats = settings.new_tokens, settings.repeats
@@ -589,9 +603,9 @@ def time_cells(models: dict[str, Any], module: nn.Module, settings: BenchSetting
                 for target, model in models.items()]
             if settings.torch:
                 sides.append(("torch", None, lambda n: time_torch(module, prompts, n)))
-            for side, target, run in sides:
-                row = make_row(side, target, batch, context, measure(run, steps, repeats),
-                               kv_bytes)
+            timings = measure([run for _, _, run in sides], steps, repeats)
+            for (side, target, _), runs in zip(sides, timings):
+                row = make_row(side, target, batch, context, runs, kv_bytes)
                 log.info("%s batch %d context %d: prefill %.1f ms, step %.2f ms (%.1f tokens/s)",
                          row.label, batch, context, row.prefill_ms, row.step_ms,
                          row.tokens_per_s)
@@ -617,6 +631,9 @@ def format_table(result: BenchResult) -> str:
         f"ORT GEMV {bw.ort_gemv_gbps:.1f} GB/s ({bw.gemv_mib} MiB weight); "
         f"the roofline uses {bw.source} ({bw.gbps:.1f} GB/s)",
         f"roofline: {batch1:.0f} tokens/s at batch 1, B times that at batch B",
+        f"load average (1/5/15 min) before {result.machine.get('load_average_before')}, after "
+        f"{result.machine.get('load_average_after')} on {result.machine.get('usable_cpus')} "
+        "usable CPUs (other processes' load slows both sides, PyTorch's OpenMP threads most)",
         "",
     ]
     header = ("side", "batch", "context", "prefill ms", "step ms", "tokens/s", "% roofline",

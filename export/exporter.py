@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import onnx
@@ -21,6 +20,7 @@ from tqdm.auto import tqdm
 from tfport.config import ModelConfig
 from tfport.contract import (CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphSpec, Manifest,
                              cache_names, check_target, graph_specs)
+from tfport.files import atomic_directory
 
 from . import emit
 from .graph import GraphBuilder
@@ -176,12 +176,10 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     manifest = Manifest(config=config, dtype=dtype, opset=opset, target=target,
                         tokenizer=TOKENIZER_FILE if tokenizer is not None else None, graphs=specs)
     model = model.eval()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
     n_layers = config.n_encoder_layers * ("encoder" in specs) + config.n_decoder_layers * ("decoder" in specs)
     if show_progress is None:
         show_progress = n_layers * config.d_model * config.d_model > 64 * 2**20
-    try:
+    with atomic_directory(out_dir) as tmp:
         with tqdm(total=n_layers, desc="export", unit="layer", disable=not show_progress) as progress:
             for name, spec in specs.items():
                 proto = BUILDERS[name](model, spec, dtype, progress).build(opset)
@@ -194,12 +192,6 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
         if validate:
             from .parity import validate_export
             validate_export(model, tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("exported %s model to %s (%s, opset %d)", config.family, out_dir, dtype, opset)
     return manifest
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from tfport.contract import Manifest
+from tfport.files import write_text_atomic
 
 from .parity import CASES, Runner, cuda_available, first_divergence
 
@@ -78,10 +77,9 @@ def run_parity(args: argparse.Namespace) -> int:
                 print(f"{case.label:<18} {result.graph:<8} {provider:<8} {worst_abs:>10.3g} "
                       f"{worst_rel:>10.3g} {tokens:>7}  {status}")
     if args.json:
-        path = Path(args.json)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent or ".", delete=False, suffix=".tmp") as f:
-            json.dump({"model_dir": str(args.model_dir), "dtype": manifest.dtype, "rows": rows}, f, indent=2)
-        os.replace(f.name, path)
+        report = {"model_dir": str(args.model_dir), "dtype": manifest.dtype,
+                  "target": manifest.target, "rows": rows}
+        write_text_atomic(args.json, json.dumps(report, indent=2) + "\n")
     return 1 if failed else 0
 
 

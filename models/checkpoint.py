@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +16,7 @@ from torch import nn
 
 from tfport.config import ModelConfig
 from tfport.contract import CONFIG_FILE
+from tfport.files import atomic_directory
 
 from . import build_model
 
@@ -43,17 +42,9 @@ def save_checkpoint(model: nn.Module, directory: str | os.PathLike) -> Path:
     directory = Path(directory)
     canonical, _ = _aliases(model)
     tensors = {name: t.detach().contiguous().cpu() for name, t in canonical.items()}
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
+    with atomic_directory(directory) as tmp:
         (tmp / CONFIG_FILE).write_text(model.config.to_json() + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "tfport"})
-        if directory.exists():
-            shutil.rmtree(directory)
-        tmp.rename(directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return directory
 
 
