@@ -26,7 +26,8 @@ def run_export(args: argparse.Namespace) -> int:
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("export", help="export a preset or checkpoint to ONNX",
                               description=__doc__)
-    p.add_argument("source", help="preset name (random weights) or checkpoint directory")
+    p.add_argument("source", help="preset name (random weights), tfport checkpoint directory, or "
+                                  "Hugging Face model directory (llama, mistral, gpt2, bert, bloom, mpt, t5)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
