@@ -51,6 +51,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
+from tfport.files import write_text_atomic
 from tfport.presets import get_preset
 
 log = logging.getLogger(__name__)
@@ -668,24 +669,9 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def _atomic_target(path: Path) -> tuple[int, str]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix + ".tmp", dir=path.parent)
-
-
 def write_json(result: BenchResult, path: str | os.PathLike) -> Path:
     """Write ``result.to_dict()`` to ``path`` atomically (a temporary file, then a rename)."""
-    path = Path(path)
-    handle, tmp = _atomic_target(path)
-    try:
-        with os.fdopen(handle, "w") as f:
-            json.dump(result.to_dict(), f, indent=2, allow_nan=False)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_text_atomic(path, json.dumps(result.to_dict(), indent=2, allow_nan=False) + "\n")
 
 
 def write_plot(result: BenchResult, path: str | os.PathLike) -> str:
@@ -716,7 +702,8 @@ def write_plot(result: BenchResult, path: str | os.PathLike) -> str:
     ax.set_title(f"{result.settings.preset}: decode step time, {result.settings.threads} thread(s)")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    handle, tmp = _atomic_target(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(handle)
     try:
         fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=120, bbox_inches="tight")
