@@ -188,11 +188,17 @@ def FusedGroupQueryAttention(query, key, value, past_key, past_value, seqlens_k,
 
 @script(tfport, default_opset=op)
 def RMSNorm(x, weight, epsilon: float):
-    """x / sqrt(mean(x^2, last axis) + epsilon) * weight, in float32. x [..., E]; weight [E]."""
+    """x / sqrt(mean(x^2, last axis) + epsilon) * weight, in float32. x [..., E]; weight [E].
+
+    PyTorch: ``tfport.models.layers.RMSNorm``. Written as Pow -> ReduceMean -> Add -> Sqrt -> Div
+    -> Mul, the pattern ONNX Runtime fuses into one SimplifiedLayerNormalization kernel (and, with
+    the residual Add before it, SkipSimplifiedLayerNormalization).
+    """
     xf = op.Cast(x, to=FLOAT.dtype)
-    mean_square = op.ReduceMean(op.Mul(xf, xf), op.Constant(value_ints=[-1]), keepdims=1)
-    normed = op.Mul(xf, op.Reciprocal(op.Sqrt(op.Add(mean_square, op.Constant(value_float=epsilon)))))
-    return op.CastLike(op.Mul(normed, op.Cast(weight, to=FLOAT.dtype)), x)
+    mean_square = op.ReduceMean(op.Pow(xf, op.Constant(value_float=2.0)), op.Constant(value_ints=[-1]),
+                                keepdims=1)
+    normed = op.Div(xf, op.Sqrt(op.Add(mean_square, op.Constant(value_float=epsilon))))
+    return op.Mul(op.CastLike(normed, x), weight)
 
 
 FUNCTIONS = (AttentionBias, AlibiBias, RelativePositionBias, RotaryEmbedding, ScaledDotProductAttention,

@@ -12,7 +12,11 @@ from .attention import Attention
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 (Zhang & Sennrich, 2019)."""
+    """x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich, 2019).
+
+    The normalisation is computed in float32 and cast back before the weight multiplies it, as
+    LLaMA's and T5's reference implementations do.
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -22,7 +26,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return xf.to(x.dtype) * self.weight
 
 
 class LayerNorm(nn.LayerNorm):

@@ -20,32 +20,45 @@ from .inputs import pad_batch
 from .sampling import SamplingParams, next_token
 
 
-def allocate_cache(runner: GraphRunner, batch: int, slots: int) -> dict[str, ort.OrtValue]:
-    """Zeroed buffers [B, Hkv, slots, D] on the session's device, one per ``past_key_values.*``."""
-    cache = {}
-    for spec in runner.spec.inputs:
-        if spec.name.startswith(PAST):
-            _, heads, _, dim = spec.shape
-            zeros = np.zeros((batch, heads, slots, dim), dtype=NUMPY_DTYPES[spec.dtype])
-            cache[spec.name] = ort.OrtValue.ortvalue_from_numpy(zeros, runner.device, runner.device_id)
-    return cache
+class FusedDecoder:
+    """The decoder graph with its KV buffers bound once, as past and present, for one request.
 
-
-def fused_forward(runner: GraphRunner, input_ids: np.ndarray, seqlens_k: np.ndarray,
-                  cache: dict[str, ort.OrtValue]) -> np.ndarray:
-    """One call: input_ids [B, S] (right-padded), seqlens_k [B] -> logits float32 [B, S, V].
-
-    ``cache`` is updated in place: row b's new keys/values land in slots
-    seqlens_k[b] - S + 1 .. seqlens_k[b].
+    The buffers [B, Hkv, slots, D] live on the session's device for the whole request; a call
+    rebinds only ``input_ids``, ``seqlens_k`` and ``total_sequence_length`` and reads the logits,
+    so the per-step host work does not depend on the number of layers' caches.
     """
-    feeds = {"input_ids": input_ids, "seqlens_k": seqlens_k.astype(np.int32),
-             "total_sequence_length": np.array(seqlens_k.max() + 1, dtype=np.int32)}
-    bound = {PRESENT + name[len(PAST):]: value for name, value in cache.items()}
-    outputs = runner.run({**feeds, **cache}, host_outputs=["logits"], bound_outputs=bound)
-    logits = outputs["logits"].numpy()
-    if not np.isfinite(logits).all():
-        raise RuntimeError("the decoder produced non-finite logits; the export or its dtype may be broken")
-    return logits
+
+    def __init__(self, runner: GraphRunner, batch: int, slots: int):
+        self.runner = runner
+        self.cache: dict[str, ort.OrtValue] = {}
+        self.binding = runner.session.io_binding()
+        self.binding.bind_output("logits", "cpu")  # first: get_outputs()[0], rebinding keeps it there
+        for spec in runner.spec.inputs:
+            if spec.name.startswith(PAST):
+                _, heads, _, dim = spec.shape
+                zeros = np.zeros((batch, heads, slots, dim), dtype=NUMPY_DTYPES[spec.dtype])
+                buffer = ort.OrtValue.ortvalue_from_numpy(zeros, runner.device, runner.device_id)
+                self.cache[spec.name] = buffer
+                self.binding.bind_ortvalue_input(spec.name, buffer)
+                self.binding.bind_ortvalue_output(PRESENT + spec.name[len(PAST):], buffer)
+
+    def __call__(self, input_ids: np.ndarray, seqlens_k: np.ndarray) -> np.ndarray:
+        """input_ids [B, S] (right-padded), seqlens_k [B] -> logits float32 [B, S, V].
+
+        Row b's new keys/values are written in place into slots seqlens_k[b] - S + 1 .. seqlens_k[b].
+        """
+        feeds = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
+                 "seqlens_k": seqlens_k.astype(np.int32),
+                 "total_sequence_length": np.array(seqlens_k.max() + 1, dtype=np.int32)}
+        for name, value in feeds.items():
+            self.binding.bind_cpu_input(name, value)
+        self.binding.bind_output("logits", "cpu")  # its shape [B, S, V] changes with S
+        self.runner.session.run_with_iobinding(self.binding)
+        logits = self.binding.get_outputs()[0].numpy()
+        assert logits.shape == (*input_ids.shape, self.runner.spec.outputs[0].shape[-1]), logits.shape
+        if not np.isfinite(logits).all():
+            raise RuntimeError("the decoder produced non-finite logits; the export or its dtype may be broken")
+        return logits
 
 
 def generate_steps_fused(runner: GraphRunner, rows: Sequence[np.ndarray], max_new_tokens: int,
@@ -55,8 +68,8 @@ def generate_steps_fused(runner: GraphRunner, rows: Sequence[np.ndarray], max_ne
     ids, mask = pad_batch(rows, pad_token_id, "right")  # [B, S]
     lengths = mask.sum(axis=1)  # real prompt tokens per row
     batch = len(rows)
-    cache = allocate_cache(runner, batch, ids.shape[1] + max_new_tokens)
-    logits = fused_forward(runner, ids, lengths - 1, cache)[np.arange(batch), lengths - 1]  # [B, V]
+    decoder = FusedDecoder(runner, batch, ids.shape[1] + max_new_tokens)
+    logits = decoder(ids, lengths - 1)[np.arange(batch), lengths - 1]  # [B, V]
     done = np.zeros(batch, dtype=bool)
     stops = np.asarray(stop_token_ids, dtype=np.int64)
     for step in range(max_new_tokens):
@@ -68,4 +81,4 @@ def generate_steps_fused(runner: GraphRunner, rows: Sequence[np.ndarray], max_ne
                 return
         if step + 1 == max_new_tokens:
             return
-        logits = fused_forward(runner, token[:, None], lengths + step, cache)[:, -1]  # [B, V]
+        logits = decoder(token[:, None], lengths + step)[:, -1]  # [B, V]

@@ -45,17 +45,16 @@ def test_cache_is_updated_in_place(fused):
     """The runtime binds one buffer as past and present: its OrtValue is written, not replaced."""
     _, out = fused
     runtime = load_model(out)
-    from tfport.runtime.fused import allocate_cache, fused_forward
+    from tfport.runtime.fused import FusedDecoder
 
-    runner = runtime.runners["decoder"]
-    cache = allocate_cache(runner, batch=1, slots=8)
-    before = {name: value.data_ptr() for name, value in cache.items()}
-    fused_forward(runner, np.array([[5, 6, 7]]), np.array([2]), cache)
-    key = cache["past_key_values.0.key"].numpy()
+    decoder = FusedDecoder(runtime.runners["decoder"], batch=1, slots=8)
+    before = {name: value.data_ptr() for name, value in decoder.cache.items()}
+    decoder(np.array([[5, 6, 7]]), np.array([2]))
+    key = decoder.cache["past_key_values.0.key"].numpy()
     assert np.abs(key[0, :, :3]).sum() > 0 and np.abs(key[0, :, 3:]).sum() == 0
-    fused_forward(runner, np.array([[9]]), np.array([3]), cache)
-    assert np.abs(cache["past_key_values.0.key"].numpy()[0, :, 3]).sum() > 0
-    assert {name: value.data_ptr() for name, value in cache.items()} == before
+    decoder(np.array([[9]]), np.array([3]))
+    assert np.abs(decoder.cache["past_key_values.0.key"].numpy()[0, :, 3]).sum() > 0
+    assert {name: value.data_ptr() for name, value in decoder.cache.items()} == before
 
 
 def test_runtime_generates_like_the_reference(fused):

@@ -45,7 +45,7 @@ def edit_tensors(directory, edit):
 # ------------------------------------------------------------------------------ refusals
 def test_unknown_model_type(llama_dir):
     edit_config(llama_dir, model_type="falcon", architectures=["FalconForCausalLM"])
-    expected = r"\['bert', 'bloom', 'gpt2', 'llama', 'mistral', 'mpt'\]"
+    expected = r"\['bert', 'bloom', 'gpt2', 'llama', 'mistral', 'mpt', 't5'\]"
     with pytest.raises(ValueError, match=rf"model_type='falcon'.*expected one of {expected}"):
         load_hf_model(llama_dir)
 
