@@ -10,6 +10,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def _default_mode(directory: bool) -> int:
+    """The permissions a plain open()/mkdir() would give (mkstemp/mkdtemp use 0600/0700)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if directory else 0o666) & ~umask
+
+
 @contextmanager
 def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty temporary directory beside ``target``; on success it replaces ``target``.
@@ -22,6 +29,7 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp", dir=target.parent))
     try:
         yield tmp
+        os.chmod(tmp, _default_mode(directory=True))
         old = None
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old", dir=target.parent))
@@ -42,6 +50,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, _default_mode(directory=False))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
