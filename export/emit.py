@@ -69,12 +69,18 @@ def activation(g: GraphBuilder, x: str, kind: str, name: str) -> str:
 
 
 def feed_forward(g: GraphBuilder, x: str, module: FeedForward, kind: str, name: str) -> str:
-    up = linear(g, x, module.up, f"{name}.up")
-    if module.gate is not None:
-        hidden = g.op("Mul", activation(g, linear(g, x, module.gate, f"{name}.gate"), kind, f"{name}.act"),
-                      up, name=f"{name}.glu")
-    else:
-        hidden = activation(g, up, kind, f"{name}.act")
+    """x [..., E] -> [..., E]. A gated FFN's gate and up projections are one MatMul with the two
+    weights side by side ([E, 2F]) and a Split: one read of x, one kernel, as for fused QKV."""
+    if module.gate is None:
+        return linear(g, activation(g, linear(g, x, module.up, f"{name}.up"), kind, f"{name}.act"),
+                      module.down, f"{name}.down")
+    weight = np.concatenate([_np(module.gate.weight).T, _np(module.up.weight).T], axis=1)  # [E, 2F]
+    fused = g.op("MatMul", x, g.weight(f"{name}.gate_up.weight_t", weight), name=f"{name}.gate_up")
+    if module.up.bias is not None:
+        bias = np.concatenate([_np(module.gate.bias), _np(module.up.bias)])
+        fused = g.op("Add", fused, g.weight(f"{name}.gate_up.bias", bias), name=f"{name}.gate_up.bias_add")
+    gate, up = g.op("Split", fused, axis=-1, num_outputs=2, outputs=2, name=f"{name}.split")
+    hidden = g.op("Mul", activation(g, gate, kind, f"{name}.act"), up, name=f"{name}.glu")
     return linear(g, hidden, module.down, f"{name}.down")
 
 
