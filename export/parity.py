@@ -210,6 +210,7 @@ class Prepared:
     # mapping each ONNX output back to the portable layout the reference uses.
     inplace: dict[str, np.ndarray] | None = None
     to_reference_layout: Callable[[str, np.ndarray], np.ndarray] | None = None
+    case: Case | None = None  # set when the case had to be adapted (e.g. batch 1)
 
 
 @contextmanager
@@ -395,7 +396,7 @@ class Runner:
             return value
 
         return dataclasses.replace(portable, feeds=feeds, inplace=buffers,
-                                   to_reference_layout=to_reference_layout)
+                                   to_reference_layout=to_reference_layout, case=case)
 
     # ----------------------------------------------------------------------------- running
     def run_onnx(self, prepared: Prepared, session: ort.InferenceSession | None = None) -> dict[str, np.ndarray]:
@@ -435,7 +436,7 @@ class Runner:
     @torch.no_grad()
     def check(self, prepared: Prepared, case: Case) -> CaseResult:
         actual = self.run_onnx(prepared)
-        result = CaseResult(case, prepared.graph, self.provider)
+        result = CaseResult(prepared.case or case, prepared.graph, self.provider)
         for name, tensor in prepared.reference().items():
             expected = tensor.float().numpy()
             result.diffs.append(_compare(name, expected, actual[name].astype(np.float32),

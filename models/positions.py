@@ -75,14 +75,14 @@ def positions_from_mask(attention_mask: torch.Tensor, query_length: int) -> torc
 
     ``attention_mask`` is [B, T] with 1 for real tokens; padded slots get position 0.
     """
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    return positions[:, attention_mask.shape[-1] - query_length:]
+    return positions_over_mask(attention_mask)[:, attention_mask.shape[-1] - query_length:]
 
 
-def _mask_positions(attention_mask: torch.Tensor, query_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query positions [B, S], key positions [B, T]) counted over real tokens, as int64."""
-    key_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    return key_pos[:, key_pos.shape[-1] - query_length:], key_pos
+def positions_over_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of every slot of ``attention_mask`` [B, T]: real tokens before it (cumsum - 1),
+    at least 0. ALiBi and the T5 bias take key positions from it and query positions from its
+    last S columns, so left padding never shifts a distance."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -109,7 +109,8 @@ def relative_position_bucket(relative: torch.Tensor, bidirectional: bool, num_bu
 def relative_bias(attention_mask: torch.Tensor, query_length: int, table: torch.Tensor,
                   bidirectional: bool, max_distance: int) -> torch.Tensor:
     """T5 relative attention bias float32 [B, H, S, T] from the bucket table [buckets, H]."""
-    query_pos, key_pos = _mask_positions(attention_mask, query_length)
+    key_pos = positions_over_mask(attention_mask)  # [B, T]
+    query_pos = key_pos[:, key_pos.shape[-1] - query_length:]  # [B, S]
     relative = key_pos[:, None, :] - query_pos[:, :, None]  # [B, S, T]
     buckets = relative_position_bucket(relative, bidirectional, table.shape[0], max_distance)
     return table.float()[buckets].permute(0, 3, 1, 2)  # [B, H, S, T]
@@ -117,7 +118,7 @@ def relative_bias(attention_mask: torch.Tensor, query_length: int, table: torch.
 
 def alibi_bias(attention_mask: torch.Tensor, query_length: int, slopes: torch.Tensor) -> torch.Tensor:
     """ALiBi bias [B, H, S, T] = -slope_h * |pos(query) - pos(key)|, positions from the mask."""
-    key_pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).float()  # [B, T]
+    key_pos = positions_over_mask(attention_mask).float()  # [B, T]
     query_pos = key_pos[:, key_pos.shape[-1] - query_length:]  # [B, S]
     distance = (query_pos[:, :, None] - key_pos[:, None, :]).abs()  # [B, S, T]
     return -slopes.float()[None, :, None, None] * distance[:, None]
