@@ -17,7 +17,8 @@ import onnxruntime as ort
 
 from .binding import NUMPY_DTYPES, PAST, PRESENT, GraphRunner
 from .inputs import pad_batch
-from .sampling import SamplingParams, next_token
+from .generation import sample_loop
+from .sampling import SamplingParams
 
 
 class FusedDecoder:
@@ -70,15 +71,6 @@ def generate_steps_fused(runner: GraphRunner, rows: Sequence[np.ndarray], max_ne
     batch = len(rows)
     decoder = FusedDecoder(runner, batch, ids.shape[1] + max_new_tokens)
     logits = decoder(ids, lengths - 1)[np.arange(batch), lengths - 1]  # [B, V]
-    done = np.zeros(batch, dtype=bool)
-    stops = np.asarray(stop_token_ids, dtype=np.int64)
-    for step in range(max_new_tokens):
-        token = np.where(done, pad_token_id, next_token(logits, params, rng))
-        yield token
-        if stops.size:
-            done |= np.isin(token, stops)
-            if done.all():
-                return
-        if step + 1 == max_new_tokens:
-            return
-        logits = decoder(token[:, None], lengths + step)[:, -1]  # [B, V]
+    # Step k's token is row b's token number lengths[b] + k: seqlens_k = its index.
+    advance = lambda token, step: decoder(token[:, None], lengths + step)[:, -1]  # noqa: E731
+    yield from sample_loop(logits, advance, max_new_tokens, params, rng, stop_token_ids, pad_token_id)

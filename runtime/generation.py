@@ -12,7 +12,7 @@ dict of OrtValues (see ``binding``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,16 +24,11 @@ from .sampling import SamplingParams, next_token
 
 @dataclass
 class DecodeState:
-    """What changes from step to step.
-
-    ``attention_mask`` int64 [B, T] covers the cache and the tokens fed next; ``cache`` maps
-    ``past_key_values.*`` to OrtValues [B, Hkv, P, D]; ``done`` bool [B] marks rows that stopped.
-    """
+    """What changes from step to step: ``attention_mask`` int64 [B, T] covers the cache and the
+    tokens fed next; ``cache`` maps ``past_key_values.*`` to OrtValues [B, Hkv, P, D]."""
 
     attention_mask: np.ndarray
     cache: Mapping[str, Feed]
-    done: np.ndarray
-    steps: int = 0
 
 
 def decoder_forward(runner: GraphRunner, input_ids: np.ndarray, attention_mask: np.ndarray,
@@ -61,6 +56,30 @@ def decoder_forward(runner: GraphRunner, input_ids: np.ndarray, attention_mask: 
     return logits, {past_name(name): outputs[name] for name in presents}
 
 
+def sample_loop(logits: np.ndarray, advance: Callable[[np.ndarray, int], np.ndarray],
+                max_new_tokens: int, params: SamplingParams, rng: np.random.Generator | None,
+                stop_token_ids: tuple[int, ...], pad_token_id: int) -> Iterator[np.ndarray]:
+    """The token loop every decoder layout shares; yields int64 [B] per step.
+
+    ``logits`` [B, V] are the prompt's last; ``advance(token [B], step)`` feeds the tokens just
+    picked and returns the next logits. Rows that produced a stop id continue with
+    ``pad_token_id``; the loop ends when every row has stopped, and skips the forward after the
+    last token (its logits would be unused).
+    """
+    done = np.zeros(logits.shape[0], dtype=bool)
+    stops = np.asarray(stop_token_ids, dtype=np.int64)
+    for step in range(max_new_tokens):
+        token = np.where(done, pad_token_id, next_token(logits, params, rng))
+        yield token
+        if stops.size:
+            done |= np.isin(token, stops)
+            if done.all():
+                return
+        if step + 1 == max_new_tokens:
+            return
+        logits = advance(token, step)
+
+
 def generate_steps(runner: GraphRunner, input_ids: np.ndarray, attention_mask: np.ndarray,
                    max_new_tokens: int, params: SamplingParams, rng: np.random.Generator | None,
                    stop_token_ids: tuple[int, ...], pad_token_id: int,
@@ -71,23 +90,14 @@ def generate_steps(runner: GraphRunner, input_ids: np.ndarray, attention_mask: n
     prompts, or for seq2seq the decoder start token [B, 1]. Inputs are assumed checked.
     """
     static = dict(static or {})
-    state = DecodeState(attention_mask=attention_mask,
-                        cache=empty_cache(runner.spec, input_ids.shape[0]),
-                        done=np.zeros(input_ids.shape[0], dtype=bool))
+    state = DecodeState(attention_mask, empty_cache(runner.spec, input_ids.shape[0]))
     logits, state.cache = decoder_forward(runner, input_ids, attention_mask, state.cache, static)
-    stops = np.asarray(stop_token_ids, dtype=np.int64)
-    for step in range(max_new_tokens):
-        token = next_token(logits, params, rng)
-        token = np.where(state.done, pad_token_id, token)
-        state.steps = step + 1
-        yield token
-        if stops.size:
-            state.done |= np.isin(token, stops)
-            if state.done.all():
-                return
-        if step + 1 == max_new_tokens:
-            return
+
+    def advance(token: np.ndarray, step: int) -> np.ndarray:
         ones = np.ones((token.shape[0], 1), dtype=np.int64)
         state.attention_mask = np.concatenate([state.attention_mask, ones], axis=1)  # [B, T+1]
-        logits, state.cache = decoder_forward(runner, token[:, None], state.attention_mask,
-                                              state.cache, static)
+        next_logits, state.cache = decoder_forward(runner, token[:, None], state.attention_mask,
+                                                   state.cache, static)
+        return next_logits
+
+    yield from sample_loop(logits, advance, max_new_tokens, params, rng, stop_token_ids, pad_token_id)
