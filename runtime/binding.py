@@ -70,12 +70,9 @@ class GraphRunner:
         return {t.name for t in self.spec.inputs}
 
     def run(self, feeds: Mapping[str, Feed], device_outputs: Iterable[str] = (),
-            host_outputs: Iterable[str] = (),
-            bound_outputs: Mapping[str, ort.OrtValue] | None = None) -> dict[str, ort.OrtValue]:
+            host_outputs: Iterable[str] = ()) -> dict[str, ort.OrtValue]:
         """Run once: ``device_outputs`` stay on the session's device, ``host_outputs`` come to
-        the CPU (read them with ``.numpy()``), ``bound_outputs`` are written into the given
-        OrtValues (e.g. the KV buffer also bound as an input, updated in place). Returns output
-        name -> OrtValue for the first two kinds."""
+        the CPU (read them with ``.numpy()``). Returns output name -> OrtValue."""
         binding = self.session.io_binding()
         arrays = []  # keep host arrays alive until the run has copied them
         for name, value in feeds.items():
@@ -92,8 +89,6 @@ class GraphRunner:
         for name in host_outputs:
             binding.bind_output(name, "cpu")
             names.append(name)
-        for name, value in (bound_outputs or {}).items():
-            binding.bind_ortvalue_output(name, value)
         binding.synchronize_inputs()
         self.session.run_with_iobinding(binding)
         binding.synchronize_outputs()
