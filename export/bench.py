@@ -51,7 +51,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from tfport.files import write_text_atomic
+from tfport.files import atomic_file, write_text_atomic
 from tfport.presets import get_preset
 
 log = logging.getLogger(__name__)
@@ -708,15 +708,9 @@ def write_plot(result: BenchResult, path: str | os.PathLike) -> str:
     ax.set_title(f"{result.settings.preset}: decode step time, {result.settings.threads} thread(s)")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
     try:
-        fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, format=path.suffix.lstrip(".") or "png", dpi=120, bbox_inches="tight")
     finally:
         plt.close(fig)
     return f"wrote {path}"

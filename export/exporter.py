@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from tfport.config import ModelConfig
 from tfport.contract import (CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphSpec, Manifest,
                              cache_names, check_target, graph_specs)
-from tfport.files import atomic_directory
+from tfport.files import atomic_directory, check_output_dir
 
 from . import emit
 from .graph import GraphBuilder
@@ -166,10 +166,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     """
     config: ModelConfig = model.config
     _check_options(config, dtype, opset, target)
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite and any(out_dir.iterdir()):
-        raise ValueError(f"out_dir={str(out_dir)!r} exists and is not empty; pass overwrite=True "
-                         "(CLI: --force) to replace it")
+    out_dir = check_output_dir(out_dir, "out_dir", overwrite)
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ValueError(f"tokenizer={str(tokenizer)!r}: no such file (expected a tokenizer.json)")
     specs = graph_specs(config, dtype, target)

@@ -9,6 +9,7 @@ Tolerances are per (dtype, provider); see ``TOLERANCES``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -259,8 +260,8 @@ class Runner:
                          for name, g in self.manifest.graphs.items()}
         self._device = "cuda" if provider == "cuda" else "cpu"
         self.torch_dtype = torch.float16 if self.dtype == "float16" else torch.float32
-        if self.torch_dtype != torch.float32:
-            self.model = self.model.to(self.torch_dtype)
+        if self.torch_dtype != torch.float32:  # a converted copy: never round the caller's weights
+            self.model = copy.deepcopy(self.model).to(self.torch_dtype)
 
     # ----------------------------------------------------------------------------- inputs
     def _ids(self, rng: np.random.Generator, shape) -> np.ndarray:

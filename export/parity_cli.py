@@ -65,7 +65,7 @@ def run_parity(args: argparse.Namespace) -> int:
                 agreement = [d.token_agreement for d in result.diffs if d.token_agreement is not None]
                 tokens = f"{min(agreement):.0%}" if agreement else "-"
                 status = "ok" if result.ok else "MISMATCH"
-                row = {"case": case.label, "graph": result.graph, "provider": provider,
+                row = {"case": result.case.label, "graph": result.graph, "provider": provider,
                        "max_abs": worst_abs, "max_rel": worst_rel,
                        "token_agreement": min(agreement) if agreement else None, "ok": result.ok,
                        "diffs": [d.to_dict() for d in result.diffs]}
@@ -74,7 +74,7 @@ def run_parity(args: argparse.Namespace) -> int:
                     row["first_divergence"] = first_divergence(runner.localize(case))
                     status += f": {row['first_divergence']}"
                 rows.append(row)
-                print(f"{case.label:<18} {result.graph:<8} {provider:<8} {worst_abs:>10.3g} "
+                print(f"{result.case.label:<18} {result.graph:<8} {provider:<8} {worst_abs:>10.3g} "
                       f"{worst_rel:>10.3g} {tokens:>7}  {status}")
     if args.json:
         report = {"model_dir": str(args.model_dir), "dtype": manifest.dtype,

@@ -16,7 +16,7 @@ from torch import nn
 
 from tfport.config import ModelConfig
 from tfport.contract import CONFIG_FILE
-from tfport.files import atomic_directory
+from tfport.files import atomic_directory, check_output_dir
 
 from . import build_model
 
@@ -37,9 +37,12 @@ def _aliases(model: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, str]]
     return canonical, aliases
 
 
-def save_checkpoint(model: nn.Module, directory: str | os.PathLike) -> Path:
-    """Write ``model`` (with a ``.config``) to ``directory`` atomically; returns the directory."""
-    directory = Path(directory)
+def save_checkpoint(model: nn.Module, directory: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write ``model`` (with a ``.config``) to ``directory`` atomically; returns the directory.
+
+    A non-empty ``directory`` is refused unless ``overwrite`` (its whole content is replaced).
+    """
+    directory = check_output_dir(directory, "directory", overwrite)
     canonical, _ = _aliases(model)
     tensors = {name: t.detach().contiguous().cpu() for name, t in canonical.items()}
     with atomic_directory(directory) as tmp:

@@ -35,7 +35,8 @@ def generate(model: DecoderLM, input_ids: torch.Tensor, attention_mask: torch.Te
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> torch.Tensor:
     """Greedy or sampled continuation [B, max_new_tokens] of left-padded prompts [B, S].
 
-    Rows that produced ``eos_token_id`` continue with ``pad_token_id``.
+    Rows that produced ``eos_token_id`` continue with ``pad_token_id``. The last token is not fed
+    back, so prompt + max_new_tokens - 1 positions are used.
     """
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     if attention_mask is None:
@@ -52,6 +53,8 @@ def generate(model: DecoderLM, input_ids: torch.Tensor, attention_mask: torch.Te
             done |= token == eos_token_id
             if bool(done.all()):
                 break
+        if len(tokens) == max_new_tokens:  # the last token's logits would be unused
+            break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
         logits, cache = model(token[:, None], attention_mask, past_key_values=cache)
     return torch.stack(tokens, dim=1)

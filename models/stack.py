@@ -68,7 +68,7 @@ class Stack(nn.Module):
                 memory_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
         """input_ids [B, S], attention_mask [B, P+S] -> (states [B, S, E], present KVCache).
 
-        Missing ``position_ids`` are counted from the mask (left padding shifts them); ``memory``
+        Missing ``position_ids`` are counted over real tokens (padding does not shift them); ``memory``
         is the per-layer cross-attention (k, v) and ``memory_mask`` [B, Senc] its padding.
         """
         batch, length = input_ids.shape

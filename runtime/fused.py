@@ -46,7 +46,9 @@ class FusedDecoder:
     def __call__(self, input_ids: np.ndarray, seqlens_k: np.ndarray) -> np.ndarray:
         """input_ids [B, S] (right-padded), seqlens_k [B] -> logits float32 [B, S, V].
 
-        Row b's new keys/values are written in place into slots seqlens_k[b] - S + 1 .. seqlens_k[b].
+        ``seqlens_k[b]`` is the index of row b's last real token counting its cache: a prefill passes
+        each prompt's length - 1 (its padded slots are ignored), a decode step the cached length.
+        The new keys/values are written in place into the row's slots after its cache.
         """
         feeds = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                  "seqlens_k": seqlens_k.astype(np.int32),

@@ -159,11 +159,11 @@ class Model:
             static = self._cross_attention(encoder_ids, encoder_mask)
             ids = np.full((len(rows), 1), config.decoder_start_token_id, dtype=np.int64)
             return ids, np.ones_like(ids), static
-        check_length("input_ids", longest + 1, limit,
-                     f"the longest prompt has {longest} tokens, leaving no room for new ones")
-        check_length("max_new_tokens", longest + max_new_tokens, limit,
-                     f"longest prompt {longest} + max_new_tokens {max_new_tokens}; lower "
-                     f"max_new_tokens to at most {limit - longest}")
+        # The prompt fills positions 0..longest-1; every new token but the last is fed back.
+        check_length("input_ids", longest, limit, "the longest prompt")
+        check_length("max_new_tokens", longest + max_new_tokens - 1, limit,
+                     f"longest prompt {longest} + max_new_tokens {max_new_tokens} - 1 (the last "
+                     f"token is not fed back); lower max_new_tokens to at most {limit - longest + 1}")
         ids, mask = pad_batch(rows, config.pad_token_id, "left")
         return ids, mask, {}
 
@@ -213,9 +213,14 @@ class Model:
         if stop_token_ids is None:
             eos = self.config.eos_token_id
             return () if eos is None else (eos,)
+        if isinstance(stop_token_ids, np.ndarray):
+            stop_token_ids = stop_token_ids.tolist() if stop_token_ids.ndim == 1 else stop_token_ids
         if isinstance(stop_token_ids, (int, str)) or not isinstance(stop_token_ids, Sequence):
             raise TypeError(f"stop_token_ids={stop_token_ids!r}: expected a sequence of token "
                             "ids (or None for the config's eos_token_id)")
+        odd = [i for i in stop_token_ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))]
+        if odd:
+            raise TypeError(f"stop_token_ids: {odd} are not integer token ids")
         stops = tuple(int(i) for i in stop_token_ids)
         bad = [i for i in stops if not 0 <= i < self.config.vocab_size]
         if bad:

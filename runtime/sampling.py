@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+NUMBERS = (int, float, np.integer, np.floating)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,14 +24,14 @@ class SamplingParams:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, NUMBERS) \
                 or not np.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r}: expected a finite number >= 0 "
                              "(0 is greedy)")
         if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool) \
                 or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 keeps all)")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, NUMBERS) \
                 or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1] (1 keeps all)")
 

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
+    except (ValueError, TypeError, OSError, RuntimeError) as err:
         print(f"tfport {args.command}: error: {err}", file=sys.stderr)
         return 2
 

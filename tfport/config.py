@@ -169,6 +169,10 @@ class ModelConfig:
         for field in ("n_encoder_layers", "n_decoder_layers", "type_vocab_size"):
             if not is_int(getattr(self, field)) or getattr(self, field) < 0:
                 fail(field, "a non-negative integer")
+        for field in ("gated_ffn", "attention_bias", "mlp_bias", "tie_embeddings", "embedding_norm",
+                      "pooler", "mlm_head"):
+            if not isinstance(getattr(self, field), bool):
+                fail(field, "true or false")
         for field in ("rope_theta", "norm_eps", "lm_head_scale"):
             if not is_number(getattr(self, field)) or getattr(self, field) <= 0:
                 fail(field, "a positive finite number")
@@ -202,6 +206,9 @@ class ModelConfig:
         if self.position == "rope" and self.dim_per_head % 2:
             fail("head_dim" if self.head_dim else "d_model",
                  f"an even head dimension for RoPE, got {self.dim_per_head}")
+        if self.rope_scaling == "ntk" and self.dim_per_head <= 2:
+            fail("head_dim" if self.head_dim else "d_model",
+                 f"a head dimension above 2 for NTK-aware RoPE scaling, got {self.dim_per_head}")
         if self.rope_scaling is None and self.rope_scaling_factor != 1.0:
             fail("rope_scaling_factor", "1.0 unless rope_scaling is 'linear' or 'ntk'")
         if self.rope_scaling is not None and self.position != "rope":

@@ -17,6 +17,19 @@ def _default_mode(directory: bool) -> int:
     return (0o777 if directory else 0o666) & ~umask
 
 
+def check_output_dir(path: str | os.PathLike, argument: str, overwrite: bool) -> Path:
+    """``ValueError`` naming ``argument`` unless ``path`` may be written as a directory: absent,
+    an empty directory, or (with ``overwrite``) an existing directory. Never a plain file."""
+    path = Path(path)
+    for parent in [path, *path.parents]:
+        if parent.exists() and not parent.is_dir():
+            raise ValueError(f"{argument}={str(path)!r}: {str(parent)!r} exists and is not a directory")
+    if path.is_dir() and not overwrite and any(path.iterdir()):
+        raise ValueError(f"{argument}={str(path)!r} exists and is not empty; pass overwrite=True "
+                         "(CLI: --force) to replace it")
+    return path
+
+
 @contextmanager
 def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty temporary directory beside ``target``; on success it replaces ``target``.
@@ -34,7 +47,13 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old", dir=target.parent))
             target.rename(old / target.name)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except BaseException:
+            if old is not None:  # put the previous target back
+                (old / target.name).rename(target)
+                shutil.rmtree(old, ignore_errors=True)
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -42,17 +61,25 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same directory."""
+@contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` (umask permissions)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        yield tmp
         os.chmod(tmp, _default_mode(directory=False))
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same directory."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)

@@ -229,3 +229,16 @@ def test_core_imports_without_torch(tmp_path):
                             env={"PYTHONPATH": str(tmp_path / "blocked"), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "loaded: []", result.stdout
+
+
+@pytest.mark.parametrize("field", ["gated_ffn", "attention_bias", "mlp_bias", "tie_embeddings",
+                                   "embedding_norm", "pooler", "mlm_head"])
+def test_boolean_fields_must_be_booleans(field):
+    with pytest.raises(ValueError, match=rf"config\.{field}='false': expected true or false"):
+        PRESETS["tiny-encoder"].replace(**{field: "false"})
+
+
+def test_ntk_scaling_needs_a_head_dim_above_two():
+    base = PRESETS["tiny-decoder"]
+    with pytest.raises(ValueError, match="head_dim=2: expected a head dimension above 2"):
+        base.replace(head_dim=2, rope_scaling="ntk", rope_scaling_factor=2.0)

@@ -90,3 +90,24 @@ def test_cli_export_preset_and_checkpoint(tmp_path, capsys):
     assert main(["export", "no-such-preset", "--out", str(tmp_path / "c")]) == 2
     assert "source='no-such-preset'" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+def test_out_dir_that_is_a_file_is_refused(tmp_path, capsys):
+    (tmp_path / "afile").write_text("not a directory")
+    model = build_model(PRESETS["tiny-decoder"], seed=0)
+    for target in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        with pytest.raises(ValueError, match="exists and is not a directory"):
+            export_model(model, target)
+    assert main(["export", "tiny-decoder", "--out", str(tmp_path / "afile")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "not a directory"
+
+
+def test_fp16_export_leaves_the_callers_model_in_float32(tmp_path):
+    import torch
+
+    model = build_model(PRESETS["tiny-decoder"], seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    export_model(model, tmp_path / "fp16", dtype="float16")  # validation runs an fp16 copy
+    after = model.state_dict()
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())

@@ -105,8 +105,6 @@ def test_encoder_decoder_incremental_equals_full_decode(preset, changes, chunk):
         lambda i, m, past: model.decode(i, cross_kv, enc_mask, m, past_key_values=past),
         dec_ids, dec_mask, 2, chunk)
     check_cache(preset, full_logits, full_cache, step_logits, step_cache, dec_mask)
-    # The teacher-forced forward is the same computation end to end.
-    assert_close(model(enc_ids, dec_ids, enc_mask, dec_mask), full_logits, "forward vs decode")
     # Cross-attention K/V are computed once and reused untouched.
     for (k, v), (k0, v0) in zip(cross_kv, frozen):
         assert torch.equal(k, k0) and torch.equal(v, v0)

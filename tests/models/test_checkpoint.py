@@ -78,7 +78,10 @@ def test_save_overwrites_an_existing_checkpoint(tmp_path):
     first = build_model(tiny("tiny-decoder"), seed=0)
     second = build_model(tiny("tiny-decoder"), seed=1)
     save_checkpoint(first, tmp_path / "ckpt")
-    save_checkpoint(second, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="directory=.*exists and is not empty"):
+        save_checkpoint(second, tmp_path / "ckpt")
+    assert torch.equal(outputs(load_checkpoint(tmp_path / "ckpt"))[0], outputs(first)[0])
+    save_checkpoint(second, tmp_path / "ckpt", overwrite=True)
     assert torch.equal(outputs(load_checkpoint(tmp_path / "ckpt"))[0], outputs(second)[0])
 
 

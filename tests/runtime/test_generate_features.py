@@ -103,11 +103,13 @@ def test_progress_bar_on_stderr(loaded, capsys):
 def test_max_positions_boundary(loaded):
     _, model = loaded("decoder-learned")  # a learned position table of max_positions rows
     limit = model.config.max_positions
-    out = model.generate([PROMPTS[0]], max_new_tokens=limit - len(PROMPTS[0]), stop_token_ids=())
-    assert out.shape == (1, limit - len(PROMPTS[0]))
+    # The last new token is never fed back, so the prompt plus all but one new token fill the table.
+    most = limit - len(PROMPTS[0]) + 1
+    out = model.generate([PROMPTS[0]], max_new_tokens=most, stop_token_ids=())
+    assert out.shape == (1, most)
     with pytest.raises(ValueError, match=rf"max_new_tokens: needs {limit + 1} positions, more than "
                                          rf"the model's max_positions={limit}"):
-        model.generate([PROMPTS[0]], max_new_tokens=limit - len(PROMPTS[0]) + 1)
+        model.generate([PROMPTS[0]], max_new_tokens=most + 1)
 
 
 def test_float16_export(loaded):
@@ -122,3 +124,31 @@ def test_float16_export(loaded):
     fp32 = loaded("decoder-rope")[1].generate(PROMPTS, max_new_tokens=16, stop_token_ids=())
     # fp16 rounding may flip a near-tie late in the sequence; the first tokens must agree
     np.testing.assert_array_equal(out[:, :4], fp32[:, :4])
+
+
+def test_boundary_matches_the_reference(loaded):
+    """At the max_positions boundary the reference and the runtime agree (neither feeds the
+    last token back, so neither reads past the position table)."""
+    import torch
+
+    from tfport.models.generate import generate as reference_generate
+
+    exported, model = loaded("decoder-learned")
+    module = exported.model
+    limit = model.config.max_positions
+    prompt = PROMPTS[0]
+    most = limit - len(prompt) + 1
+    expected = reference_generate(module, torch.tensor([prompt]), max_new_tokens=most)
+    got = model.generate([prompt], max_new_tokens=most, stop_token_ids=())
+    assert got.tolist() == expected.tolist()
+
+
+def test_stop_ids_and_sampling_arguments_accept_numpy_and_refuse_non_integers(loaded):
+    _, model = loaded("decoder-rope")
+    assert model.stop_ids(np.array([2, 5])) == (2, 5)
+    for bad in ([2.7], ["a"], [None], [True]):
+        with pytest.raises(TypeError, match="stop_token_ids"):
+            model.stop_ids(bad)
+    out = model.generate([PROMPTS[0]], max_new_tokens=3, temperature=np.float32(0.7),
+                         top_p=np.float32(0.9), top_k=np.int64(5), seed=1, stop_token_ids=())
+    assert out.shape == (1, 3)
