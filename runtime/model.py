@@ -73,6 +73,12 @@ class Model:
             if settings.provider == "auto":  # the other graphs follow the first one's device
                 chosen = "cuda" if runners[name].device == "cuda" else "cpu"
                 settings = dataclasses.replace(settings, provider=chosen)
+        if manifest.target == "ort" and manifest.dtype == "float32" and \
+                any(r.device == "cuda" for r in runners.values()):
+            # ONNX Runtime would run the attention node on the CPU, copying the cache each step.
+            raise ValueError(f"model_dir={str(directory)!r}: target 'ort' on CUDA needs a float16 "
+                             "export (ONNX Runtime's CUDA GroupQueryAttention has float16/bfloat16 "
+                             "kernels); re-export with --dtype float16, or use provider='cpu'")
         return cls(directory, manifest, runners, settings)
 
     def __repr__(self) -> str:
