@@ -115,12 +115,18 @@ def _stream(model: Model, prompts: list[list[int]], options: dict, text: bool) -
                 break
             generated.append(token)
             decoded = model.tokenizer.decode(generated)
-            sys.stdout.write(decoded[len(shown):])
-            shown = decoded
+            # Hold text back while it is an incomplete byte sequence (U+FFFD) or while decoding
+            # the longer id list rewrote what was already shown (byte-level BPE can).
+            if decoded.startswith(shown) and not decoded.endswith("\ufffd"):
+                sys.stdout.write(decoded[len(shown):])
+                shown = decoded
         else:
             sys.stdout.write(("," if generated else "") + str(token))
             generated.append(token)
         sys.stdout.flush()
+    if text and generated:
+        decoded = model.tokenizer.decode(generated)
+        sys.stdout.write(decoded[len(shown):] if decoded.startswith(shown) else "\n" + decoded)
     sys.stdout.write("\n")
 
 
