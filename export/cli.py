@@ -31,10 +31,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--opset", type=int, default=18, help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET}")
+    p.add_argument("--opset", type=int, default=None,
+                   help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default 18; 23 for --target onnx23)")
     p.add_argument("--target", choices=TARGETS, default="portable",
                    help="portable: any ONNX runtime; ort: fused ONNX Runtime attention with an "
-                        "in-place KV cache (decoder-only RoPE models)")
+                        "in-place KV cache (decoder-only RoPE models); onnx23: ONNX's opset-23 "
+                        "Attention and RotaryEmbedding operators")
     p.add_argument("--tokenizer", help="tokenizer.json to ship with the export")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-validate", action="store_true",

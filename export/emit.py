@@ -97,6 +97,7 @@ class StackInputs:
     bias: str | None  # float32 [B, 1|H, S, T]
     position_ids: str | None = None  # int64 [B, S] (RoPE)
     inv_freq: str | None = None  # float32 [D/2]
+    rope_cache: tuple[str, str] | None = None  # target "onnx23": cos, sin [max_positions, D/2]
     memory_bias: str | None = None  # float32 [B, 1, S, Senc] (cross-attention)
     fused: dict[str, str] | None = None  # target "ort": seqlens_k, total_sequence_length, cos, sin
 
@@ -119,9 +120,10 @@ def self_attention(g: GraphBuilder, x: str, module: Attention, ctx: StackInputs,
         g.tap(f"{name}.context", out)
         return g.tap(name, linear(g, out, module.out, f"{name}.out")), (pk, pv)
     q, k, v = heads(g, q, h, d, f"{name}.q"), heads(g, k, hkv, d, f"{name}.k"), heads(g, v, hkv, d, f"{name}.v")
-    if ctx.inv_freq is not None:
-        q = g.tap(f"{name}.rotary_q", g.fn("RotaryEmbedding", q, ctx.position_ids, ctx.inv_freq, name=f"{name}.rotary_q"))
-        k = g.tap(f"{name}.rotary_k", g.fn("RotaryEmbedding", k, ctx.position_ids, ctx.inv_freq, name=f"{name}.rotary_k"))
+    if ctx.inv_freq is not None or ctx.rope_cache is not None:
+        tables = (ctx.inv_freq,) if ctx.rope_cache is None else ctx.rope_cache
+        q = g.tap(f"{name}.rotary_q", g.fn("RotaryEmbedding", q, ctx.position_ids, *tables, name=f"{name}.rotary_q"))
+        k = g.tap(f"{name}.rotary_k", g.fn("RotaryEmbedding", k, ctx.position_ids, *tables, name=f"{name}.rotary_k"))
     if past is None:
         out = g.fn("ScaledDotProductAttention", q, k, v, ctx.bias, scale=module.scale, name=f"{name}.sdpa")
         present = None
@@ -213,11 +215,13 @@ def stack(g: GraphBuilder, module: Stack, config: ModelConfig, *, input_ids: str
           position_ids: str | None, token_table: str, causal: bool, token_type_ids: str | None = None,
           pasts: list[tuple[str, str]] | None = None, memories: list[tuple[str, str]] | None = None,
           encoder_attention_mask: str | None = None, fused: dict[str, str] | None = None,
-          progress=None, name: str = "stack") -> tuple[str, list[tuple[str, str] | None]]:
+          rope_cache: bool = False, progress=None, name: str = "stack"
+          ) -> tuple[str, list[tuple[str, str] | None]]:
     """Embeddings, masks/positions shared by all layers, the blocks and the final norm.
 
     ``fused`` (target "ort") holds the seqlens_k / total_sequence_length inputs: masking and
-    RoPE then happen inside ONNX Runtime's GroupQueryAttention, from cos/sin tables built here.
+    RoPE then happen inside ONNX Runtime's GroupQueryAttention, from cos/sin tables built here;
+    ``rope_cache`` (target "onnx23") gives RotaryEmbedding those tables instead of inv_freq.
     Returns (states [B, S, E] in the model dtype, per-layer present (k, v) or None).
     """
     if fused is not None:
@@ -238,7 +242,11 @@ def stack(g: GraphBuilder, module: Stack, config: ModelConfig, *, input_ids: str
     ctx = StackInputs(bias=bias)
     if config.position == "rope":
         ctx.position_ids = position_ids
-        ctx.inv_freq = g.weight(f"{name}.inv_freq", _np(module.inv_freq), "float32")
+        if rope_cache:
+            cos, sin = rope_tables(module.inv_freq, config.max_positions)
+            ctx.rope_cache = (g.weight(f"{name}.rope_cos", cos), g.weight(f"{name}.rope_sin", sin))
+        else:
+            ctx.inv_freq = g.weight(f"{name}.inv_freq", _np(module.inv_freq), "float32")
     if memories is not None:
         ctx.memory_bias = g.fn("AttentionBias", encoder_attention_mask, length, causal=0, name=f"{name}.cross_mask")
     g.tap(f"{name}.bias", bias, "float32")

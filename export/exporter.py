@@ -28,6 +28,7 @@ from .graph import GraphBuilder
 log = logging.getLogger(__name__)
 
 MIN_OPSET, MAX_OPSET = 18, 23
+DEFAULT_OPSET = 18
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # below protobuf's 2 GiB limit, with room for the graph
 
 
@@ -61,7 +62,8 @@ def _presents(presents, n_layers: int, kind: str | None) -> dict[str, str]:
     return out
 
 
-def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=None) -> GraphBuilder:
+def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=None,
+                        target: str = "portable") -> GraphBuilder:
     """Encoder graph of an EncoderModel or of an EncoderDecoderLM (which adds cross K/V outputs)."""
     config: ModelConfig = model.config
     g = GraphBuilder("encoder", dtype)
@@ -76,7 +78,7 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=
     states, _ = emit.stack(g, body, config, input_ids=inputs["input_ids"],
                            attention_mask=inputs["attention_mask"], position_ids=position_ids,
                            token_table=table, causal=False, token_type_ids=inputs.get("token_type_ids"),
-                           progress=progress, name="encoder")
+                           rope_cache=target == "onnx23", progress=progress, name="encoder")
     values = {"last_hidden_state": states}
     if getattr(model, "pooler", None) is not None:
         first = g.op("Gather", states, g.const(0, name="first"), axis=1, name="pooler.first")  # [B, E]
@@ -98,7 +100,8 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=
     return g
 
 
-def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=None) -> GraphBuilder:
+def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=None,
+                        target: str = "portable") -> GraphBuilder:
     """Decoder graph of a DecoderLM or EncoderDecoderLM: one graph for prefill and decode."""
     config: ModelConfig = model.config
     seq2seq = config.family == "encoder-decoder"
@@ -118,7 +121,7 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=
         g, model.decoder, config, input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
         position_ids=inputs.get("position_ids"), token_table=table, causal=True, pasts=pasts,
         memories=memories, encoder_attention_mask=inputs.get("encoder_attention_mask"),
-        fused=fused, progress=progress, name="decoder")
+        fused=fused, rope_cache=target == "onnx23", progress=progress, name="decoder")
     values = {"logits": _lm_head(g, states, model, table)}
     values.update(_presents(presents, n, kind))
     _outputs(g, spec, values)
@@ -130,6 +133,9 @@ BUILDERS = {"encoder": build_encoder_graph, "decoder": build_decoder_graph}
 
 def _check_options(config: ModelConfig, dtype: str, opset: int, target: str) -> None:
     check_target(config, target)
+    if target == "onnx23" and opset != 23:
+        raise ValueError(f"opset={opset!r}: target 'onnx23' uses the opset-23 Attention and "
+                         "RotaryEmbedding operators, so it needs opset 23")
     if dtype not in ("float32", "float16"):
         raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'float16'")
     if not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
@@ -151,20 +157,23 @@ def _save_graph(model: onnx.ModelProto, path: Path, threshold: int) -> bool:
 
 
 def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "float32",
-                 opset: int = 18, target: str = "portable", validate: bool = True,
+                 opset: int | None = None, target: str = "portable", validate: bool = True,
                  tokenizer: str | os.PathLike | None = None,
                  overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  show_progress: bool | None = None) -> Manifest:
     """Export ``model`` (a tfport reference module with ``.config``) to ``out_dir``.
 
     Writes ``manifest.json``, ``config.json``, one ``.onnx`` per graph of the family (and
-    ``tokenizer.json`` if given). ``target`` is "portable" (any ONNX runtime) or "ort" (the
+    ``tokenizer.json`` if given). ``target`` is "portable" (any ONNX runtime), "ort" (the
     decoder's RoPE attention lowered to ONNX Runtime's fused GroupQueryAttention with an in-place
-    KV buffer; decoder-only RoPE models). With ``validate``, runs ONNX Runtime against the module on fresh
+    KV buffer; decoder-only RoPE models) or "onnx23" (rotary and attention as ONNX's opset-23
+    operators). ``opset`` defaults to 18 (23 for "onnx23"). With ``validate``, runs ONNX Runtime against the module on fresh
     random inputs (prefill and a decode step with past) and raises if they differ beyond the
     dtype's tolerance. ``out_dir`` must not exist unless ``overwrite``.
     """
     config: ModelConfig = model.config
+    if opset is None:
+        opset = 23 if target == "onnx23" else DEFAULT_OPSET
     _check_options(config, dtype, opset, target)
     out_dir = check_output_dir(out_dir, "out_dir", overwrite)
     if tokenizer is not None and not Path(tokenizer).is_file():
@@ -179,7 +188,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     with atomic_directory(out_dir) as tmp:
         with tqdm(total=n_layers, desc="export", unit="layer", disable=not show_progress) as progress:
             for name, spec in specs.items():
-                proto = BUILDERS[name](model, spec, dtype, progress).build(opset)
+                proto = BUILDERS[name](model, spec, dtype, progress, target).build(opset, target)
                 external = _save_graph(proto, tmp / spec.file, external_data_threshold)
                 log.info("wrote %s%s", spec.file, " with external data" if external else "")
         (tmp / CONFIG_FILE).write_text(config.to_json() + "\n")

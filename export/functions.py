@@ -22,6 +22,7 @@ import numpy as np
 import onnx
 from onnxscript import BOOL, FLOAT, INT64, script, values
 from onnxscript import opset18 as op
+from onnxscript import opset23 as op23
 
 DOMAIN = "ai.tfport"
 DOMAIN_VERSION = 1
@@ -201,19 +202,68 @@ def RMSNorm(x, weight, epsilon: float):
     return op.Mul(op.CastLike(normed, x), weight)
 
 
+# ---- target "onnx23": the same functions, their bodies lowered to ONNX's own fused operators
+# (opset 23 Attention and RotaryEmbedding). Same names as above, so a graph reads the same.
+
+ONNX23_MASK_FLOOR = -32752.0  # half of float16's lowest: finite in every dtype once added to scores
+
+
+@script(tfport, default_opset=op23)
+def RotaryEmbedding23(x, position_ids, cos_cache, sin_cache):
+    """Target "onnx23" body of ``RotaryEmbedding``: ONNX RotaryEmbedding (opset 23), rotate-half.
+
+    x [B, N, S, D]; position_ids int64 [B, S]; cos_cache, sin_cache [max_positions, D/2] =
+    cos/sin(position * inv_freq), built at export exactly as the reference computes them.
+    """
+    return op23.RotaryEmbedding(x, cos_cache, sin_cache, position_ids, interleaved=0)
+
+
+@script(tfport, default_opset=op23)
+def ScaledDotProductAttention23(query, key, value, bias, scale: float):
+    """Target "onnx23" body of ``ScaledDotProductAttention``: ONNX Attention (opset 23).
+
+    The additive bias (masks, ALiBi, relative) is clamped at ONNX23_MASK_FLOOR and cast to the
+    query dtype (the operator takes a mask of that dtype): masked keys still get zero weight, and a
+    fully masked (padding) row stays finite. -> [B, S, H*D].
+    """
+    mask = op23.CastLike(op23.Max(bias, op23.Constant(value_float=ONNX23_MASK_FLOOR)), query)
+    out = op23.Attention(query, key, value, mask, scale=scale)  # [B, H, S, D]
+    return op23.Reshape(op23.Transpose(out, perm=[0, 2, 1, 3]), op23.Constant(value_ints=[0, 0, -1]))
+
+
+@script(tfport, default_opset=op23)
+def GroupQueryAttention23(query, key, value, past_key, past_value, bias, scale: float):
+    """Target "onnx23" body of ``GroupQueryAttention``: ONNX Attention (opset 23) with its KV
+    cache inputs and outputs (past followed by the new keys/values); mask as in
+    ScaledDotProductAttention23."""
+    mask = op23.CastLike(op23.Max(bias, op23.Constant(value_float=ONNX23_MASK_FLOOR)), query)
+    out, present_key, present_value = op23.Attention(query, key, value, mask, past_key, past_value,
+                                                     scale=scale)
+    output = op23.Reshape(op23.Transpose(out, perm=[0, 2, 1, 3]), op23.Constant(value_ints=[0, 0, -1]))
+    return output, present_key, present_value
+
+
+ONNX23_BODIES = {"RotaryEmbedding": RotaryEmbedding23,
+                 "ScaledDotProductAttention": ScaledDotProductAttention23,
+                 "GroupQueryAttention": GroupQueryAttention23}
+
+
 FUNCTIONS = (AttentionBias, AlibiBias, RelativePositionBias, RotaryEmbedding, ScaledDotProductAttention,
              GroupQueryAttention, FusedGroupQueryAttention, RMSNorm)
 
 
-def function_protos(opset: int) -> list[onnx.FunctionProto]:
-    """The library's FunctionProtos, their standard-domain import set to ``opset``.
+def function_protos(opset: int, target: str = "portable") -> list[onnx.FunctionProto]:
+    """The library's FunctionProtos for ``target``, their standard-domain import set to ``opset``.
 
-    The bodies use only operators whose semantics are unchanged from opset 18 up to the newest
-    opset onnx knows, so re-stamping the version keeps them valid for a model of that opset.
+    The portable bodies use only operators whose semantics are unchanged from opset 18 up to the
+    newest opset onnx knows, so re-stamping the version keeps them valid for a model of that
+    opset; target "onnx23" swaps in the bodies built on opset-23 operators (opset must be 23).
     """
     protos = []
     for function in FUNCTIONS:
-        proto = function.to_function_proto()
+        body = ONNX23_BODIES.get(function.name, function) if target == "onnx23" else function
+        proto = body.to_function_proto()
+        proto.name = function.name
         for entry in proto.opset_import:
             if entry.domain == "":
                 entry.version = opset

@@ -97,10 +97,10 @@ class GraphBuilder:
             self.op("Identity", value, outputs=[spec.name], name=f"out_{spec.name}")
         self.outputs.append(helper.make_tensor_value_info(spec.name, ONNX_DTYPES[spec.dtype], list(spec.shape)))
 
-    def build(self, opset: int) -> onnx.ModelProto:
+    def build(self, opset: int, target: str = "portable") -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers,
                                   value_info=self.value_info)
-        functions = self._used_functions(function_protos(opset))
+        functions = self._used_functions(function_protos(opset, target))
         imports = {"": opset, DOMAIN: DOMAIN_VERSION}
         for function in functions:  # e.g. com.microsoft for the ort target's fused operators
             imports.update({o.domain: o.version for o in function.opset_import if o.domain not in imports})

@@ -48,7 +48,9 @@ DTYPES = ("float32", "float16")
 # "portable": standard ONNX ops plus ai.tfport functions; runs on any ONNX runtime.
 # "ort": the decoder's RoPE + attention lowered to ONNX Runtime's com.microsoft.GroupQueryAttention,
 #        with a preallocated KV buffer shared by past and present (updated in place).
-TARGETS = ("portable", "ort")
+# "onnx23": as portable, with rotary and attention lowered to ONNX's own opset-23 RotaryEmbedding
+#        and Attention operators (same graph I/O; opset 23).
+TARGETS = ("portable", "ort", "onnx23")
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,13 @@ def test_outputs_match(exported, family, position, attention, provider, dtype):
     check_outputs(*exported(matrix_config(family, position, attention), dtype), provider)
 
 
+@pytest.mark.parametrize("provider,dtype", TARGETS)
+@pytest.mark.parametrize("family,position,attention", MATRIX, ids=IDS)
+def test_outputs_match_onnx23_target(exported, family, position, attention, provider, dtype):
+    """Target "onnx23": the same matrix through ONNX's opset-23 Attention and RotaryEmbedding."""
+    check_outputs(*exported(matrix_config(family, position, attention), dtype, "onnx23"), provider)
+
+
 @pytest.mark.parametrize("provider,dtype", ORT_TARGETS)
 @pytest.mark.parametrize("family,position,attention", ORT_MATRIX, ids=["-".join(m) for m in ORT_MATRIX])
 def test_outputs_match_ort_target(exported, family, position, attention, provider, dtype):
@@ -86,6 +93,15 @@ def assert_greedy_agrees(model, expected: list[int], actual: list[int], prompt, 
                          ids=[i for m, i in zip(MATRIX, IDS) if m[0] != "encoder"])
 def test_greedy_tokens_match(exported, family, position, attention, provider, dtype):
     check_greedy(*exported(matrix_config(family, position, attention), dtype), family, provider, dtype)
+
+
+@pytest.mark.parametrize("provider,dtype", TARGETS)
+@pytest.mark.parametrize("family,position,attention",
+                         [m for m in MATRIX if m[0] != "encoder"],
+                         ids=[i for m, i in zip(MATRIX, IDS) if m[0] != "encoder"])
+def test_greedy_tokens_match_onnx23_target(exported, family, position, attention, provider, dtype):
+    check_greedy(*exported(matrix_config(family, position, attention), dtype, "onnx23"), family,
+                 provider, dtype)
 
 
 @pytest.mark.parametrize("provider,dtype", ORT_TARGETS)

@@ -1,5 +1,6 @@
-"""Target "ort": RoPE attention lowered to ONNX Runtime's fused GroupQueryAttention, inside the
-named ai.tfport function, with a KV buffer shared by past and present; refusals name the reason."""
+"""Targets "ort" (RoPE attention lowered to ONNX Runtime's fused GroupQueryAttention inside the
+named ai.tfport function, with a KV buffer shared by past and present) and "onnx23" (ONNX's
+opset-23 Attention and RotaryEmbedding); refusals name the reason."""
 
 from __future__ import annotations
 
@@ -83,3 +84,27 @@ def test_unsupported_combinations_are_refused(tmp_path, config, needle):
 def test_unknown_target(tmp_path):
     with pytest.raises(ValueError, match="target='tensorrt'"):
         export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "x", target="tensorrt")
+
+
+@pytest.mark.parametrize("family,position", [("decoder", "rope"), ("encoder-decoder", "alibi"),
+                                             ("encoder", "relative")])
+def test_onnx23_target_uses_the_standard_operators(tmp_path, family, position):
+    """Target "onnx23": same ai.tfport functions, bodies on opset-23 Attention/RotaryEmbedding."""
+    from tests.matrix import matrix_config
+
+    model = build_model(matrix_config(family, position, "gqa"), seed=2)
+    manifest = export_model(model, tmp_path / "x", target="onnx23")  # validated against PyTorch
+    assert manifest.opset == 23 and Manifest.read(tmp_path / "x").target == "onnx23"
+    for spec in manifest.graphs.values():
+        proto = onnx.load(str(tmp_path / "x" / spec.file))
+        bodies = {f.name: {n.op_type for n in f.node} for f in proto.functions}
+        attention = bodies.get("GroupQueryAttention") or bodies["ScaledDotProductAttention"]
+        assert "Attention" in attention and "Softmax" not in attention
+        if position == "rope":
+            assert bodies["RotaryEmbedding"] == {"RotaryEmbedding"}
+        assert {o.domain: o.version for o in proto.opset_import}[""] == 23
+
+
+def test_onnx23_target_needs_opset_23(tmp_path):
+    with pytest.raises(ValueError, match="opset=18: target 'onnx23'"):
+        export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "x", target="onnx23", opset=18)
