@@ -48,11 +48,6 @@ TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {
     ("float16", "cuda"): (2e-2, 2e-2),
 }
 
-# The standard cases: padding (none, left, right) x phase (prefill; decode step with past; a chunk
-# of several new tokens on top of a past). Decoders are causal in every case; "right" padding
-# on top of a past becomes left padding (a real cache never has holes before new tokens).
-CASES: list = []  # filled below, after Case
-
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
 
@@ -72,10 +67,13 @@ class Case:
         return f"B{self.batch}-P{self.past}-S{self.new}-{self.padding}"
 
 
+# The standard cases: padding (none, left, right) x phase (prefill; decode step with past; a chunk
+# of several new tokens on top of a past). Decoders are causal in every case; "right" padding
+# on top of a past becomes left padding (a real cache never has holes before new tokens).
 PHASES = {"prefill": (0, 6), "decode": (5, 1), "chunk": (4, 3)}  # (P, S)
-CASES.extend(Case(batch=3, past=p, new=s, padding=padding, seed=seed)
-             for seed, (padding, (p, s)) in enumerate(
-                 (padding, phase) for padding in ("none", "left", "right") for phase in PHASES.values()))
+CASES = [Case(batch=3, past=p, new=s, padding=padding, seed=seed)
+         for seed, (padding, (p, s)) in enumerate(
+             (padding, phase) for padding in ("none", "left", "right") for phase in PHASES.values())]
 
 
 @dataclass
@@ -142,13 +140,13 @@ def cuda_available() -> tuple[bool, str]:
     return True, "CUDA execution provider creates sessions"
 
 
-def _mask(case: Case, total: int, rng: np.random.Generator) -> np.ndarray:
-    """attention_mask [B, total]; row 0 gets 2 padded slots on the requested side."""
-    mask = np.ones((case.batch, total), dtype=np.int64)
+def _mask(batch: int, padding: str, total: int) -> np.ndarray:
+    """attention_mask [B, total]; row 0 gets 2 padded slots on the ``padding`` side."""
+    mask = np.ones((batch, total), dtype=np.int64)
     pad = min(2, total - 1)
-    if case.padding == "left":
+    if padding == "left":
         mask[0, :pad] = 0
-    elif case.padding == "right":
+    elif padding == "right":
         mask[0, total - pad:] = 0
     return mask
 
@@ -289,7 +287,7 @@ class Runner:
         length = case.encoder_length if seq2seq else case.past + case.new  # no past in encoders
         padding = ("right" if case.padding != "none" else "none") if seq2seq else case.padding
         ids = self._ids(rng, (case.batch, length))
-        mask = _mask(Case(case.batch, padding=padding), length, rng)
+        mask = _mask(case.batch, padding, length)
         feeds = {"input_ids": ids, "attention_mask": mask}
         t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
         kwargs = {}
@@ -320,7 +318,7 @@ class Runner:
         kind = "decoder" if encoder is not None else None
         total = case.past + case.new
         padding = "left" if (case.padding == "right" and case.past) else case.padding
-        mask = _mask(Case(case.batch, padding=padding), total, rng)
+        mask = _mask(case.batch, padding, total)
         ids = self._ids(rng, (case.batch, case.new))
         position_ids = positions_from_mask(torch.from_numpy(mask), case.new).numpy()
         past = [self._kv(rng, case.batch, case.past) for _ in range(2 * c.n_decoder_layers)]

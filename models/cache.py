@@ -20,7 +20,3 @@ class KVCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.layers[index] if index < len(self.layers) else None
-
-    def select(self, rows: torch.Tensor) -> "KVCache":
-        """The cache of batch rows ``rows`` (e.g. to drop finished sequences)."""
-        return KVCache([(k[rows], v[rows]) for k, v in self.layers])

@@ -49,13 +49,6 @@ def empty_cache(spec: GraphSpec, batch: int) -> dict[str, np.ndarray]:
     return cache
 
 
-def cache_length(cache: Mapping[str, Feed]) -> int:
-    """Past length P of a cache (all entries share it)."""
-    value = next(iter(cache.values()))
-    shape = value.shape() if isinstance(value, ort.OrtValue) else value.shape
-    return int(shape[2])
-
-
 class GraphRunner:
     """One session, its contract and its device; ``run`` binds inputs and outputs and runs."""
 

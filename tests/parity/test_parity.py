@@ -7,7 +7,6 @@ names the first diverging layer and piece."""
 from __future__ import annotations
 
 import copy
-import numpy as np
 import pytest
 import torch
 
