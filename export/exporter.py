@@ -18,7 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tfport.config import ModelConfig
-from tfport.contract import (CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphSpec, Manifest,
+from tfport.contract import (CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphSpec, Manifest,
                              cache_names, check_target, graph_specs)
 from tfport.files import atomic_directory, check_output_dir
 
@@ -158,13 +158,13 @@ def _save_graph(model: onnx.ModelProto, path: Path, threshold: int) -> bool:
 
 def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "float32",
                  opset: int | None = None, target: str = "portable", validate: bool = True,
-                 tokenizer: str | os.PathLike | None = None,
+                 tokenizer: str | os.PathLike | None = None, chat_template: str | None = None,
                  overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  show_progress: bool | None = None) -> Manifest:
     """Export ``model`` (a tfport reference module with ``.config``) to ``out_dir``.
 
     Writes ``manifest.json``, ``config.json``, one ``.onnx`` per graph of the family (and
-    ``tokenizer.json`` if given). ``target`` is "portable" (any ONNX runtime), "ort" (the
+    ``tokenizer.json`` if given, and ``chat_template.jinja`` from the ``chat_template`` text). ``target`` is "portable" (any ONNX runtime), "ort" (the
     decoder's RoPE attention lowered to ONNX Runtime's fused GroupQueryAttention with an in-place
     KV buffer; decoder-only RoPE models) or "onnx23" (rotary and attention as ONNX's opset-23
     operators). ``opset`` defaults to 18 (23 for "onnx23"). With ``validate``, runs ONNX Runtime against the module on fresh
@@ -180,7 +180,9 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
         raise ValueError(f"tokenizer={str(tokenizer)!r}: no such file (expected a tokenizer.json)")
     specs = graph_specs(config, dtype, target)
     manifest = Manifest(config=config, dtype=dtype, opset=opset, target=target,
-                        tokenizer=TOKENIZER_FILE if tokenizer is not None else None, graphs=specs)
+                        tokenizer=TOKENIZER_FILE if tokenizer is not None else None,
+                        chat_template=CHAT_TEMPLATE_FILE if chat_template is not None else None,
+                        graphs=specs)
     model = model.eval()
     n_layers = config.n_encoder_layers * ("encoder" in specs) + config.n_decoder_layers * ("decoder" in specs)
     if show_progress is None:
@@ -194,6 +196,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
         (tmp / CONFIG_FILE).write_text(config.to_json() + "\n")
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+        if chat_template is not None:
+            (tmp / CHAT_TEMPLATE_FILE).write_text(chat_template)
         manifest.write(tmp)
         if validate:
             from .parity import validate_export
@@ -203,24 +207,14 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
 
 
 def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, seed: int = 0, **options) -> Manifest:
-    """``source`` is a preset name (random weights from ``seed``) or a checkpoint directory."""
-    from tfport.models import build_model
-    from tfport.models.checkpoint import load_checkpoint
-    from tfport.presets import PRESETS
+    """Export a source (see ``tfport.export.source.load_source``); a checkpoint's own
+    ``tokenizer.json`` is shipped unless ``tokenizer`` is given."""
+    from .source import load_source
 
-    path = Path(source)
-    if path.is_dir():  # a tfport checkpoint, or a Hugging Face one (config.json with model_type)
-        from tfport.models.hf import is_hf_checkpoint, load_hf_model
-
-        model = load_hf_model(path) if is_hf_checkpoint(path) else load_checkpoint(path)
-        if options.get("tokenizer") is None and (path / TOKENIZER_FILE).is_file():
-            options["tokenizer"] = path / TOKENIZER_FILE
-    elif source in PRESETS:
-        model = build_model(PRESETS[source], seed=seed)
-    else:
-        raise ValueError(f"source={source!r}: expected a preset name ({', '.join(sorted(PRESETS))}) "
-                         "or a checkpoint directory with config.json and model.safetensors")
-    return export_model(model, out_dir, **options)
+    loaded = load_source(source, seed)
+    if options.get("tokenizer") is None:
+        options["tokenizer"] = loaded.tokenizer
+    return export_model(loaded.model, out_dir, **options)
 
 
 __all__ = ["export_model", "export_checkpoint_or_preset", "MANIFEST_FILE"]

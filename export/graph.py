@@ -14,16 +14,14 @@ from collections import Counter
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from tfport.contract import TensorSpec
+from tfport.dtypes import NUMPY_DTYPES, ONNX_DTYPES
 
 from .functions import DOMAIN, DOMAIN_VERSION, function_protos
 
 TAPS_KEY = "tfport.taps"  # metadata: reference point -> (graph value, dtype), for localisation
-ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64,
-               "int32": TensorProto.INT32}
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
 
 
 def ir_version_for(opset: int) -> int:

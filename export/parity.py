@@ -33,7 +33,9 @@ from tfport.models.masks import MASK_VALUE
 from tfport.models.positions import positions_from_mask
 from tfport.models.stack import Embeddings, Stack
 
-from .graph import ONNX_DTYPES, TAPS_KEY
+from tfport.dtypes import ONNX_DTYPES
+
+from .graph import TAPS_KEY
 
 # (rtol, atol) per (dtype, provider): an output passes where |ort - torch| <= atol + rtol * |torch|.
 TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {

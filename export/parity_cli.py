@@ -13,32 +13,13 @@ from pathlib import Path
 from tfport.contract import Manifest
 from tfport.files import write_text_atomic
 
+from .source import load_source
 from .parity import CASES, Runner, cuda_available, first_divergence
-
-
-def load_reference(source: str, seed: int):
-    """A checkpoint directory (tfport or Hugging Face) or a preset name with ``seed``."""
-    from tfport.models import build_model
-    from tfport.models.checkpoint import load_checkpoint
-    from tfport.presets import PRESETS
-
-    path = Path(source)
-    if path.is_dir():
-        try:
-            from tfport.models.hf import is_hf_checkpoint, load_hf_model
-        except ImportError:  # pragma: no cover - hf support not installed
-            is_hf_checkpoint = None
-        if is_hf_checkpoint is not None and is_hf_checkpoint(path):
-            return load_hf_model(path)
-        return load_checkpoint(path)
-    if source in PRESETS:
-        return build_model(PRESETS[source], seed=seed)
-    raise ValueError(f"--against={source!r}: expected a checkpoint directory or a preset name")
 
 
 def run_parity(args: argparse.Namespace) -> int:
     manifest = Manifest.read(args.model_dir)
-    model = load_reference(args.against, args.seed)
+    model = load_source(args.against, args.seed, "--against").model
     if model.config != manifest.config:
         raise ValueError(f"--against={args.against!r}: its config differs from the export's "
                          f"({args.model_dir}/config.json)")

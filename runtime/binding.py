@@ -15,12 +15,12 @@ import numpy as np
 import onnxruntime as ort
 
 from tfport.contract import GraphSpec
+from tfport.dtypes import NUMPY_DTYPES
 
 from .session import device_of
 
 PAST = "past_key_values."
 PRESENT = "present."
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32}
 
 # A graph input: a host array (copied to the device by ONNX Runtime) or an OrtValue already there.
 Feed = Union[np.ndarray, ort.OrtValue]

@@ -15,7 +15,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from .binding import NUMPY_DTYPES, PAST, PRESENT, GraphRunner
+from tfport.dtypes import NUMPY_DTYPES
+
+from .binding import PAST, PRESENT, GraphRunner
 from .inputs import pad_batch
 from .generation import sample_loop
 from .sampling import SamplingParams

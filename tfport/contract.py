@@ -44,6 +44,7 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 DTYPES = ("float32", "float16")
 # "portable": standard ONNX ops plus ai.tfport functions; runs on any ONNX runtime.
 # "ort": the decoder's RoPE + attention lowered to ONNX Runtime's com.microsoft.GroupQueryAttention,
@@ -171,6 +172,7 @@ class Manifest:
     opset: int = 18
     target: str = "portable"
     tokenizer: str | None = None
+    chat_template: str | None = None  # file name of the checkpoint's Jinja chat template
     graphs: dict[str, GraphSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -181,6 +183,7 @@ class Manifest:
         return {
             "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "dtype": self.dtype,
             "opset": self.opset, "target": self.target, "tokenizer": self.tokenizer,
+            "chat_template": self.chat_template,
             "config": self.config.to_dict(),
             "graphs": {name: g.to_dict() for name, g in self.graphs.items()},
         }
@@ -212,7 +215,8 @@ class Manifest:
                              f"reads {FORMAT_VERSION}")
         config = ModelConfig.from_dict(data["config"])
         manifest = cls(config=config, dtype=data["dtype"], opset=int(data["opset"]),
-                       target=data.get("target", "portable"), tokenizer=data.get("tokenizer"))
+                       target=data.get("target", "portable"), tokenizer=data.get("tokenizer"),
+                       chat_template=data.get("chat_template"))
         for name, graph in manifest.graphs.items():
             recorded = data.get("graphs", {}).get(name)
             if recorded != graph.to_dict():
