@@ -156,6 +156,19 @@ def _save_graph(model: onnx.ModelProto, path: Path, threshold: int) -> bool:
     return external
 
 
+def _require_validator() -> None:
+    """Fail before anything is written when validation cannot run: it needs ONNX Runtime, which
+    the 'export' extra leaves out (onnxruntime and onnxruntime-gpu cannot be installed together,
+    so the 'cpu' or 'gpu' extra picks one)."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            f"export validation runs the graphs under ONNX Runtime, which cannot be imported ({err}): "
+            "add the 'cpu' or 'gpu' extra (pip install 'tfport[export,cpu]' or 'tfport[export,gpu]'), "
+            "or skip validation (--no-validate, validate=False)", name="onnxruntime") from None
+
+
 def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "float32",
                  opset: int | None = None, target: str = "portable", validate: bool = True,
                  tokenizer: str | os.PathLike | None = None, chat_template: str | None = None,
@@ -169,8 +182,11 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     KV buffer; decoder-only RoPE models) or "onnx23" (rotary and attention as ONNX's opset-23
     operators). ``opset`` defaults to 18 (23 for "onnx23"). With ``validate``, runs ONNX Runtime against the module on fresh
     random inputs (prefill and a decode step with past) and raises if they differ beyond the
-    dtype's tolerance. ``out_dir`` must not exist unless ``overwrite``.
+    dtype's tolerance (``ModuleNotFoundError`` up front if ONNX Runtime is not installed).
+    ``out_dir`` must not exist unless ``overwrite``.
     """
+    if validate:
+        _require_validator()
     config: ModelConfig = model.config
     if opset is None:
         opset = 23 if target == "onnx23" else DEFAULT_OPSET

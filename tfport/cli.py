@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, OSError, RuntimeError) as err:
+    # ImportError: an extra that only some paths of a command need (ONNX Runtime to validate an export)
+    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as err:
         print(f"tfport {args.command}: error: {err}", file=sys.stderr)
         return 2
 
