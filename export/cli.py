@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from tfport.contract import DTYPES, TARGETS
+from tfport.contract import DTYPES
 
 from .exporter import MAX_OPSET, MIN_OPSET, export_checkpoint_or_preset
+from .targets import TARGETS
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +34,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--opset", type=int, default=None,
                    help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default 18; 23 for --target onnx23)")
-    p.add_argument("--target", choices=TARGETS, default="portable",
-                   help="portable: any ONNX runtime; ort: fused ONNX Runtime attention with an "
-                        "in-place KV cache (decoder-only RoPE models); onnx23: ONNX's opset-23 "
-                        "Attention and RotaryEmbedding operators")
+    p.add_argument("--target", choices=list(TARGETS), default="portable",
+                   help="; ".join(f"{name}: {t.summary}" for name, t in TARGETS.items()))
     p.add_argument("--tokenizer", help="tokenizer.json to ship with the export")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")
     p.add_argument("--no-validate", action="store_true",

@@ -1,39 +1,57 @@
 """Per-layer emitters: each writes one reference module's computation into a GraphBuilder.
 
 They mirror ``tfport.models`` one to one (same order of operations, same float32 islands), so an
-exported graph computes what the PyTorch module computes. Weights of ``nn.Linear`` are stored
-transposed ([in, out]) so that ``MatMul(x, W)`` needs no runtime transpose.
+exported graph computes what the PyTorch module computes. Every product with a weight matrix goes
+through ``project`` (the one place where weight dtype, layout and quantisation are decided).
+Position schemes come from ``positions.POSITION_EMITTERS``; how rotary embedding and attention
+are lowered is the export target's (``targets``).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from onnx import TensorProto
 from torch import nn
 
 from tfport.config import ModelConfig
 from tfport.models.attention import Attention
 from tfport.models.layers import Block, FeedForward, RMSNorm
-from tfport.models.positions import rope_cos_sin
 from tfport.models.stack import Embeddings, Stack
 
-from .graph import GraphBuilder
+from .graph import GraphBuilder, to_numpy
+from .positions import POSITION_EMITTERS
+
+if TYPE_CHECKING:
+    from .targets import Target
+
+_np = to_numpy
 
 
-def _np(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().float().cpu().numpy()
+def project(g: GraphBuilder, x: str, weight: np.ndarray | str, name: str, *,
+            bias: np.ndarray | None = None, transposed: bool = False) -> str:
+    """x [..., in] @ W [in, out] (+ bias [out]) -> [..., out]: every weight product of an export.
+
+    ``weight`` is an array [in, out] (stored as an initializer, in the graph dtype) or the name of
+    an initializer already in the graph; ``transposed`` says that stored one is [out, in] (a tied
+    embedding table read as the output head) and is transposed in the graph, not copied.
+    """
+    if not isinstance(weight, str):
+        weight = g.weight(f"{name}.weight_t", weight)
+    if transposed:
+        weight = g.op("Transpose", weight, perm=[1, 0], name=f"{name}.weight_t")
+    y = g.op("MatMul", x, weight, name=name)
+    if bias is not None:
+        y = g.op("Add", y, g.weight(f"{name}.bias", bias), name=f"{name}.bias_add")
+    return y
 
 
 def linear(g: GraphBuilder, x: str, module: nn.Linear, name: str) -> str:
-    """x [..., in] -> [..., out]."""
-    y = g.op("MatMul", x, g.weight(f"{name}.weight_t", _np(module.weight).T), name=name)
-    if module.bias is not None:
-        y = g.op("Add", y, g.weight(f"{name}.bias", _np(module.bias)), name=f"{name}.bias_add")
-    return y
+    """An ``nn.Linear``: x [..., in] -> [..., out] (its weight stored transposed, [in, out])."""
+    bias = _np(module.bias) if module.bias is not None else None
+    return project(g, x, _np(module.weight).T, name, bias=bias)
 
 
 def norm(g: GraphBuilder, x: str, module: nn.Module, name: str) -> str:
@@ -75,10 +93,10 @@ def feed_forward(g: GraphBuilder, x: str, module: FeedForward, kind: str, name: 
         return linear(g, activation(g, linear(g, x, module.up, f"{name}.up"), kind, f"{name}.act"),
                       module.down, f"{name}.down")
     weight = np.concatenate([_np(module.gate.weight).T, _np(module.up.weight).T], axis=1)  # [E, 2F]
-    fused = g.op("MatMul", x, g.weight(f"{name}.gate_up.weight_t", weight), name=f"{name}.gate_up")
+    bias = None
     if module.up.bias is not None:
         bias = np.concatenate([_np(module.gate.bias), _np(module.up.bias)])
-        fused = g.op("Add", fused, g.weight(f"{name}.gate_up.bias", bias), name=f"{name}.gate_up.bias_add")
+    fused = project(g, x, weight, f"{name}.gate_up", bias=bias)
     gate, up = g.op("Split", fused, axis=-1, num_outputs=2, outputs=2, name=f"{name}.split")
     hidden = g.op("Mul", activation(g, gate, kind, f"{name}.act"), up, name=f"{name}.glu")
     return linear(g, hidden, module.down, f"{name}.down")
@@ -92,45 +110,25 @@ def heads(g: GraphBuilder, x: str, n: int, head_dim: int, name: str) -> str:
 
 @dataclass
 class StackInputs:
-    """Graph values a stack reads: bias/rope are shared by all layers of the stack."""
+    """Graph values every layer of a stack reads, made once per stack by the export target."""
 
-    bias: str | None  # float32 [B, 1|H, S, T]
-    position_ids: str | None = None  # int64 [B, S] (RoPE)
-    inv_freq: str | None = None  # float32 [D/2]
-    rope_cache: tuple[str, str] | None = None  # target "onnx23": cos, sin [max_positions, D/2]
+    target: Target
+    bias: str | None = None  # float32 [B, 1|H, S, T]: masks and position bias
+    position_ids: str | None = None  # int64 [B, S]
+    rotary: tuple[str, ...] = ()  # the target's rotary tables (inv_freq, or cos and sin)
     memory_bias: str | None = None  # float32 [B, 1, S, Senc] (cross-attention)
-    fused: dict[str, str] | None = None  # target "ort": seqlens_k, total_sequence_length, cos, sin
+    extra: dict[str, str] = field(default_factory=dict)  # target-specific graph values
 
 
 def self_attention(g: GraphBuilder, x: str, module: Attention, ctx: StackInputs,
                    past: tuple[str, str] | None, name: str) -> tuple[str, tuple[str, str] | None]:
-    """Fused QKV, RoPE, attention over past + new keys -> (output [B, S, E], present (k, v))."""
+    """Fused QKV projection, then rotary + attention as the target lowers them
+    -> (output [B, S, E], present (k, v) or None)."""
     h, hkv, d = module.n_heads, module.kv_heads, module.head_dim
     qkv = linear(g, x, module.qkv, f"{name}.qkv")  # [B, S, (H + 2 Hkv) D]
     q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d], name="qkv_split"), axis=-1,
-                   outputs=3, name=f"{name}.split")
-    if ctx.fused is not None:  # [B, S, N*D] straight into ONNX Runtime's kernel
-        f = ctx.fused
-        out, pk, pv = g.fn("FusedGroupQueryAttention", q, k, v, past[0], past[1], f["seqlens_k"],
-                           f["total_sequence_length"], f["cos"], f["sin"], num_heads=h,
-                           kv_num_heads=hkv, scale=module.scale, outputs=3, name=f"{name}.gqa")
-        g.declare(out, g.dtype, ["batch", "sequence", h * d])  # com.microsoft: no ONNX schema
-        for value in (pk, pv):
-            g.declare(value, g.dtype, ["batch", hkv, "max_sequence", d])
-        g.tap(f"{name}.context", out)
-        return g.tap(name, linear(g, out, module.out, f"{name}.out")), (pk, pv)
-    q, k, v = heads(g, q, h, d, f"{name}.q"), heads(g, k, hkv, d, f"{name}.k"), heads(g, v, hkv, d, f"{name}.v")
-    if ctx.inv_freq is not None or ctx.rope_cache is not None:
-        tables = (ctx.inv_freq,) if ctx.rope_cache is None else ctx.rope_cache
-        q = g.tap(f"{name}.rotary_q", g.fn("RotaryEmbedding", q, ctx.position_ids, *tables, name=f"{name}.rotary_q"))
-        k = g.tap(f"{name}.rotary_k", g.fn("RotaryEmbedding", k, ctx.position_ids, *tables, name=f"{name}.rotary_k"))
-    if past is None:
-        out = g.fn("ScaledDotProductAttention", q, k, v, ctx.bias, scale=module.scale, name=f"{name}.sdpa")
-        present = None
-    else:
-        out, pk, pv = g.fn("GroupQueryAttention", q, k, v, past[0], past[1], ctx.bias,
-                           scale=module.scale, outputs=3, name=f"{name}.gqa")
-        present = (pk, pv)
+                   outputs=3, name=f"{name}.split")  # [B, S, N*D] each
+    out, present = ctx.target.attend(g, q, k, v, module, ctx, past, name)
     g.tap(f"{name}.context", out)
     return g.tap(name, linear(g, out, module.out, f"{name}.out")), present
 
@@ -178,17 +176,12 @@ def block(g: GraphBuilder, x: str, module: Block, config: ModelConfig, ctx: Stac
     return g.tap(name, x), present
 
 
-def embeddings(g: GraphBuilder, module: Embeddings, input_ids: str, position_ids: str | None,
+def embeddings(g: GraphBuilder, module: Embeddings, config: ModelConfig, input_ids: str, position_ids: str | None,
                token_type_ids: str | None, token_table: str, name: str) -> str:
     """Token (+ position table) (+ token type) embeddings, optional norm -> [B, S, E]."""
     x = g.op("Gather", token_table, input_ids, name=f"{name}.tokens")
-    table = None
-    if module.positions is not None:
-        table = module.positions.weight
-    elif hasattr(module, "sinusoidal"):
-        table = module.sinusoidal
-    if table is not None:
-        positions = g.op("Gather", g.weight(f"{name}.positions", _np(table)), position_ids, name=f"{name}.positions")
+    positions = POSITION_EMITTERS[config.position].embedding(g, module, position_ids, name)
+    if positions is not None:
         x = g.op("Add", x, positions, name=f"{name}.add_positions")
     if module.token_types is not None:
         types = g.op("Gather", g.weight(f"{name}.token_types", _np(module.token_types.weight)),
@@ -199,72 +192,19 @@ def embeddings(g: GraphBuilder, module: Embeddings, input_ids: str, position_ids
     return x
 
 
-def relative_bias(g: GraphBuilder, module: Stack, attention_mask: str, length: str, causal: bool,
-                  name: str) -> str:
-    """T5 relative bias [B, H, S, T]; bucket constants computed here as PyTorch computes them."""
-    config = module.config
-    buckets = config.relative_buckets if causal else config.relative_buckets // 2
-    max_exact = buckets // 2
-    table = g.weight(f"{name}.relative_bias", _np(module.relative_bias.weight))
-    return g.fn("RelativePositionBias", attention_mask, length, table, bidirectional=int(not causal),
-                num_buckets=buckets, max_exact=max_exact,
-                log_max_ratio=math.log(config.relative_max_distance / max_exact), name=f"{name}.relative")
-
-
-def stack(g: GraphBuilder, module: Stack, config: ModelConfig, *, input_ids: str, attention_mask: str,
-          position_ids: str | None, token_table: str, causal: bool, token_type_ids: str | None = None,
-          pasts: list[tuple[str, str]] | None = None, memories: list[tuple[str, str]] | None = None,
-          encoder_attention_mask: str | None = None, fused: dict[str, str] | None = None,
-          rope_cache: bool = False, progress=None, name: str = "stack"
+def stack(g: GraphBuilder, module: Stack, config: ModelConfig, target: Target, inputs: dict[str, str], *,
+          token_table: str, causal: bool, pasts: list[tuple[str, str]] | None = None,
+          memories: list[tuple[str, str]] | None = None, progress=None, name: str = "stack"
           ) -> tuple[str, list[tuple[str, str] | None]]:
-    """Embeddings, masks/positions shared by all layers, the blocks and the final norm.
+    """Embeddings, the values all layers share (made by ``target``), the blocks, the final norm.
 
-    ``fused`` (target "ort") holds the seqlens_k / total_sequence_length inputs: masking and
-    RoPE then happen inside ONNX Runtime's GroupQueryAttention, from cos/sin tables built here;
-    ``rope_cache`` (target "onnx23") gives RotaryEmbedding those tables instead of inv_freq.
+    ``inputs`` are the graph's inputs by contract name (``input_ids``, ``attention_mask``,
+    ``position_ids``, ``token_type_ids``, ``encoder_attention_mask``, a layout's own ...).
     Returns (states [B, S, E] in the model dtype, per-layer present (k, v) or None).
     """
-    if fused is not None:
-        cos, sin = rope_tables(module.inv_freq, module.config.max_positions)
-        ctx = StackInputs(bias=None, fused=dict(fused, cos=g.weight(f"{name}.rope_cos", cos),
-                                                 sin=g.weight(f"{name}.rope_sin", sin)))
-        return _layers(g, module, config, ctx, input_ids, position_ids, token_type_ids, token_table,
-                       pasts, memories, progress, name)
-    length = g.op("Shape", input_ids, start=1, end=2, name=f"{name}.query_length")  # [1] = S
-    bias = g.fn("AttentionBias", attention_mask, length, causal=int(causal), name=f"{name}.mask")
-    if config.position == "alibi":
-        slopes = g.weight(f"{name}.alibi_slopes", _np(module.alibi_slopes), "float32")
-        alibi = g.fn("AlibiBias", attention_mask, length, slopes, name=f"{name}.alibi")
-        bias = g.op("Add", bias, alibi, name=f"{name}.mask_alibi")  # [B, H, S, T]
-    if config.position == "relative":
-        bias = g.op("Add", bias, relative_bias(g, module, attention_mask, length, causal, name),
-                    name=f"{name}.mask_relative")  # [B, H, S, T]
-    ctx = StackInputs(bias=bias)
-    if config.position == "rope":
-        ctx.position_ids = position_ids
-        if rope_cache:
-            cos, sin = rope_tables(module.inv_freq, config.max_positions)
-            ctx.rope_cache = (g.weight(f"{name}.rope_cos", cos), g.weight(f"{name}.rope_sin", sin))
-        else:
-            ctx.inv_freq = g.weight(f"{name}.inv_freq", _np(module.inv_freq), "float32")
-    if memories is not None:
-        ctx.memory_bias = g.fn("AttentionBias", encoder_attention_mask, length, causal=0, name=f"{name}.cross_mask")
-    g.tap(f"{name}.bias", bias, "float32")
-    return _layers(g, module, config, ctx, input_ids, position_ids, token_type_ids, token_table,
-                   pasts, memories, progress, name)
-
-
-def rope_tables(inv_freq, n_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin [n_positions, D/2] exactly as the reference computes them per position."""
-    cos, sin = rope_cos_sin(torch.arange(n_positions)[None], inv_freq)  # [1, 1, N, D/2]
-    return _np(cos[0, 0]), _np(sin[0, 0])
-
-
-def _layers(g: GraphBuilder, module: Stack, config: ModelConfig, ctx: StackInputs, input_ids: str,
-            position_ids: str | None, token_type_ids: str | None, token_table: str, pasts, memories,
-            progress, name: str) -> tuple[str, list[tuple[str, str] | None]]:
-    x = g.tap(f"{name}.embed", embeddings(g, module.embed, input_ids, position_ids, token_type_ids,
-                                          token_table, f"{name}.embed"))
+    ctx = target.stack_inputs(g, module, config, inputs, causal, name)
+    x = g.tap(f"{name}.embed", embeddings(g, module.embed, config, inputs["input_ids"], inputs.get("position_ids"),
+                                          inputs.get("token_type_ids"), token_table, f"{name}.embed"))
     presents = []
     for i, layer in enumerate(module.layers):
         past = pasts[i] if pasts is not None else None

@@ -19,16 +19,16 @@ from tqdm.auto import tqdm
 
 from tfport.config import ModelConfig
 from tfport.contract import (CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphSpec, Manifest,
-                             cache_names, check_target, graph_specs)
+                             cache_names, graph_specs)
 from tfport.files import atomic_directory, check_output_dir
 
 from . import emit
 from .graph import GraphBuilder
+from .targets import Target, get_target
 
 log = logging.getLogger(__name__)
 
 MIN_OPSET, MAX_OPSET = 18, 23
-DEFAULT_OPSET = 18
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # below protobuf's 2 GiB limit, with room for the graph
 
 
@@ -37,11 +37,11 @@ def _token_table(g: GraphBuilder, tokens: nn.Embedding) -> str:
 
 
 def _lm_head(g: GraphBuilder, x: str, model: nn.Module, token_table: str) -> str:
-    """Logits [B, S, V]: tied heads reuse the embedding table through a Transpose."""
+    """Logits [B, S, V]: tied heads read the embedding table [V, E] transposed."""
     if model.config.lm_head_scale != 1.0:
         x = g.op("Mul", x, g.const(model.config.lm_head_scale, g.dtype, "lm_head_scale"), name="lm_head.scale")
     if model.config.tie_embeddings:
-        return g.op("MatMul", x, g.op("Transpose", token_table, perm=[1, 0], name="lm_head.tied_t"), name="lm_head")
+        return emit.project(g, x, token_table, "lm_head", transposed=True)
     return emit.linear(g, x, model.lm_head, "lm_head")
 
 
@@ -62,23 +62,20 @@ def _presents(presents, n_layers: int, kind: str | None) -> dict[str, str]:
     return out
 
 
-def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=None,
-                        target: str = "portable") -> GraphBuilder:
+def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
+                        progress=None) -> GraphBuilder:
     """Encoder graph of an EncoderModel or of an EncoderDecoderLM (which adds cross K/V outputs)."""
     config: ModelConfig = model.config
     g = GraphBuilder("encoder", dtype)
     inputs = _declare(g, spec)
     body = model.encoder
     table = _token_table(g, body.embed.tokens)
-    position_ids = None
     if config.uses_position_ids:  # positions count real tokens: cumsum(mask) - 1, at least 0
         counts = g.op("CumSum", inputs["attention_mask"], g.const(1, name="axis"), name="positions.cumsum")
-        position_ids = g.op("Max", g.op("Sub", counts, g.const(1, name="one")), g.const(0, name="zero"),
-                            name="positions")
-    states, _ = emit.stack(g, body, config, input_ids=inputs["input_ids"],
-                           attention_mask=inputs["attention_mask"], position_ids=position_ids,
-                           token_table=table, causal=False, token_type_ids=inputs.get("token_type_ids"),
-                           rope_cache=target == "onnx23", progress=progress, name="encoder")
+        inputs["position_ids"] = g.op("Max", g.op("Sub", counts, g.const(1, name="one")),
+                                      g.const(0, name="zero"), name="positions")
+    states, _ = emit.stack(g, body, config, target, inputs, token_table=table, causal=False,
+                           progress=progress, name="encoder")
     values = {"last_hidden_state": states}
     if getattr(model, "pooler", None) is not None:
         first = g.op("Gather", states, g.const(0, name="first"), axis=1, name="pooler.first")  # [B, E]
@@ -88,8 +85,8 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=
         h = emit.activation(g, emit.linear(g, states, mlm.dense, "mlm.dense"), config.activation, "mlm.act")
         h = emit.norm(g, h, mlm.norm, "mlm.norm")
         if config.tie_embeddings:
-            logits = g.op("MatMul", h, g.op("Transpose", table, perm=[1, 0], name="mlm.tied_t"), name="mlm.decoder")
-            values["logits"] = g.op("Add", logits, g.weight("mlm.bias", emit._np(mlm.decoder.bias)))
+            values["logits"] = emit.project(g, h, table, "mlm.decoder", bias=emit._np(mlm.decoder.bias),
+                                            transposed=True)
         else:
             values["logits"] = emit.linear(g, h, mlm.decoder, "mlm.decoder")
     if config.family == "encoder-decoder":
@@ -100,8 +97,8 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=
     return g
 
 
-def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=None,
-                        target: str = "portable") -> GraphBuilder:
+def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
+                        progress=None) -> GraphBuilder:
     """Decoder graph of a DecoderLM or EncoderDecoderLM: one graph for prefill and decode."""
     config: ModelConfig = model.config
     seq2seq = config.family == "encoder-decoder"
@@ -114,14 +111,9 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=
     if seq2seq:
         memories = [tuple(inputs[name] for name in cache_names(i, "past_key_values", "encoder")) for i in range(n)]
     table = _token_table(g, model.decoder.embed.tokens)
-    fused = None
-    if "seqlens_k" in inputs:  # target "ort"
-        fused = {"seqlens_k": inputs["seqlens_k"], "total_sequence_length": inputs["total_sequence_length"]}
-    states, presents = emit.stack(
-        g, model.decoder, config, input_ids=inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
-        position_ids=inputs.get("position_ids"), token_table=table, causal=True, pasts=pasts,
-        memories=memories, encoder_attention_mask=inputs.get("encoder_attention_mask"),
-        fused=fused, rope_cache=target == "onnx23", progress=progress, name="decoder")
+    states, presents = emit.stack(g, model.decoder, config, target, inputs, token_table=table,
+                                  causal=True, pasts=pasts, memories=memories, progress=progress,
+                                  name="decoder")
     values = {"logits": _lm_head(g, states, model, table)}
     values.update(_presents(presents, n, kind))
     _outputs(g, spec, values)
@@ -131,16 +123,13 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, progress=
 BUILDERS = {"encoder": build_encoder_graph, "decoder": build_decoder_graph}
 
 
-def _check_options(config: ModelConfig, dtype: str, opset: int, target: str) -> None:
-    check_target(config, target)
-    if target == "onnx23" and opset != 23:
-        raise ValueError(f"opset={opset!r}: target 'onnx23' uses the opset-23 Attention and "
-                         "RotaryEmbedding operators, so it needs opset 23")
+def _check_options(config: ModelConfig, dtype: str, opset: int, target: Target) -> None:
     if dtype not in ("float32", "float16"):
         raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'float16'")
-    if not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
+    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
         raise ValueError(f"opset={opset!r}: expected an integer in [{MIN_OPSET}, {MAX_OPSET}] "
                          f"(the function library needs opset 18 or newer)")
+    target.check(config, dtype, opset)
 
 
 def _save_graph(model: onnx.ModelProto, path: Path, threshold: int) -> bool:
@@ -170,17 +159,18 @@ def _require_validator() -> None:
 
 
 def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "float32",
-                 opset: int | None = None, target: str = "portable", validate: bool = True,
+                 opset: int | None = None, target: str | Target = "portable", validate: bool = True,
                  tokenizer: str | os.PathLike | None = None, chat_template: str | None = None,
                  overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  show_progress: bool | None = None) -> Manifest:
     """Export ``model`` (a tfport reference module with ``.config``) to ``out_dir``.
 
     Writes ``manifest.json``, ``config.json``, one ``.onnx`` per graph of the family (and
-    ``tokenizer.json`` if given, and ``chat_template.jinja`` from the ``chat_template`` text). ``target`` is "portable" (any ONNX runtime), "ort" (the
-    decoder's RoPE attention lowered to ONNX Runtime's fused GroupQueryAttention with an in-place
-    KV buffer; decoder-only RoPE models) or "onnx23" (rotary and attention as ONNX's opset-23
-    operators). ``opset`` defaults to 18 (23 for "onnx23"). With ``validate``, runs ONNX Runtime against the module on fresh
+    ``tokenizer.json`` if given, and ``chat_template.jinja`` from the ``chat_template`` text).
+    ``target`` names an export target (``tfport.export.targets.TARGETS``: "portable" for any ONNX
+    runtime, "ort" for ONNX Runtime's fused attention with an in-place KV buffer, "onnx23" for
+    ONNX's opset-23 operators) or is a target object. ``opset`` defaults to the target's
+    (18; 23 for "onnx23"). With ``validate``, runs ONNX Runtime against the module on fresh
     random inputs (prefill and a decode step with past) and raises if they differ beyond the
     dtype's tolerance (``ModuleNotFoundError`` up front if ONNX Runtime is not installed).
     ``out_dir`` must not exist unless ``overwrite``.
@@ -188,14 +178,16 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     if validate:
         _require_validator()
     config: ModelConfig = model.config
+    target = get_target(target)
     if opset is None:
-        opset = 23 if target == "onnx23" else DEFAULT_OPSET
+        opset = target.default_opset
     _check_options(config, dtype, opset, target)
     out_dir = check_output_dir(out_dir, "out_dir", overwrite)
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ValueError(f"tokenizer={str(tokenizer)!r}: no such file (expected a tokenizer.json)")
-    specs = graph_specs(config, dtype, target)
-    manifest = Manifest(config=config, dtype=dtype, opset=opset, target=target,
+    specs = graph_specs(config, dtype, target.layout)
+    manifest = Manifest(config=config, dtype=dtype, opset=opset, target=target.name, layout=target.layout,
+                        device_refusals=target.device_refusals(dtype),
                         tokenizer=TOKENIZER_FILE if tokenizer is not None else None,
                         chat_template=CHAT_TEMPLATE_FILE if chat_template is not None else None,
                         graphs=specs)
@@ -206,7 +198,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     with atomic_directory(out_dir) as tmp:
         with tqdm(total=n_layers, desc="export", unit="layer", disable=not show_progress) as progress:
             for name, spec in specs.items():
-                proto = BUILDERS[name](model, spec, dtype, progress, target).build(opset, target)
+                proto = BUILDERS[name](model, spec, dtype, target, progress).build(opset, target.bodies)
                 external = _save_graph(proto, tmp / spec.file, external_data_threshold)
                 log.info("wrote %s%s", spec.file, " with external data" if external else "")
         (tmp / CONFIG_FILE).write_text(config.to_json() + "\n")

@@ -18,16 +18,17 @@ heads, G = H / Hkv, D head dim, E model dim.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import onnx
 from onnxscript import BOOL, FLOAT, INT64, script, values
 from onnxscript import opset18 as op
-from onnxscript import opset23 as op23
+from onnxscript.values import OnnxFunction
 
 DOMAIN = "ai.tfport"
 DOMAIN_VERSION = 1
 tfport = values.Opset(DOMAIN, DOMAIN_VERSION)
-msft = values.Opset("com.microsoft", 1)  # ONNX Runtime's contrib operators (target "ort")
 
 MASK_VALUE = float(np.finfo(np.float32).min)
 
@@ -167,27 +168,6 @@ def GroupQueryAttention(query, key, value, past_key, past_value, bias, scale: fl
 
 
 @script(tfport, default_opset=op)
-def FusedGroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
-                             cos_cache, sin_cache, num_heads: int, kv_num_heads: int, scale: float):
-    """RotaryEmbedding + GroupQueryAttention lowered to ONNX Runtime's fused kernel (target "ort").
-
-    PyTorch: as ``GroupQueryAttention`` with RoPE applied to query and key first. query
-    [B, S, H*D]; key, value [B, S, Hkv*D] (not rotated); past_key, past_value [B, Hkv, M, D]: a
-    preallocated buffer of M >= P + S slots that the runtime binds as both past and present, so
-    the new keys/values are written in place (no copy that grows with the context). seqlens_k
-    int32 [B] = index of each row's last real token (rows are right-padded); total_sequence_length
-    int32 scalar = the longest row's P + S; cos_cache, sin_cache float [max_positions, D/2] =
-    cos/sin(position * inv_freq), positions counted from 0 at each row's first token.
-    -> output [B, S, H*D], present_key, present_value [B, Hkv, M, D].
-    """
-    output, present_key, present_value = msft.GroupQueryAttention(
-        query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache,
-        sin_cache, num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, do_rotary=1,
-        rotary_interleaved=0)
-    return output, present_key, present_value
-
-
-@script(tfport, default_opset=op)
 def RMSNorm(x, weight, epsilon: float):
     """x / sqrt(mean(x^2, last axis) + epsilon) * weight, in float32. x [..., E]; weight [E].
 
@@ -202,68 +182,23 @@ def RMSNorm(x, weight, epsilon: float):
     return op.Mul(op.CastLike(normed, x), weight)
 
 
-# ---- target "onnx23": the same functions, their bodies lowered to ONNX's own fused operators
-# (opset 23 Attention and RotaryEmbedding). Same names as above, so a graph reads the same.
-
-ONNX23_MASK_FLOOR = -32752.0  # half of float16's lowest: finite in every dtype once added to scores
-
-
-@script(tfport, default_opset=op23)
-def RotaryEmbedding23(x, position_ids, cos_cache, sin_cache):
-    """Target "onnx23" body of ``RotaryEmbedding``: ONNX RotaryEmbedding (opset 23), rotate-half.
-
-    x [B, N, S, D]; position_ids int64 [B, S]; cos_cache, sin_cache [max_positions, D/2] =
-    cos/sin(position * inv_freq), built at export exactly as the reference computes them.
-    """
-    return op23.RotaryEmbedding(x, cos_cache, sin_cache, position_ids, interleaved=0)
-
-
-@script(tfport, default_opset=op23)
-def ScaledDotProductAttention23(query, key, value, bias, scale: float):
-    """Target "onnx23" body of ``ScaledDotProductAttention``: ONNX Attention (opset 23).
-
-    The additive bias (masks, ALiBi, relative) is clamped at ONNX23_MASK_FLOOR and cast to the
-    query dtype (the operator takes a mask of that dtype): masked keys still get zero weight, and a
-    fully masked (padding) row stays finite. -> [B, S, H*D].
-    """
-    mask = op23.CastLike(op23.Max(bias, op23.Constant(value_float=ONNX23_MASK_FLOOR)), query)
-    out = op23.Attention(query, key, value, mask, scale=scale)  # [B, H, S, D]
-    return op23.Reshape(op23.Transpose(out, perm=[0, 2, 1, 3]), op23.Constant(value_ints=[0, 0, -1]))
-
-
-@script(tfport, default_opset=op23)
-def GroupQueryAttention23(query, key, value, past_key, past_value, bias, scale: float):
-    """Target "onnx23" body of ``GroupQueryAttention``: ONNX Attention (opset 23) with its KV
-    cache inputs and outputs (past followed by the new keys/values); mask as in
-    ScaledDotProductAttention23."""
-    mask = op23.CastLike(op23.Max(bias, op23.Constant(value_float=ONNX23_MASK_FLOOR)), query)
-    out, present_key, present_value = op23.Attention(query, key, value, mask, past_key, past_value,
-                                                     scale=scale)
-    output = op23.Reshape(op23.Transpose(out, perm=[0, 2, 1, 3]), op23.Constant(value_ints=[0, 0, -1]))
-    return output, present_key, present_value
-
-
-ONNX23_BODIES = {"RotaryEmbedding": RotaryEmbedding23,
-                 "ScaledDotProductAttention": ScaledDotProductAttention23,
-                 "GroupQueryAttention": GroupQueryAttention23}
-
-
 FUNCTIONS = (AttentionBias, AlibiBias, RelativePositionBias, RotaryEmbedding, ScaledDotProductAttention,
-             GroupQueryAttention, FusedGroupQueryAttention, RMSNorm)
+             GroupQueryAttention, RMSNorm)
 
 
-def function_protos(opset: int, target: str = "portable") -> list[onnx.FunctionProto]:
-    """The library's FunctionProtos for ``target``, their standard-domain import set to ``opset``.
+def function_protos(opset: int, bodies: Mapping[str, OnnxFunction]) -> list[onnx.FunctionProto]:
+    """The library's FunctionProtos, their standard-domain import set to ``opset``.
 
+    ``bodies`` (an export target's) maps a function name to the onnxscript function that
+    implements it: a library function's name gets that body instead, a new name adds a function.
     The portable bodies use only operators whose semantics are unchanged from opset 18 up to the
     newest opset onnx knows, so re-stamping the version keeps them valid for a model of that
-    opset; target "onnx23" swaps in the bodies built on opset-23 operators (opset must be 23).
+    opset; a target whose bodies need a newer opset refuses older ones itself.
     """
     protos = []
-    for function in FUNCTIONS:
-        body = ONNX23_BODIES.get(function.name, function) if target == "onnx23" else function
+    for name, body in {**{f.name: f for f in FUNCTIONS}, **bodies}.items():
         proto = body.to_function_proto()
-        proto.name = function.name
+        proto.name = name
         for entry in proto.opset_import:
             if entry.domain == "":
                 entry.version = opset

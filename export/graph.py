@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -19,9 +20,14 @@ from onnx import helper, numpy_helper
 from tfport.contract import TensorSpec
 from tfport.dtypes import NUMPY_DTYPES, ONNX_DTYPES
 
-from .functions import DOMAIN, DOMAIN_VERSION, function_protos
+from .functions import DOMAIN, DOMAIN_VERSION, OnnxFunction, function_protos
 
 TAPS_KEY = "tfport.taps"  # metadata: reference point -> (graph value, dtype), for localisation
+
+
+def to_numpy(tensor) -> np.ndarray:
+    """A torch tensor's values as float32 numpy (the builder casts to the graph dtype)."""
+    return tensor.detach().float().cpu().numpy()
 
 
 def ir_version_for(opset: int) -> int:
@@ -95,10 +101,12 @@ class GraphBuilder:
             self.op("Identity", value, outputs=[spec.name], name=f"out_{spec.name}")
         self.outputs.append(helper.make_tensor_value_info(spec.name, ONNX_DTYPES[spec.dtype], list(spec.shape)))
 
-    def build(self, opset: int, target: str = "portable") -> onnx.ModelProto:
+    def build(self, opset: int, bodies: Mapping[str, OnnxFunction] | None = None) -> onnx.ModelProto:
+        """The model, carrying the library functions it calls; ``bodies`` are the export
+        target's functions (added, or replacing a library function's body under its name)."""
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers,
                                   value_info=self.value_info)
-        functions = self._used_functions(function_protos(opset, target))
+        functions = self._used_functions(function_protos(opset, bodies or {}))
         imports = {"": opset, DOMAIN: DOMAIN_VERSION}
         for function in functions:  # e.g. com.microsoft for the ort target's fused operators
             imports.update({o.domain: o.version for o in function.opset_import if o.domain not in imports})

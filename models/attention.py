@@ -10,6 +10,11 @@ from tfport.config import ModelConfig
 from .positions import apply_rope
 
 
+class Tap(nn.Identity):
+    """A named point in the forward whose value a forward hook can capture (the parity suite
+    compares it with the exported graph's value of the same name); computes nothing."""
+
+
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                       scale: float) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v with H query heads sharing Hkv key/value heads.
@@ -33,8 +38,8 @@ class Attention(nn.Module):
 
     Self-attention projects ``x`` [B, S, E] with one ``qkv`` matrix into H query and Hkv key and
     value heads. Cross-attention projects queries from ``x`` and keys/values from the encoder
-    memory once per request (``project_memory``). Setting ``record`` to a dict captures the
-    rotated queries/keys and the attention context (for divergence localisation).
+    memory once per request (``project_memory``). The taps ``rotary_q``, ``rotary_k`` and
+    ``context`` expose the rotated queries/keys and the attention context to forward hooks.
     """
 
     def __init__(self, config: ModelConfig, cross: bool = False):
@@ -50,7 +55,7 @@ class Attention(nn.Module):
         else:
             self.qkv = nn.Linear(config.d_model, q_dim + 2 * kv_dim, bias=bias)
         self.out = nn.Linear(q_dim, config.d_model, bias=bias)
-        self.record: dict[str, torch.Tensor] | None = None  # set to a dict to capture internals
+        self.rotary_q, self.rotary_k, self.context = Tap(), Tap(), Tap()
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, s, _ = x.shape
@@ -79,13 +84,9 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
             q, k, v = self._heads(q, self.n_heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
             if rope is not None:
-                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-                if self.record is not None:
-                    self.record.update(rotary_q=q, rotary_k=k)
+                q, k = self.rotary_q(apply_rope(q, *rope)), self.rotary_k(apply_rope(k, *rope))
             if past is not None:
                 k = torch.cat([past[0], k], dim=2)  # [B, Hkv, P+S, D]
                 v = torch.cat([past[1], v], dim=2)
-        out = grouped_attention(q, k, v, bias, self.scale)
-        if self.record is not None:
-            self.record["context"] = out
+        out = self.context(grouped_attention(q, k, v, bias, self.scale))
         return self.out(out), (k, v)

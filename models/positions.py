@@ -1,6 +1,8 @@
 """Position encodings: sinusoidal and learned tables, rotary (RoPE), ALiBi, T5 relative bias.
 
-All are real-valued (no complex dtypes) so they export as plain ONNX ops.
+All are real-valued (no complex dtypes) so they export as plain ONNX ops. The functions compute;
+``POSITION_SCHEMES`` (one entry per ``config.position`` value) says where each scheme enters the
+modules: a table added to the embeddings, a bias added to the attention scores, or rotary tables.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from tfport.config import ModelConfig
 
@@ -122,3 +125,79 @@ def alibi_bias(attention_mask: torch.Tensor, query_length: int, slopes: torch.Te
     query_pos = key_pos[:, key_pos.shape[-1] - query_length:]  # [B, S]
     distance = (query_pos[:, :, None] - key_pos[:, None, :]).abs()  # [B, S, T]
     return -slopes.float()[None, :, None, None] * distance[:, None]
+
+
+# ------------------------------------------------------------------------------------ schemes
+class PositionScheme:
+    """Where one position scheme enters the modules; every hook of this base adds nothing.
+
+    ``Embeddings`` and ``Stack`` call ``init_*`` once to create their tables (names are part of
+    the checkpoint format), then the forward hooks per call. The exporter has its own table,
+    ``tfport.export.positions``, keyed by the same values.
+    """
+
+    def init_embeddings(self, embed: nn.Module, config: ModelConfig) -> None:
+        pass
+
+    def init_stack(self, stack: nn.Module, config: ModelConfig) -> None:
+        pass
+
+    def embed(self, embed: nn.Module, position_ids: torch.Tensor) -> torch.Tensor | None:
+        """Added to the token embeddings: [B, S, E], or None."""
+        return None
+
+    def bias(self, stack: nn.Module, attention_mask: torch.Tensor, length: int) -> torch.Tensor | None:
+        """Added to the attention scores: float32 [B, H, S, T], or None."""
+        return None
+
+    def rotary(self, stack: nn.Module, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) [B, 1, S, D/2] that rotate queries and keys, or None."""
+        return None
+
+
+class Sinusoidal(PositionScheme):
+    def init_embeddings(self, embed, config):
+        table = sinusoidal_table(config.max_positions, config.d_model)
+        embed.register_buffer("sinusoidal", table, persistent=False)  # [max_positions, E]
+
+    def embed(self, embed, position_ids):
+        return embed.sinusoidal[position_ids]
+
+
+class Learned(PositionScheme):
+    def init_embeddings(self, embed, config):
+        embed.positions = nn.Embedding(config.max_positions, config.d_model)
+
+    def embed(self, embed, position_ids):
+        return embed.positions(position_ids)
+
+
+class Rotary(PositionScheme):
+    def init_stack(self, stack, config):
+        stack.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [D/2]
+
+    def rotary(self, stack, position_ids):
+        return rope_cos_sin(position_ids, stack.inv_freq)
+
+
+class Alibi(PositionScheme):
+    def init_stack(self, stack, config):
+        stack.register_buffer("alibi_slopes", alibi_slopes(config.n_heads), persistent=False)  # [H]
+
+    def bias(self, stack, attention_mask, length):
+        return alibi_bias(attention_mask, length, stack.alibi_slopes)
+
+
+class Relative(PositionScheme):
+    def init_stack(self, stack, config):  # one bucket table for all layers of the stack
+        stack.relative_bias = nn.Embedding(config.relative_buckets, config.n_heads)  # [buckets, H]
+
+    def bias(self, stack, attention_mask, length):
+        return relative_bias(attention_mask, length, stack.relative_bias.weight,
+                             bidirectional=not stack.causal, max_distance=stack.config.relative_max_distance)
+
+
+POSITION_SCHEMES: dict[str, PositionScheme] = {
+    "sinusoidal": Sinusoidal(), "learned": Learned(), "rope": Rotary(), "alibi": Alibi(),
+    "relative": Relative(), "none": PositionScheme(),
+}

@@ -8,10 +8,10 @@ from torch import nn
 from tfport.config import ModelConfig
 
 from .cache import KVCache
+from .attention import Tap
 from .layers import Block, make_norm
 from .masks import attention_bias
-from .positions import (alibi_bias, alibi_slopes, positions_from_mask, relative_bias,
-                        rope_cos_sin, rope_inv_freq, sinusoidal_table)
+from .positions import POSITION_SCHEMES, positions_from_mask
 
 
 class Embeddings(nn.Module):
@@ -20,12 +20,8 @@ class Embeddings(nn.Module):
     def __init__(self, config: ModelConfig, tokens: nn.Embedding, token_types: bool = False):
         super().__init__()
         self.tokens = tokens
-        self.positions = None
-        if config.position == "learned":
-            self.positions = nn.Embedding(config.max_positions, config.d_model)
-        elif config.position == "sinusoidal":
-            table = sinusoidal_table(config.max_positions, config.d_model)
-            self.register_buffer("sinusoidal", table, persistent=False)  # [max_positions, E]
+        self.scheme = POSITION_SCHEMES[config.position]
+        self.scheme.init_embeddings(self, config)
         self.token_types = nn.Embedding(config.type_vocab_size, config.d_model) if token_types else None
         self.norm = make_norm(config) if config.embedding_norm else None
 
@@ -33,10 +29,9 @@ class Embeddings(nn.Module):
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, position_ids, token_type_ids [B, S] -> [B, S, E]."""
         x = self.tokens(input_ids)
-        if self.positions is not None:
-            x = x + self.positions(position_ids)
-        elif hasattr(self, "sinusoidal"):
-            x = x + self.sinusoidal[position_ids].to(x.dtype)
+        positions = self.scheme.embed(self, position_ids)
+        if positions is not None:
+            x = x + positions.to(x.dtype)
         if self.token_types is not None:
             types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
             x = x + self.token_types(types)
@@ -50,16 +45,12 @@ class Stack(nn.Module):
                  cross: bool = False, token_types: bool = False):
         super().__init__()
         self.config, self.causal = config, causal
-        self.record: dict[str, torch.Tensor] | None = None  # set to a dict to capture the bias
+        self.scheme = POSITION_SCHEMES[config.position]
         self.embed = Embeddings(config, tokens, token_types)
         self.layers = nn.ModuleList(Block(config, cross=cross) for _ in range(n_layers))
         self.norm = make_norm(config) if config.final_norm else None
-        if config.position == "rope":
-            self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [D/2]
-        if config.position == "alibi":
-            self.register_buffer("alibi_slopes", alibi_slopes(config.n_heads), persistent=False)  # [H]
-        if config.position == "relative":  # one bucket table for all layers of the stack
-            self.relative_bias = nn.Embedding(config.relative_buckets, config.n_heads)  # [buckets, H]
+        self.scheme.init_stack(self, config)
+        self.bias = Tap()  # the attention bias every layer adds (masks, ALiBi, relative)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
@@ -83,15 +74,11 @@ class Stack(nn.Module):
             position_ids = positions_from_mask(attention_mask, length)
         x = self.embed(input_ids, position_ids, token_type_ids)
         bias = attention_bias(attention_mask, length, self.causal)  # [B, 1, S, T]
-        if self.config.position == "alibi":
-            bias = bias + alibi_bias(attention_mask, length, self.alibi_slopes)  # [B, H, S, T]
-        if self.config.position == "relative":
-            bias = bias + relative_bias(attention_mask, length, self.relative_bias.weight,
-                                        bidirectional=not self.causal,
-                                        max_distance=self.config.relative_max_distance)
-        if self.record is not None:
-            self.record["bias"] = bias
-        rope = rope_cos_sin(position_ids, self.inv_freq) if self.config.position == "rope" else None
+        position_bias = self.scheme.bias(self, attention_mask, length)  # [B, H, S, T] or None
+        if position_bias is not None:
+            bias = bias + position_bias
+        bias = self.bias(bias)
+        rope = self.scheme.rotary(self, position_ids)
         memory_bias = None
         if memory is not None:
             if memory_mask is None:

@@ -22,12 +22,17 @@ Graphs per family (dims are named as in the ONNX files):
 
 User-facing outputs are float32 whatever the export dtype; KV caches are in the export dtype.
 
-Target ``ort`` (decoder-only RoPE models) changes the decoder graph: prompts are right-padded and
-described by ``seqlens_k`` int32 [batch] (index of each row's last real token, past included) and
-``total_sequence_length`` int32 scalar (the longest row's total length) instead of
-``attention_mask``; positions come from ``seqlens_k``; ``past_key_values.{i}.key|value`` and
-``present.{i}.key|value`` are the same preallocated buffer [batch, Hkv, max_sequence, D], which
-the runtime binds to both and ONNX Runtime updates in place.
+How a decoder graph takes its KV cache is its *cache layout* (``LAYOUTS``); each export target
+(tfport.export.targets) picks one, the manifest records it, and the runtime picks its decode
+strategy from it (tfport.runtime.decoding):
+
+* ``concat`` -- the I/O above: ``present`` = ``past`` followed by the new tokens (every family).
+* ``inplace`` (decoder-only) -- prompts are right-padded and described by ``seqlens_k`` int32
+  [batch] (index of each row's last real token, past included) and ``total_sequence_length``
+  int32 scalar (the longest row's total length) instead of ``attention_mask``; positions come from
+  ``seqlens_k``; ``past_key_values.{i}.key|value`` and ``present.{i}.key|value`` are the same
+  preallocated buffer [batch, Hkv, max_sequence, D], which the runtime binds to both and the
+  graph updates in place.
 """
 
 from __future__ import annotations
@@ -40,18 +45,12 @@ from typing import Any
 from .config import ModelConfig
 
 FORMAT_NAME = "tfport"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: cache layout and device refusals recorded (version 1 had target names only)
 MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 DTYPES = ("float32", "float16")
-# "portable": standard ONNX ops plus ai.tfport functions; runs on any ONNX runtime.
-# "ort": the decoder's RoPE + attention lowered to ONNX Runtime's com.microsoft.GroupQueryAttention,
-#        with a preallocated KV buffer shared by past and present (updated in place).
-# "onnx23": as portable, with rotary and attention lowered to ONNX's own opset-23 RotaryEmbedding
-#        and Attention operators (same graph I/O; opset 23).
-TARGETS = ("portable", "ort", "onnx23")
 
 
 @dataclass(frozen=True)
@@ -100,33 +99,59 @@ def _cache_specs(config: ModelConfig, n_layers: int, prefix: str, kind: str | No
     return specs
 
 
-def check_target(config: ModelConfig, target: str) -> None:
-    """Refuse a target the config cannot use, naming the option and the reason."""
-    if target not in TARGETS:
-        raise ValueError(f"target={target!r}: expected one of {list(TARGETS)}")
-    if target == "ort":
-        if config.family != "decoder":
-            raise ValueError(f"target='ort' lowers a decoder-only model's cached self-attention; "
-                             f"family={config.family!r} models use target='portable'")
-        if config.position != "rope":
-            raise ValueError(f"target='ort' fuses RoPE into com.microsoft.GroupQueryAttention; "
-                             f"position={config.position!r} models use target='portable'")
-        if config.dim_per_head % 16:
-            raise ValueError(f"target='ort': ONNX Runtime's GroupQueryAttention with rotary needs a "
-                             f"head dimension that is a multiple of 16, got {config.dim_per_head}")
+def _ids(name: str, length: str) -> TensorSpec:
+    return TensorSpec(name, "int64", ("batch", length))
 
 
-def graph_specs(config: ModelConfig, dtype: str = "float32", target: str = "portable") -> dict[str, GraphSpec]:
+def _logits(config: ModelConfig) -> TensorSpec:
+    return TensorSpec("logits", "float32", ("batch", "sequence", config.vocab_size))
+
+
+def _concat_decoder(config: ModelConfig, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Layout "concat": attention mask (+ position ids) in, present = past + new tokens out."""
+    seq2seq = config.family == "encoder-decoder"
+    kind = "decoder" if seq2seq else None
+    n = config.n_decoder_layers
+    inputs = [_ids("input_ids", "sequence"), _ids("attention_mask", "total_sequence")]
+    if seq2seq:
+        inputs.append(_ids("encoder_attention_mask", "encoder_sequence"))
+    if config.uses_position_ids:
+        inputs.append(_ids("position_ids", "sequence"))
+    inputs += _cache_specs(config, n, "past_key_values", kind, "past_sequence", dtype)
+    if seq2seq:
+        inputs += _cache_specs(config, n, "past_key_values", "encoder", "encoder_sequence", dtype)
+    outputs = [_logits(config)] + _cache_specs(config, n, "present", kind, "total_sequence", dtype)
+    return inputs, outputs
+
+
+def _inplace_decoder(config: ModelConfig, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Layout "inplace": seqlens_k / total_sequence_length in, one buffer as past and present."""
+    if config.family != "decoder":
+        raise ValueError(f"cache layout 'inplace' is for decoder-only models, not "
+                         f"family={config.family!r}")
+    n = config.n_decoder_layers
+    inputs = [_ids("input_ids", "sequence"), TensorSpec("seqlens_k", "int32", ("batch",)),
+              TensorSpec("total_sequence_length", "int32", ())]
+    inputs += _cache_specs(config, n, "past_key_values", None, "max_sequence", dtype)
+    outputs = [_logits(config)] + _cache_specs(config, n, "present", None, "max_sequence", dtype)
+    return inputs, outputs
+
+
+# Cache layout name -> the decoder graph's (inputs, outputs) for a config and KV dtype.
+LAYOUTS = {"concat": _concat_decoder, "inplace": _inplace_decoder}
+
+
+def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "concat") -> dict[str, GraphSpec]:
     """The graphs an export of ``config`` contains, keyed ``"encoder"`` / ``"decoder"``."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {list(DTYPES)}")
-    check_target(config, target)
-    ids = lambda name, length: TensorSpec(name, "int64", ("batch", length))  # noqa: E731
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {sorted(LAYOUTS)}")
     graphs: dict[str, GraphSpec] = {}
     if config.has_encoder:
-        inputs = [ids("input_ids", "sequence"), ids("attention_mask", "sequence")]
+        inputs = [_ids("input_ids", "sequence"), _ids("attention_mask", "sequence")]
         if config.type_vocab_size:
-            inputs.append(ids("token_type_ids", "sequence"))
+            inputs.append(_ids("token_type_ids", "sequence"))
         outputs = [TensorSpec("last_hidden_state", "float32", ("batch", "sequence", config.d_model))]
         if config.pooler:
             outputs.append(TensorSpec("pooler_output", "float32", ("batch", config.d_model)))
@@ -137,28 +162,7 @@ def graph_specs(config: ModelConfig, dtype: str = "float32", target: str = "port
                                     "sequence", dtype)
         graphs["encoder"] = GraphSpec("encoder", "encoder.onnx", tuple(inputs), tuple(outputs))
     if config.has_decoder:
-        seq2seq = config.family == "encoder-decoder"
-        kind = "decoder" if seq2seq else None
-        n = config.n_decoder_layers
-        if target == "ort":
-            n = config.n_decoder_layers
-            inputs = [ids("input_ids", "sequence"), TensorSpec("seqlens_k", "int32", ("batch",)),
-                      TensorSpec("total_sequence_length", "int32", ())]
-            inputs += _cache_specs(config, n, "past_key_values", None, "max_sequence", dtype)
-            outputs = [TensorSpec("logits", "float32", ("batch", "sequence", config.vocab_size))]
-            outputs += _cache_specs(config, n, "present", None, "max_sequence", dtype)
-            graphs["decoder"] = GraphSpec("decoder", "decoder.onnx", tuple(inputs), tuple(outputs))
-            return graphs
-        inputs = [ids("input_ids", "sequence"), ids("attention_mask", "total_sequence")]
-        if seq2seq:
-            inputs.append(ids("encoder_attention_mask", "encoder_sequence"))
-        if config.uses_position_ids:
-            inputs.append(ids("position_ids", "sequence"))
-        inputs += _cache_specs(config, n, "past_key_values", kind, "past_sequence", dtype)
-        if seq2seq:
-            inputs += _cache_specs(config, n, "past_key_values", "encoder", "encoder_sequence", dtype)
-        outputs = [TensorSpec("logits", "float32", ("batch", "sequence", config.vocab_size))]
-        outputs += _cache_specs(config, n, "present", kind, "total_sequence", dtype)
+        inputs, outputs = LAYOUTS[layout](config, dtype)
         graphs["decoder"] = GraphSpec("decoder", "decoder.onnx", tuple(inputs), tuple(outputs))
     return graphs
 
@@ -170,19 +174,24 @@ class Manifest:
     config: ModelConfig
     dtype: str = "float32"
     opset: int = 18
-    target: str = "portable"
+    target: str = "portable"  # the export target that wrote the graphs (informational)
+    layout: str = "concat"  # the decoder's cache layout (LAYOUTS); the runtime decodes by it
+    # Devices the graphs must not run on, with the reason (e.g. a fused kernel without a float32
+    # CUDA implementation): {"cuda": "..."}.
+    device_refusals: dict[str, str] = field(default_factory=dict)
     tokenizer: str | None = None
     chat_template: str | None = None  # file name of the checkpoint's Jinja chat template
     graphs: dict[str, GraphSpec] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.graphs:
-            object.__setattr__(self, "graphs", graph_specs(self.config, self.dtype, self.target))
+            object.__setattr__(self, "graphs", graph_specs(self.config, self.dtype, self.layout))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "dtype": self.dtype,
-            "opset": self.opset, "target": self.target, "tokenizer": self.tokenizer,
+            "opset": self.opset, "target": self.target, "layout": self.layout,
+            "device_refusals": dict(self.device_refusals), "tokenizer": self.tokenizer,
             "chat_template": self.chat_template,
             "config": self.config.to_dict(),
             "graphs": {name: g.to_dict() for name, g in self.graphs.items()},
@@ -214,8 +223,12 @@ class Manifest:
             raise ValueError(f"{path}: format_version={data.get('format_version')!r}, this tfport "
                              f"reads {FORMAT_VERSION}")
         config = ModelConfig.from_dict(data["config"])
+        refusals = data.get("device_refusals", {})
+        if not isinstance(refusals, dict) or not all(isinstance(v, str) for v in refusals.values()):
+            raise ValueError(f"{path}: device_refusals={refusals!r}: expected device -> reason")
         manifest = cls(config=config, dtype=data["dtype"], opset=int(data["opset"]),
-                       target=data.get("target", "portable"), tokenizer=data.get("tokenizer"),
+                       target=data["target"], layout=data["layout"], device_refusals=refusals,
+                       tokenizer=data.get("tokenizer"),
                        chat_template=data.get("chat_template"))
         for name, graph in manifest.graphs.items():
             recorded = data.get("graphs", {}).get(name)

@@ -1,0 +1,82 @@
+"""Target "ort": RoPE + attention lowered to ONNX Runtime's ``com.microsoft.GroupQueryAttention``
+inside the named function ``ai.tfport.FusedGroupQueryAttention``, with the ``inplace`` cache
+layout: one preallocated KV buffer per layer, bound as past and present, written in place.
+Decoder-only RoPE models whose head dimension is a multiple of 16."""
+
+from __future__ import annotations
+
+from onnxscript import script, values
+from onnxscript import opset18 as op
+
+from tfport.config import ModelConfig
+
+from ..emit import StackInputs
+from ..functions import tfport
+from .base import PortableTarget
+from .onnx23 import rope_cache
+
+msft = values.Opset("com.microsoft", 1)  # ONNX Runtime's contrib operators
+
+
+@script(tfport, default_opset=op)
+def FusedGroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
+                             cos_cache, sin_cache, num_heads: int, kv_num_heads: int, scale: float):
+    """RotaryEmbedding + GroupQueryAttention lowered to ONNX Runtime's fused kernel (target "ort").
+
+    PyTorch: as ``GroupQueryAttention`` with RoPE applied to query and key first. query
+    [B, S, H*D]; key, value [B, S, Hkv*D] (not rotated); past_key, past_value [B, Hkv, M, D]: a
+    preallocated buffer of M >= P + S slots that the runtime binds as both past and present, so
+    the new keys/values are written in place (no copy that grows with the context). seqlens_k
+    int32 [B] = index of each row's last real token (rows are right-padded); total_sequence_length
+    int32 scalar = the longest row's P + S; cos_cache, sin_cache float [max_positions, D/2] =
+    cos/sin(position * inv_freq), positions counted from 0 at each row's first token.
+    -> output [B, S, H*D], present_key, present_value [B, Hkv, M, D].
+    """
+    output, present_key, present_value = msft.GroupQueryAttention(
+        query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache,
+        sin_cache, num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, do_rotary=1,
+        rotary_interleaved=0)
+    return output, present_key, present_value
+
+
+class OrtTarget(PortableTarget):
+    name = "ort"
+    layout = "inplace"
+    summary = "RoPE attention as ONNX Runtime's fused GroupQueryAttention, in-place KV buffer"
+    bodies = {"FusedGroupQueryAttention": FusedGroupQueryAttention}
+
+    def check(self, config: ModelConfig, dtype: str, opset: int) -> None:
+        if config.family != "decoder":
+            raise ValueError(f"target='ort' lowers a decoder-only model's cached self-attention; "
+                             f"family={config.family!r} models use target='portable'")
+        if config.position != "rope":
+            raise ValueError(f"target='ort' fuses RoPE into com.microsoft.GroupQueryAttention; "
+                             f"position={config.position!r} models use target='portable'")
+        if config.dim_per_head % 16:
+            raise ValueError(f"target='ort': ONNX Runtime's GroupQueryAttention with rotary needs a "
+                             f"head dimension that is a multiple of 16, got {config.dim_per_head}")
+
+    def device_refusals(self, dtype: str) -> dict[str, str]:
+        if dtype == "float32":  # ONNX Runtime would run the node on the CPU, copying the cache each step
+            return {"cuda": "target 'ort' on CUDA needs a float16 export (ONNX Runtime's CUDA "
+                            "GroupQueryAttention has float16/bfloat16 kernels); re-export with "
+                            "--dtype float16, or use provider='cpu'"}
+        return {}
+
+    def stack_inputs(self, g, stack, config, inputs, causal, name):
+        """Masking and RoPE happen inside the kernel, from seqlens_k and the cos/sin tables."""
+        cos, sin = rope_cache(g, stack, name)
+        return StackInputs(self, extra={"seqlens_k": inputs["seqlens_k"], "cos": cos, "sin": sin,
+                                        "total_sequence_length": inputs["total_sequence_length"]})
+
+    def attend(self, g, q, k, v, module, ctx, past, name):
+        """[B, S, N*D] straight into ONNX Runtime's kernel; present is the past buffer, updated."""
+        h, hkv, d = module.n_heads, module.kv_heads, module.head_dim
+        f = ctx.extra
+        out, pk, pv = g.fn("FusedGroupQueryAttention", q, k, v, past[0], past[1], f["seqlens_k"],
+                           f["total_sequence_length"], f["cos"], f["sin"], num_heads=h,
+                           kv_num_heads=hkv, scale=module.scale, outputs=3, name=f"{name}.gqa")
+        g.declare(out, g.dtype, ["batch", "sequence", h * d])  # com.microsoft: no ONNX schema
+        for value in (pk, pv):
+            g.declare(value, g.dtype, ["batch", hkv, "max_sequence", d])
+        return out, (pk, pv)
