@@ -1,0 +1,93 @@
+"""``tfport bench`` and ``python -m tfport.export.bench``: options -> settings -> run -> report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from .measurement import DEFAULT, PROVIDERS, QUICK, BenchSettings
+from .report import format_table, write_json, write_plot
+from .run import run_benchmark
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers, e.g. 1,8")
+    return values
+
+
+def _name_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+# CLI option -> BenchSettings field; unset options take the defaults (or QUICK's with --quick).
+_OPTIONS = {"preset": "preset", "batch": "batches", "contexts": "contexts",
+            "new_tokens": "new_tokens", "repeats": "repeats", "threads": "threads",
+            "targets": "targets", "provider": "provider", "seed": "seed",
+            "read_mib": "read_mib", "gemv_mib": "gemv_mib"}
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    base = QUICK if args.quick else DEFAULT
+    changes = {fld: getattr(args, opt) for opt, fld in _OPTIONS.items()
+               if getattr(args, opt) is not None}
+    if args.no_torch:
+        changes["torch"] = False
+    return dataclasses.replace(base, **changes)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    settings = settings_from_args(args)
+    result = run_benchmark(settings)
+    if args.plot:
+        result.plot = write_plot(result, args.plot)
+    print(format_table(result))
+    if args.json:
+        print(f"wrote {write_json(result, args.json)}")
+    return 0
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``tfport bench``."""
+    from tfport.export import bench  # the package's docstring describes the command
+
+    p = subparsers.add_parser(
+        "bench", help="decode speed vs PyTorch and the memory-bandwidth roofline",
+        description=bench.__doc__.split("\n\n")[0],
+        epilog=f"defaults: preset {DEFAULT.preset}, batch {DEFAULT.batches}, contexts "
+               f"{DEFAULT.contexts}, {DEFAULT.new_tokens} new tokens, {DEFAULT.repeats} repeats, "
+               f"{DEFAULT.threads} threads; --quick: preset {QUICK.preset}, batch "
+               f"{QUICK.batches}, contexts {QUICK.contexts}, {QUICK.new_tokens} new tokens, "
+               f"{QUICK.repeats} repeat, small bandwidth buffers (seconds; speeds mean nothing)")
+    p.add_argument("--quick", action="store_true",
+                   help="a seconds-long run on a tiny preset (CI; options given still apply)")
+    p.add_argument("--preset", help="decoder preset to build (random weights from --seed)")
+    p.add_argument("--batch", type=_int_list, help="batch sizes, comma-separated (e.g. 1,8)")
+    p.add_argument("--contexts", type=_int_list,
+                   help="prompt lengths = tokens cached when the timed steps run (e.g. 64,256,1024)")
+    p.add_argument("--new-tokens", type=int, help="timed decode steps per run")
+    p.add_argument("--repeats", type=int, help="timed runs per cell (medians are reported)")
+    p.add_argument("--threads", type=int,
+                   help="ONNX Runtime intra-op threads = torch threads = bandwidth threads")
+    p.add_argument("--targets", type=_name_list,
+                   help="export targets, comma-separated (portable, ort); one export each")
+    p.add_argument("--provider", choices=PROVIDERS, help="ONNX Runtime execution provider")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference side")
+    p.add_argument("--seed", type=int, help="seed of the weights and the prompts")
+    p.add_argument("--read-mib", type=int, help="numpy read kernel's array, MiB (>= 512)")
+    p.add_argument("--gemv-mib", type=int, help="ORT GEMV's weight, MiB")
+    p.add_argument("--json", help="write the results as JSON here (atomically)")
+    p.add_argument("--plot", help="plot step time vs context here (needs matplotlib)")
+    p.set_defaults(func=run_bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tfport.export.bench [options]``: the same as ``tfport bench [options]``."""
+    from tfport.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
