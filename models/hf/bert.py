@@ -1,0 +1,76 @@
+"""BERT (``model_type`` ``bert``) -> encoder.
+
+Post-norm LayerNorm, learned positions, token types, embedding LayerNorm; the pooler and the MLM
+head (``cls.predictions.*``, decoder tied to the word embeddings) when the file has them.
+``query/key/value`` are stacked into ``qkv``.
+"""
+
+from __future__ import annotations
+
+from tfport.config import ModelConfig
+
+from .configs import hf_activation, hf_field, refuse, token_ids
+from .rules import QKV, Architecture, Rule, params
+
+BERT_POOLER_KEY = "bert.pooler.dense.weight"
+BERT_MLM_KEY = "cls.predictions.transform.dense.weight"
+# Which heads each BERT class has, when the checkpoint's keys are not at hand.
+BERT_HEADS = {"BertModel": (True, False), "BertForMaskedLM": (False, True),
+              "BertForPreTraining": (True, True)}
+
+
+def _bert_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
+    """BERT: post-norm LayerNorm, learned positions, token types; pooler and MLM head if present."""
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        refuse(hf, "position_embedding_type", hf["position_embedding_type"],
+               "tfport maps absolute (learned) positions only")
+    if hf.get("is_decoder") or hf.get("add_cross_attention"):
+        refuse(hf, "is_decoder", True, "a causal or cross-attending BERT is not tfport's encoder")
+    if keys is not None:  # the heads the file holds (a BertModel may be saved without its pooler)
+        pooler, mlm = BERT_POOLER_KEY in keys, BERT_MLM_KEY in keys
+    else:
+        pooler, mlm = BERT_HEADS[(hf.get("architectures") or ["BertModel"])[0]]
+    vocab_size = hf_field(hf, "vocab_size")
+    return ModelConfig(
+        family="encoder", vocab_size=vocab_size, d_model=hf_field(hf, "hidden_size"),
+        n_heads=hf_field(hf, "num_attention_heads"), d_ff=hf_field(hf, "intermediate_size"),
+        n_encoder_layers=hf_field(hf, "num_hidden_layers"), norm="layernorm", norm_position="post",
+        norm_eps=float(hf_field(hf, "layer_norm_eps", default=1e-12)),
+        activation=hf_activation(hf, hf_field(hf, "hidden_act", default="gelu")),
+        position="learned", max_positions=hf_field(hf, "max_position_embeddings", default=512),
+        embedding_norm=True, type_vocab_size=hf_field(hf, "type_vocab_size", default=2),
+        pooler=pooler, mlm_head=mlm, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        **token_ids(hf, vocab_size))
+
+
+BERT_LAYER = "bert.encoder.layer.{i}"
+BERT = Architecture(
+    model_types=("bert",),
+    classes=tuple(BERT_HEADS),
+    base_prefix="bert.",
+    config=_bert_config,
+    rules=(
+        Rule("encoder.embed.tokens.weight", ("bert.embeddings.word_embeddings.weight",)),
+        Rule("encoder.embed.positions.weight", ("bert.embeddings.position_embeddings.weight",)),
+        Rule("encoder.embed.token_types.weight", ("bert.embeddings.token_type_embeddings.weight",)),
+        *params("encoder.embed.norm", "bert.embeddings.LayerNorm"),
+        *params("encoder.layers.{i}.attn.qkv",
+                tuple(f"{BERT_LAYER}.attention.self.{p}" for p in ("query", "key", "value")),
+                weight=QKV, bias=QKV),
+        *params("encoder.layers.{i}.attn.out", f"{BERT_LAYER}.attention.output.dense"),
+        *params("encoder.layers.{i}.attn_norm", f"{BERT_LAYER}.attention.output.LayerNorm"),
+        *params("encoder.layers.{i}.ffn.up", f"{BERT_LAYER}.intermediate.dense"),
+        *params("encoder.layers.{i}.ffn.down", f"{BERT_LAYER}.output.dense"),
+        *params("encoder.layers.{i}.ffn_norm", f"{BERT_LAYER}.output.LayerNorm"),
+        *params("pooler", "bert.pooler.dense"),
+        *params("mlm.dense", "cls.predictions.transform.dense"),
+        *params("mlm.norm", "cls.predictions.transform.LayerNorm"),
+        Rule("mlm.decoder.weight", ("cls.predictions.decoder.weight",)),
+        Rule("mlm.decoder.bias", ("cls.predictions.bias",)),
+    ),
+    ignored={r"bert\.embeddings\.position_ids": "the buffer arange(max_positions); tfport "
+             "counts positions from attention_mask",
+             r"cls\.seq_relationship\.(weight|bias)": "the next-sentence-prediction head "
+             "(BertForPreTraining); tfport's encoder has no such output"},
+    duplicates={"cls.predictions.decoder.bias": "cls.predictions.bias"},
+)
