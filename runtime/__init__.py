@@ -8,7 +8,9 @@ heads, D head dim, E model dim, V vocab.
 """
 
 from .encoding import EncoderOutput, cls_pool, l2_normalize, mean_pool, pool
-from .generation import DecodeState, decoder_forward, generate_steps
+from .decoding import STRATEGIES, DecodeStrategy, strategy_for
+from .decoding.concat import DecodeState, decoder_forward
+from .generation import generate_steps, sample_loop
 from .inputs import pad_batch, positions_from_mask, split_prompts
 from .model import Model, load_model
 from .sampling import (SamplingParams, apply_temperature, make_rng, next_token, sample, softmax,
@@ -20,7 +22,8 @@ __all__ = [
     "Model", "load_model", "SessionSettings", "PROVIDERS", "open_session",
     "SamplingParams", "make_rng", "next_token", "apply_temperature", "top_k_filter",
     "top_p_filter", "softmax", "sample",
-    "DecodeState", "decoder_forward", "generate_steps",
+    "DecodeState", "decoder_forward", "generate_steps", "sample_loop", "DecodeStrategy",
+    "STRATEGIES", "strategy_for",
     "EncoderOutput", "pool", "mean_pool", "cls_pool", "l2_normalize",
     "split_prompts", "pad_batch", "positions_from_mask", "TextTokenizer",
 ]

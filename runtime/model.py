@@ -24,8 +24,8 @@ from tfport.config import ModelConfig
 from tfport.contract import MANIFEST_FILE, TOKENIZER_FILE, Manifest
 
 from .binding import GraphRunner
+from .decoding import strategy_for
 from .encoding import EncoderOutput, pool
-from .fused import generate_steps_fused
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .sampling import SamplingParams, make_rng
@@ -73,12 +73,8 @@ class Model:
             if settings.provider == "auto":  # the other graphs follow the first one's device
                 chosen = "cuda" if runners[name].device == "cuda" else "cpu"
                 settings = dataclasses.replace(settings, provider=chosen)
-        if manifest.target == "ort" and manifest.dtype == "float32" and \
-                any(r.device == "cuda" for r in runners.values()):
-            # ONNX Runtime would run the attention node on the CPU, copying the cache each step.
-            raise ValueError(f"model_dir={str(directory)!r}: target 'ort' on CUDA needs a float16 "
-                             "export (ONNX Runtime's CUDA GroupQueryAttention has float16/bfloat16 "
-                             "kernels); re-export with --dtype float16, or use provider='cpu'")
+        for device in {r.device for r in runners.values()} & set(manifest.device_refusals):
+            raise ValueError(f"model_dir={str(directory)!r}: {manifest.device_refusals[device]}")
         return cls(directory, manifest, runners, settings)
 
     def __repr__(self) -> str:
@@ -142,18 +138,15 @@ class Model:
         stops = self.stop_ids(stop_token_ids)
         rows = split_prompts(input_ids, attention_mask)
         check_vocab(rows, config.vocab_size)
-        ids, mask, static = self._first_decoder_inputs(rows, int(max_new_tokens))
-        if self.manifest.target == "ort":  # in-place KV buffer, right-padded prompts
-            return generate_steps_fused(runner, rows, int(max_new_tokens), params, rng, stops,
-                                        config.pad_token_id)
-        return generate_steps(runner, ids, mask, int(max_new_tokens), params, rng, stops,
-                              config.pad_token_id, static)
+        first, static = self._first_decoder_inputs(rows, int(max_new_tokens))
+        return generate_steps(strategy_for(self.manifest.layout), runner, first, int(max_new_tokens),
+                              params, rng, stops, config.pad_token_id, static)
 
     def _first_decoder_inputs(self, rows: list[np.ndarray], max_new_tokens: int
-                              ) -> tuple[np.ndarray, np.ndarray, dict]:
-        """Checked prompts -> the first decoder call's input_ids and attention_mask [B, S] and
-        the per-request static inputs: left-padded prompts for decoders; for seq2seq the
-        decoder start token [B, 1], with the encoder run once for the cross-attention K/V."""
+                              ) -> tuple[list[np.ndarray], dict]:
+        """Checked prompts -> the first decoder call's rows and the per-request static inputs:
+        the prompts for decoders; for seq2seq the decoder start token per row, with the encoder
+        run once for the cross-attention K/V."""
         config = self.config
         longest = max(len(row) for row in rows)
         limit = config.max_positions
@@ -163,15 +156,14 @@ class Model:
                          "decoder start token plus generated tokens")
             encoder_ids, encoder_mask = pad_batch(rows, config.pad_token_id, "right")
             static = self._cross_attention(encoder_ids, encoder_mask)
-            ids = np.full((len(rows), 1), config.decoder_start_token_id, dtype=np.int64)
-            return ids, np.ones_like(ids), static
+            start = np.array([config.decoder_start_token_id], dtype=np.int64)
+            return [start] * len(rows), static
         # The prompt fills positions 0..longest-1; every new token but the last is fed back.
         check_length("input_ids", longest, limit, "the longest prompt")
         check_length("max_new_tokens", longest + max_new_tokens - 1, limit,
                      f"longest prompt {longest} + max_new_tokens {max_new_tokens} - 1 (the last "
                      f"token is not fed back); lower max_new_tokens to at most {limit - longest + 1}")
-        ids, mask = pad_batch(rows, config.pad_token_id, "left")
-        return ids, mask, {}
+        return rows, {}
 
     def generate(self, input_ids: Prompts, attention_mask: np.ndarray | None = None, *,
                  max_new_tokens: int = 16, stop_token_ids: Sequence[int] | None = None,
@@ -243,6 +235,21 @@ class Model:
         static: dict = {"encoder_attention_mask": mask}
         static.update({"past_key_values." + n[len("present."):]: outputs[n] for n in names})
         return static
+
+    def chat(self, messages: Sequence[dict], **kwargs: Any) -> str:
+        """The assistant's reply to ``messages`` (``[{"role": "user", "content": "..."}, ...]``),
+        rendered with the export's chat template and stopped at its end-of-turn token.
+
+        Keyword arguments: ``max_new_tokens`` (default 256), ``temperature``, ``top_k``,
+        ``top_p``, ``seed``, ``stop_token_ids``; see ``tfport.runtime.chat``.
+        """
+        from .chat import chat
+        return chat(self, messages, **kwargs)
+
+    def chat_stream(self, messages: Sequence[dict], **kwargs: Any) -> Iterator[str]:
+        """``chat``, streamed: one text piece per generated token (see ``tfport.runtime.chat``)."""
+        from .chat import chat_stream
+        return chat_stream(self, messages, **kwargs)
 
     # ---------------------------------------------------------------------------------- encoding
     def encode(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,

@@ -16,13 +16,14 @@ import sys
 _COMMANDS = {
     "export": "tfport.export.cli",
     "generate": "tfport.runtime.cli",
+    "chat": "tfport.runtime.cli",
     "embed": "tfport.runtime.cli",
-    "parity": "tfport.export.parity_cli",
+    "parity": "tfport.export.parity.cli",
     "bench": "tfport.export.bench",
 }
 _EXTRA_HINT = {
     "tfport.export.cli": "pip install 'tfport[export]'",
-    "tfport.export.parity_cli": "pip install 'tfport[export]'",
+    "tfport.export.parity.cli": "pip install 'tfport[export]'",
     "tfport.runtime.cli": "pip install 'tfport[gpu]' (or 'tfport[cpu]')",
     "tfport.export.bench": "pip install 'tfport[gpu,export]'",
 }

@@ -1,6 +1,6 @@
-"""Generation for exports of target "ort": one preallocated KV buffer per layer, updated in place.
+"""Layout "inplace": one preallocated KV buffer per layer, updated in place (target "ort").
 
-The decoder graph calls ONNX Runtime's com.microsoft.GroupQueryAttention. Each layer's key and
+Each layer's key and
 value buffer [B, Hkv, M, D] (M = longest prompt + max_new_tokens) is allocated once per request on
 the session's device and bound as both ``past_key_values.*`` and ``present.*``: the kernel writes
 the new tokens' keys and values into their slots, so a step costs the same at any context length
@@ -10,20 +10,18 @@ of each row's last token and ``total_sequence_length`` the longest row's length.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnxruntime as ort
 
 from tfport.dtypes import NUMPY_DTYPES
 
-from .binding import PAST, PRESENT, GraphRunner
-from .inputs import pad_batch
-from .generation import sample_loop
-from .sampling import SamplingParams
+from ..binding import PAST, PRESENT, Feed, GraphRunner
+from ..inputs import pad_batch
 
 
-class FusedDecoder:
+class InplaceDecoder:
     """The decoder graph with its KV buffers bound once, as past and present, for one request.
 
     The buffers [B, Hkv, slots, D] live on the session's device for the whole request; a call
@@ -66,15 +64,16 @@ class FusedDecoder:
         return logits
 
 
-def generate_steps_fused(runner: GraphRunner, rows: Sequence[np.ndarray], max_new_tokens: int,
-                         params: SamplingParams, rng: np.random.Generator | None,
-                         stop_token_ids: tuple[int, ...], pad_token_id: int) -> Iterator[np.ndarray]:
-    """Yield one token per row, int64 [B], for up to ``max_new_tokens`` steps (see module doc)."""
-    ids, mask = pad_batch(rows, pad_token_id, "right")  # [B, S]
-    lengths = mask.sum(axis=1)  # real prompt tokens per row
-    batch = len(rows)
-    decoder = FusedDecoder(runner, batch, ids.shape[1] + max_new_tokens)
-    logits = decoder(ids, lengths - 1)[np.arange(batch), lengths - 1]  # [B, V]
-    # Step k's token is row b's token number lengths[b] + k: seqlens_k = its index.
-    advance = lambda token, step: decoder(token[:, None], lengths + step)[:, -1]  # noqa: E731
-    yield from sample_loop(logits, advance, max_new_tokens, params, rng, stop_token_ids, pad_token_id)
+class InplaceBuffer:
+    """Right-padded prompts; ``seqlens_k`` says where each row's tokens go in its buffer."""
+
+    def start(self, runner: GraphRunner, rows: Sequence[np.ndarray], max_new_tokens: int,
+              pad_token_id: int, static: Mapping[str, Feed]):
+        assert not static, "the inplace layout is decoder-only: no cross-attention inputs"
+        ids, mask = pad_batch(rows, pad_token_id, "right")  # [B, S]
+        lengths = mask.sum(axis=1)  # real prompt tokens per row
+        batch = len(rows)
+        decoder = InplaceDecoder(runner, batch, ids.shape[1] + max_new_tokens)
+        logits = decoder(ids, lengths - 1)[np.arange(batch), lengths - 1]  # [B, V]
+        # Step k's token is row b's token number lengths[b] + k: seqlens_k = its index.
+        return logits, lambda token, step: decoder(token[:, None], lengths + step)[:, -1]

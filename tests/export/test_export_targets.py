@@ -46,9 +46,9 @@ def test_cache_is_updated_in_place(fused):
     """The runtime binds one buffer as past and present: its OrtValue is written, not replaced."""
     _, out = fused
     runtime = load_model(out)
-    from tfport.runtime.fused import FusedDecoder
+    from tfport.runtime.decoding.inplace import InplaceDecoder
 
-    decoder = FusedDecoder(runtime.runners["decoder"], batch=1, slots=8)
+    decoder = InplaceDecoder(runtime.runners["decoder"], batch=1, slots=8)
     before = {name: value.data_ptr() for name, value in decoder.cache.items()}
     decoder(np.array([[5, 6, 7]]), np.array([2]))
     key = decoder.cache["past_key_values.0.key"].numpy()

@@ -12,7 +12,7 @@ import torch
 
 from tfport.models.generate import generate, generate_seq2seq
 from tfport.runtime.binding import GraphRunner, empty_cache
-from tfport.runtime.generation import decoder_forward
+from tfport.runtime.decoding.concat import decoder_forward
 from tfport.runtime.inputs import pad_batch
 
 from .runtime_cases import DECODER_CASES

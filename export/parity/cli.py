@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from tfport.contract import Manifest
 from tfport.files import write_text_atomic
 
-from .source import load_source
-from .parity import CASES, Runner, cuda_available, first_divergence
+from ..source import load_source
+from .cases import CASES
+from .localize import first_divergence
+from .runner import Runner, cuda_available
 
 
 def run_parity(args: argparse.Namespace) -> int:

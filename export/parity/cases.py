@@ -1,0 +1,119 @@
+"""Parity cases, tolerances and the comparison of one output with its reference.
+
+A ``Case`` says which inputs to make (batch, past length P, new tokens S, padding); the comparison
+looks at real (unmasked) positions only, with a tolerance per (dtype, provider) (``TOLERANCES``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+# (rtol, atol) per (dtype, provider): an output passes where |ort - torch| <= atol + rtol * |torch|.
+TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {
+    # fp32 on CPU: same operation order on both sides; the differences are summation order in
+    # MatMul/LayerNorm kernels and libm sin/cos/erf, ~1e-6 relative, amplified a few times by depth.
+    ("float32", "cpu"): (1e-4, 1e-4),
+    # fp32 on CUDA: TF32 is off in ORT by default, but cuBLAS picks other reduction orders.
+    ("float32", "cuda"): (1e-3, 1e-3),
+    # fp16: 11-bit mantissa (~5e-4 relative per rounding); the reference runs the module in fp16
+    # too, but rounds at different points (fused vs unfused kernels), so a few ulps per layer.
+    ("float16", "cpu"): (2e-2, 2e-2),
+    ("float16", "cuda"): (2e-2, 2e-2),
+}
+
+
+
+@dataclass(frozen=True)
+class Case:
+    """One set of inputs. ``padding`` pads row 0 of the batch ('left', 'right' or 'none')."""
+
+    batch: int = 2
+    past: int = 0  # P
+    new: int = 5  # S
+    padding: str = "none"
+    encoder_length: int = 6
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"B{self.batch}-P{self.past}-S{self.new}-{self.padding}"
+
+
+# The standard cases: padding (none, left, right) x phase (prefill; decode step with past; a chunk
+# of several new tokens on top of a past). Decoders are causal in every case; "right" padding
+# on top of a past becomes left padding (a real cache never has holes before new tokens).
+PHASES = {"prefill": (0, 6), "decode": (5, 1), "chunk": (4, 3)}  # (P, S)
+CASES = [Case(batch=3, past=p, new=s, padding=padding, seed=seed)
+         for seed, (padding, (p, s)) in enumerate(
+             (padding, phase) for padding in ("none", "left", "right") for phase in PHASES.values())]
+
+
+@dataclass
+class Diff:
+    """Largest differences of one output over its real positions."""
+
+    output: str
+    max_abs: float
+    max_rel: float
+    ok: bool
+    token_agreement: float | None = None  # fraction of positions whose argmax agrees (logits)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    graph: str
+    provider: str
+    diffs: list[Diff] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(d.ok for d in self.diffs)
+
+    def describe(self) -> str:
+        worst = max(self.diffs, key=lambda d: d.max_abs)
+        return (f"{self.graph} {self.case.label} on {self.provider}: "
+                f"{'ok' if self.ok else 'MISMATCH'}; worst {worst.output} max_abs={worst.max_abs:.3g} "
+                f"max_rel={worst.max_rel:.3g}; failing: {[d.output for d in self.diffs if not d.ok]}")
+
+def _compare(name: str, expected: np.ndarray, actual: np.ndarray, real: np.ndarray,
+             tolerance: tuple[float, float], logits: bool = False) -> Diff:
+    """Differences over entries where ``real`` (broadcastable bool) is True."""
+    rtol, atol = tolerance
+    if expected.shape != actual.shape:
+        return Diff(name, math.inf, math.inf, False)
+    real = np.broadcast_to(real, expected.shape)
+    e, a = expected[real].astype(np.float64), actual[real].astype(np.float64)
+    if not np.isfinite(actual).all():
+        return Diff(name, math.inf, math.inf, False)
+    if e.size == 0:
+        return Diff(name, 0.0, 0.0, True)
+    err = np.abs(a - e)
+    # atol is in units of the output's own scale (its RMS, at least 1): fp16 rounding errors grow
+    # with the magnitude of what is computed, e.g. logits of std ~6 from a tied vocabulary matrix.
+    scale = max(1.0, float(np.sqrt(np.mean(e * e))))
+    diff = Diff(name, float(err.max()), float((err / (np.abs(e) + 1e-12)).max()),
+                bool((err <= atol * scale + rtol * np.abs(e)).all()))
+    if logits:
+        diff.token_agreement = token_agreement(expected, actual, real[..., 0], (atol + rtol) * scale)
+    return diff
+
+
+def token_agreement(expected: np.ndarray, actual: np.ndarray, real: np.ndarray, tie: float) -> float:
+    """Fraction of real positions whose argmax agrees, counting near-ties as agreement.
+
+    A position where the reference's top two logits are within ``tie`` of each other has no
+    well-defined argmax at that precision; it agrees if the runtime picks either of the two.
+    """
+    top2 = np.argsort(expected, axis=-1)[..., -2:]
+    gap = np.take_along_axis(expected, top2, -1)
+    near_tie = (gap[..., 1] - gap[..., 0]) <= tie
+    picked = actual.argmax(-1)
+    agree = (picked == top2[..., 1]) | (near_tie & (picked == top2[..., 0]))
+    return float(agree[real].mean()) if real.any() else 1.0

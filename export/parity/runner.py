@@ -1,0 +1,155 @@
+"""Run an exported graph and its PyTorch reference on the same inputs, and compare.
+
+Used by the post-export validation, the parity test suite and ``tfport parity``: a ``Runner``
+holds an export's sessions and the reference module, makes each case's inputs (``inputs``),
+runs both sides and compares every output at real positions (``cases``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from tfport.contract import Manifest
+from tfport.models.masks import MASK_VALUE
+
+from .cases import TOLERANCES, Case, CaseResult, Diff, _compare
+from .inputs import CaseInputs, Prepared
+
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+def make_session(model: str | Path | bytes, provider: str = "cpu") -> ort.InferenceSession:
+    """An ONNX Runtime session on ``provider``; raises if CUDA was asked for and not obtained."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    source = model if isinstance(model, bytes) else str(model)
+    session = ort.InferenceSession(source, options, providers=PROVIDERS[provider])
+    if provider == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
+        raise RuntimeError(f"provider='cuda': ONNX Runtime could not create a CUDA session "
+                           f"(got {session.get_providers()})")
+    return session
+
+
+def cuda_available() -> tuple[bool, str]:
+    """(usable, reason): whether a CUDA session can really be created here."""
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False, "onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)"
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    ort.set_default_logger_severity(4)  # the probe's failure is reported by the return value
+    try:
+        make_session(model.SerializeToString(), "cuda")
+    except Exception as err:  # noqa: BLE001 - any failure means "not usable", with its reason
+        return False, f"CUDA execution provider not usable here: {str(err).splitlines()[0][:200]}"
+    finally:
+        ort.set_default_logger_severity(2)
+    return True, "CUDA execution provider creates sessions"
+
+
+
+class Runner:
+    """Sessions of one export plus its reference module, for running cases."""
+
+    def __init__(self, model: nn.Module, export_dir: str | Path, provider: str = "cpu"):
+        self.model = model.eval()
+        self.export_dir = Path(export_dir)
+        self.manifest = Manifest.read(export_dir)
+        self.config = self.manifest.config
+        self.provider = provider
+        self.dtype = self.manifest.dtype
+        self.tolerance = TOLERANCES[(self.dtype, provider)]
+        self.sessions = {name: make_session(self.export_dir / g.file, provider)
+                         for name, g in self.manifest.graphs.items()}
+        self._device = "cuda" if provider == "cuda" else "cpu"
+        self.torch_dtype = torch.float16 if self.dtype == "float16" else torch.float32
+        if self.torch_dtype != torch.float32:  # a converted copy: never round the caller's weights
+            self.model = copy.deepcopy(self.model).to(self.torch_dtype)
+        self.inputs = CaseInputs(self.model, self.config, self.dtype, self.manifest.layout,
+                                 self.run_onnx)
+
+    def prepare(self, case: Case) -> list[Prepared]:
+        """The graph runs of ``case``: the encoder, the decoder, or both (seq2seq)."""
+        return self.inputs.prepare(case)
+
+
+    # ----------------------------------------------------------------------------- running
+    def run_onnx(self, prepared: Prepared, session: ort.InferenceSession | None = None) -> dict[str, np.ndarray]:
+        session = session or self.sessions[prepared.graph]
+        names = [o.name for o in session.get_outputs()]
+        if prepared.inplace is None:
+            return dict(zip(names, session.run(None, prepared.feeds)))
+        binding = session.io_binding()  # one OrtValue per buffer, bound as past AND present
+        for name, value in prepared.feeds.items():
+            binding.bind_cpu_input(name, value)
+        shared = {}
+        for name, buffer in prepared.inplace.items():
+            shared[name] = ort.OrtValue.ortvalue_from_numpy(buffer.copy(), self._device, 0)
+            binding.bind_ortvalue_input(name, shared[name])
+        for name in names:
+            past = "past_key_values." + name[len("present."):]
+            if past in shared:
+                binding.bind_ortvalue_output(name, shared[past])
+            else:
+                binding.bind_output(name, "cpu")
+        session.run_with_iobinding(binding)
+        outputs = dict(zip(names, (v.numpy() for v in binding.get_outputs())))
+        return {name: prepared.to_reference_layout(name, value) for name, value in outputs.items()}
+
+    def _real(self, name: str, expected: np.ndarray, prepared: Prepared) -> np.ndarray:
+        """Where ``expected`` holds real values: real queries, real keys, unmasked bias entries."""
+        if name.startswith("present"):
+            return prepared.key_mask[:, None, :, None]  # [B, 1, T, 1]
+        if name == "pooler_output":
+            return np.ones(expected.shape, dtype=bool)
+        if name.endswith(".bias"):
+            return expected > MASK_VALUE / 2  # [B, 1|H, S, T]
+        if expected.ndim == 4:  # rotary q/k [B, N, S, D]
+            return prepared.query_mask[:, None, :, None]
+        return prepared.query_mask[:, :, None]  # [B, S, ...]
+
+    @torch.no_grad()
+    def check(self, prepared: Prepared, case: Case) -> CaseResult:
+        actual = self.run_onnx(prepared)
+        result = CaseResult(prepared.case or case, prepared.graph, self.provider)
+        for name, tensor in prepared.reference().items():
+            expected = tensor.float().numpy()
+            result.diffs.append(_compare(name, expected, actual[name].astype(np.float32),
+                                         self._real(name, expected, prepared), self.tolerance,
+                                         logits=name == "logits"))
+        return result
+
+    def run(self, case: Case) -> list[CaseResult]:
+        return [self.check(prepared, case) for prepared in self.prepare(case)]
+
+    def localize(self, case: Case) -> list[Diff]:
+        """Every tapped intermediate of ``case`` against the reference (see ``localize``)."""
+        from .localize import localize
+
+        return localize(self, case)
+
+
+def validate_export(model: nn.Module, export_dir: str | Path, provider: str = "cpu",
+                    log=None) -> list[CaseResult]:
+    """Prefill (left padding) and a decode step with past on fresh random inputs; raise on mismatch."""
+    log = log or logging.getLogger("tfport.export")
+    runner = Runner(model, export_dir, provider)
+    cases = [Case(batch=3, past=0, new=7, padding="left", seed=11),
+             Case(batch=3, past=6, new=1, padding="left", seed=12)]
+    results = [r for case in cases for r in runner.run(case)]
+    for result in results:
+        log.info("validation %s", result.describe())
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise RuntimeError("export validation failed (ONNX Runtime differs from PyTorch beyond "
+                           f"tolerance {runner.tolerance}):\n" + "\n".join(r.describe() for r in failed))
+    return results
