@@ -8,7 +8,7 @@ import logging
 from tfport.contract import DTYPES
 
 from .exporter import MAX_OPSET, MIN_OPSET, export_checkpoint_or_preset
-from .targets import TARGETS
+from .targets import DEFAULT_TARGET, TARGETS
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--opset", type=int, default=None,
                    help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default 18; 23 for --target onnx23)")
-    p.add_argument("--target", choices=list(TARGETS), default="portable",
+    p.add_argument("--target", choices=list(TARGETS), default=DEFAULT_TARGET,
                    help="; ".join(f"{name}: {t.summary}" for name, t in TARGETS.items()))
     p.add_argument("--tokenizer", help="tokenizer.json to ship with the export")
     p.add_argument("--force", action="store_true", help="replace an existing output directory")

@@ -25,10 +25,24 @@ def matrix_config(family: str, position: str, attention: str) -> ModelConfig:
 MATRIX = list(itertools.product(FAMILY_BASE, POSITIONS, ATTENTION))
 
 
-# Target "ort" (ONNX Runtime's fused GroupQueryAttention): decoder-only RoPE models whose head
-# dimension is a multiple of 16 (the kernel's requirement), over the attention variants.
-ORT_MATRIX = [("decoder", "rope", attention) for attention in ATTENTION]
-
-
 def ort_config(attention: str) -> ModelConfig:
-    return matrix_config("decoder", "rope", attention).replace(d_model=64)  # D = 64 / 4 = 16
+    """A decoder-only RoPE model with head dimension 16 (64 / 4 heads), which ONNX Runtime's fused
+    GroupQueryAttention (target "ort") needs."""
+    return matrix_config("decoder", "rope", attention).replace(d_model=64)
+
+
+def target_matrix(target) -> list[tuple[tuple[str, str, str], ModelConfig]]:
+    """The matrix entries an export target takes, each with its config: the standard one, or the
+    same with head dimension 16 where the target needs it (fused kernels); entries the target
+    refuses both ways are left out (their refusal is tested in tests/export)."""
+    entries = []
+    for entry in MATRIX:
+        config = matrix_config(*entry)
+        for candidate in (config, config.replace(d_model=64)):
+            try:
+                target.check(candidate, "float32", target.default_opset)
+            except ValueError:
+                continue
+            entries.append((entry, candidate))
+            break
+    return entries

@@ -18,6 +18,7 @@ from torch import nn
 
 from tfport.presets import get_preset
 
+from ..targets import DEFAULT_TARGET
 from .measurement import (BenchSettings, Row, RunTiming, load_average, machine_info, make_row,
                           mark_memory, measure, time_tfport, time_torch)
 from .report import BenchResult, Skipped, fill_comparisons, step_growth
@@ -28,8 +29,8 @@ log = logging.getLogger(__name__)
 
 def _required_target(target: str) -> bool:
     """Whether a failure of ``target`` ends the run instead of skipping the target: true for the
-    exporter's default, ``"portable"``, which every decoder must export to and run."""
-    return target == "portable"
+    exporter's default target, which every decoder must export to and run."""
+    return target == DEFAULT_TARGET
 
 
 def export_targets(module: nn.Module, targets: Sequence[str], root: Path

@@ -14,6 +14,7 @@ from .ort import OrtTarget
 Target = PortableTarget  # the interface every target implements (subclass it)
 
 TARGETS: dict[str, Target] = {}
+DEFAULT_TARGET = "portable"  # what every model exports to, on any ONNX runtime
 
 
 def register_target(target: Target) -> Target:
@@ -34,5 +35,5 @@ def get_target(target: str | Target) -> Target:
 for _target in (PortableTarget(), OrtTarget(), Onnx23Target()):
     register_target(_target)
 
-__all__ = ["Target", "TARGETS", "get_target", "register_target", "PortableTarget", "OrtTarget",
+__all__ = ["Target", "TARGETS", "DEFAULT_TARGET", "get_target", "register_target", "PortableTarget", "OrtTarget",
            "Onnx23Target"]

@@ -12,7 +12,7 @@ CUDA_USABLE, CUDA_REASON = cuda_available()
 
 # (provider, dtype) pairs of the suite; fp16 runs on CUDA only (CPU fp16 kernels are partial and
 # slow in ONNX Runtime, so fp16 parity there says little about deployments).
-TARGETS = [
+PROVIDER_DTYPES = [
     pytest.param("cpu", "float32", id="cpu-fp32"),
     pytest.param("cuda", "float32", id="cuda-fp32", marks=[
         pytest.mark.cuda, pytest.mark.skipif(not CUDA_USABLE, reason=f"needs a GPU: {CUDA_REASON}")]),

@@ -7,43 +7,43 @@ names the first diverging layer and piece."""
 from __future__ import annotations
 
 import copy
+
 import pytest
 import torch
 
-from tests.matrix import MATRIX, ORT_MATRIX, matrix_config, ort_config
-from tfport.export.parity import CASES, Runner, first_divergence
+from tests.matrix import target_matrix
+from tfport.export.parity import CASES, TOLERANCES, Runner, first_divergence
+from tfport.export.targets import TARGETS
 from tfport.models.generate import generate, generate_seq2seq
 from tfport.runtime import load_model
 
-from .conftest import TARGETS
-
-# ONNX Runtime registers its CUDA GroupQueryAttention kernel for float16 and bfloat16 only.
-ORT_TARGETS = [p if p.id != "cuda-fp32" else pytest.param(
-    *p.values, id=p.id, marks=[*p.marks, pytest.mark.xfail(
-        reason="ORT's CUDA GroupQueryAttention has no float32 kernel; export target 'ort' in "
-               "float16 for CUDA", strict=False)]) for p in TARGETS]
-
-IDS = ["-".join(m) for m in MATRIX]
+from .conftest import PROVIDER_DTYPES
 
 
-@pytest.mark.parametrize("provider,dtype", TARGETS)
-@pytest.mark.parametrize("family,position,attention", MATRIX, ids=IDS)
-def test_outputs_match(exported, family, position, attention, provider, dtype):
-    check_outputs(*exported(matrix_config(family, position, attention), dtype), provider)
+def _params(decoders_only: bool = False) -> list:
+    """(target, config, provider, dtype) over every registered target x the matrix entries it
+    takes x provider/dtype; a combination the target refuses on a device (its manifest's
+    device refusals) is an expected failure with the target's reason."""
+    params = []
+    for name, target in TARGETS.items():
+        for (family, position, attention), config in target_matrix(target):
+            if decoders_only and family == "encoder":
+                continue
+            for p in PROVIDER_DTYPES:
+                provider, dtype = p.values
+                marks = list(p.marks)
+                refusal = target.device_refusals(dtype).get(provider)
+                if refusal is not None:
+                    marks.append(pytest.mark.xfail(reason=refusal, strict=False))
+                params.append(pytest.param(name, config, provider, dtype, marks=marks,
+                                           id=f"{name}-{family}-{position}-{attention}-{p.id}"))
+    return params
 
 
-@pytest.mark.parametrize("provider,dtype", TARGETS)
-@pytest.mark.parametrize("family,position,attention", MATRIX, ids=IDS)
-def test_outputs_match_onnx23_target(exported, family, position, attention, provider, dtype):
-    """Target "onnx23": the same matrix through ONNX's opset-23 Attention and RotaryEmbedding."""
-    check_outputs(*exported(matrix_config(family, position, attention), dtype, "onnx23"), provider)
-
-
-@pytest.mark.parametrize("provider,dtype", ORT_TARGETS)
-@pytest.mark.parametrize("family,position,attention", ORT_MATRIX, ids=["-".join(m) for m in ORT_MATRIX])
-def test_outputs_match_ort_target(exported, family, position, attention, provider, dtype):
-    """Target "ort": the same cases through ONNX Runtime's fused kernel and in-place KV buffer."""
-    check_outputs(*exported(ort_config(attention), dtype, "ort"), provider)
+@pytest.mark.parametrize("target,config,provider,dtype", _params())
+def test_outputs_match(exported, target, config, provider, dtype):
+    """Every output of every case (prefill, decode, chunk x padding) at real positions."""
+    check_outputs(*exported(config, dtype, target), provider)
 
 
 def check_outputs(model, out, provider: str) -> None:
@@ -86,27 +86,10 @@ def assert_greedy_agrees(model, expected: list[int], actual: list[int], prompt, 
         return
 
 
-@pytest.mark.parametrize("provider,dtype", TARGETS)
-@pytest.mark.parametrize("family,position,attention",
-                         [m for m in MATRIX if m[0] != "encoder"],
-                         ids=[i for m, i in zip(MATRIX, IDS) if m[0] != "encoder"])
-def test_greedy_tokens_match(exported, family, position, attention, provider, dtype):
-    check_greedy(*exported(matrix_config(family, position, attention), dtype), family, provider, dtype)
-
-
-@pytest.mark.parametrize("provider,dtype", TARGETS)
-@pytest.mark.parametrize("family,position,attention",
-                         [m for m in MATRIX if m[0] != "encoder"],
-                         ids=[i for m, i in zip(MATRIX, IDS) if m[0] != "encoder"])
-def test_greedy_tokens_match_onnx23_target(exported, family, position, attention, provider, dtype):
-    check_greedy(*exported(matrix_config(family, position, attention), dtype, "onnx23"), family,
-                 provider, dtype)
-
-
-@pytest.mark.parametrize("provider,dtype", ORT_TARGETS)
-@pytest.mark.parametrize("family,position,attention", ORT_MATRIX, ids=["-".join(m) for m in ORT_MATRIX])
-def test_greedy_tokens_match_ort_target(exported, family, position, attention, provider, dtype):
-    check_greedy(*exported(ort_config(attention), dtype, "ort"), family, provider, dtype)
+@pytest.mark.parametrize("target,config,provider,dtype", _params(decoders_only=True))
+def test_greedy_tokens_match(exported, target, config, provider, dtype):
+    """The runtime's greedy tokens for a padded batch equal the reference's, row by row."""
+    check_greedy(*exported(config, dtype, target), config.family, provider, dtype)
 
 
 def check_greedy(model, out, family: str, provider: str, dtype: str) -> None:
@@ -118,7 +101,7 @@ def check_greedy(model, out, family: str, provider: str, dtype: str) -> None:
     # The runtime decodes the prompts as one left-padded batch; the reference runs each alone.
     actual = runtime.generate(prompts, max_new_tokens=steps, stop_token_ids=())
     assert actual.shape == (len(prompts), steps)
-    rtol, atol = runner_tolerance(provider, dtype)
+    rtol, atol = TOLERANCES[(dtype, provider)]
     seen = set()
     for row, ids in enumerate(prompts):
         prompt = torch.tensor([ids])
@@ -130,11 +113,6 @@ def check_greedy(model, out, family: str, provider: str, dtype: str) -> None:
         assert_greedy_agrees(model, expected, actual[row].tolist(), prompt, tie=atol + rtol,
                              encoder_ids=prompt if family != "decoder" else None)
     assert len(seen) >= 4, f"reference outputs too uniform to test anything: {sorted(seen)}"
-
-
-def runner_tolerance(provider: str, dtype: str) -> tuple[float, float]:
-    from tfport.export.parity import TOLERANCES
-    return TOLERANCES[(dtype, provider)]
 
 
 def test_near_tie_rule_rejects_a_real_difference():
