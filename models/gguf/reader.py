@@ -1,0 +1,115 @@
+"""Read a GGUF file (llama.cpp's format) with the ``gguf`` package: metadata and float32 tensors.
+
+A GGUF file holds key/value metadata (architecture, hyper-parameters, tokenizer, chat template)
+and tensors named in llama.cpp's scheme (``blk.{i}.attn_q.weight``), each stored in one of ggml's
+types: plain floats or block quantisations (32 values per block for the legacy types, 256 for
+the K-quants). Tensors are dequantised with ``gguf.quants.dequantize``, ``gguf``'s own routines.
+
+GGUF lists a tensor's dimensions fastest-varying first (ggml's ``ne``); ``shape`` here is the
+numpy / PyTorch order, the reverse, so a linear weight is [out_features, in_features] as in
+Hugging Face checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+Shape = tuple[int, ...]
+
+GGUF_SUFFIX = ".gguf"
+GGUF_MAGIC = b"GGUF"
+
+# ggml tensor types tfport dequantises: plain floats, the legacy block types (32 values per
+# block) and the K-quants (256 values per block, "super-blocks").
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError("reading a .gguf file needs the 'gguf' package (llama.cpp's gguf-py): "
+                          "pip install gguf") from None
+    return gguf
+
+
+def is_gguf_file(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file that starts with the GGUF magic bytes."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as handle:
+        return handle.read(4) == GGUF_MAGIC
+
+
+class GGUFFile:
+    """One GGUF file: ``metadata`` (key -> Python value) and its tensors by GGUF name."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not is_gguf_file(self.path):
+            raise ValueError(f"gguf={str(path)!r}: not a GGUF file (expected a file starting "
+                             f"with the bytes {GGUF_MAGIC!r}, as llama.cpp writes them)")
+        gguf = _gguf()
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except Exception as err:  # gguf raises ValueError, struct.error, IndexError...
+            raise ValueError(f"gguf={str(path)!r}: not a readable GGUF file ({err})") from None
+        self.metadata: dict[str, Any] = {}
+        for key, field in self._reader.fields.items():
+            if key.startswith("GGUF."):  # the header (version, counts), not metadata
+                continue
+            value = field.contents()
+            self.metadata[key] = value.tolist() if isinstance(value, np.ndarray) else value
+        self._tensors = {tensor.name: tensor for tensor in self._reader.tensors}
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({str(self.path)!r}, architecture={self.architecture!r})"
+
+    @property
+    def architecture(self) -> str:
+        return self.require("general.architecture")
+
+    def require(self, key: str) -> Any:
+        """Metadata ``key``; a clear error when the file lacks it."""
+        if key not in self.metadata:
+            raise ValueError(f"{self.path.name}: no metadata key {key!r}")
+        return self.metadata[key]
+
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def tensor_type(self, name: str) -> str:
+        """ggml type name of tensor ``name`` (``"Q4_1"``, ``"F32"``, ...)."""
+        return self._tensors[name].tensor_type.name
+
+    def shape(self, name: str) -> Shape:
+        """Numpy-order shape of tensor ``name`` (GGUF's dimension list reversed)."""
+        return tuple(int(n) for n in reversed(self._tensors[name].shape.tolist()))
+
+    def check_types(self) -> None:
+        """Refuse, naming them, the tensors stored in a type tfport does not dequantise."""
+        odd = {name: self.tensor_type(name) for name in self._tensors
+               if self.tensor_type(name) not in SUPPORTED_TYPES}
+        if odd:
+            listed = ", ".join(f"{n} ({t})" for n, t in list(odd.items())[:8])
+            more = f" and {len(odd) - 8} more" if len(odd) > 8 else ""
+            raise ValueError(f"{self.path.name}: tensor type(s) {sorted(set(odd.values()))} are not "
+                             f"supported (tensors {listed}{more}); tfport dequantises "
+                             f"{list(SUPPORTED_TYPES)}")
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as float32, numpy-order shape."""
+        tensor = self._tensors[name]
+        kind = tensor.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise ValueError(f"{self.path.name}: tensor {name!r} has type {kind}, which tfport does "
+                             f"not dequantise; supported: {list(SUPPORTED_TYPES)}")
+        values = _gguf().quants.dequantize(tensor.data, tensor.tensor_type)
+        # A copy: F32 tensors come back as read-only views of the memory-mapped file.
+        return np.array(values, dtype=np.float32, order="C").reshape(self.shape(name))
