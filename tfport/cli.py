@@ -23,7 +23,7 @@ _COMMANDS = {
 }
 _EXTRA_HINT = {
     "tfport.export.cli": "pip install 'tfport[export]'",
-    "tfport.export.parity.cli": "pip install 'tfport[export]'",
+    "tfport.export.parity.cli": "pip install 'tfport[export,cpu]' (or 'tfport[export,gpu]')",
     "tfport.runtime.cli": "pip install 'tfport[gpu]' (or 'tfport[cpu]')",
     "tfport.export.bench": "pip install 'tfport[gpu,export]'",
 }
