@@ -1,7 +1,9 @@
-"""``tfport generate`` and ``tfport embed``: run an export from the command line, without torch.
+"""``tfport generate``, ``tfport chat`` and ``tfport embed``: run an export from the command line,
+without torch.
 
     tfport generate DIR --ids 1,5,7 [--ids 1,9] --max-new-tokens 32 [--stream]
     tfport generate DIR --text "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 0
+    tfport chat DIR [--system "You are terse."] [--message "Hi!"]
     tfport embed DIR --text "a sentence" --pooling mean --normalize
 
 Generated ids print one line per prompt (comma-separated; the text too when the export has a
@@ -17,6 +19,7 @@ import sys
 
 from .model import Model, cut_at_stop, load_model
 from .session import PROVIDERS
+from .tokenizer import TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,24 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.set_defaults(func=run_generate)
 
+    chat = subparsers.add_parser(
+        "chat", help="talk to an instruct export (its chat template), replies streamed",
+        description="Multi-turn chat on stdin/stdout: one message per line, replies streamed; "
+                    f"end with EOF (Ctrl-D) or {QUIT!r}. --message answers one message and exits.")
+    chat.add_argument("model_dir", metavar="DIR", help="directory written by 'tfport export'")
+    chat.add_argument("--system", help="system message opening the conversation")
+    chat.add_argument("--message", help="answer this one message and exit (no prompt, no loop)")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    chat.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: all)")
+    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1: all)")
+    chat.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    chat.add_argument("--provider", choices=PROVIDERS, default="cpu",
+                      help="execution provider (default: cpu; auto tries CUDA)")
+    chat.add_argument("--threads", type=int, default=0,
+                      help="intra-op threads (default: ONNX Runtime's choice)")
+    chat.set_defaults(func=run_chat)
+
     emb = subparsers.add_parser("embed", help="sentence embeddings from an encoder export",
                                 description="Pooled (and optionally normalised) encoder states.")
     _add_common(emb)
@@ -106,28 +127,59 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _stream(model: Model, prompts: list[list[int]], options: dict, text: bool) -> None:
     stops = model.stop_ids(None)
-    generated: list[int] = []
-    shown = ""
+    decoder = TextStream(model.tokenizer) if text else None
+    count = 0
     for tokens in model.stream(prompts, **options):
         token = int(tokens[0])
-        if text:
+        if decoder is not None:
             if token in stops:
                 break
-            generated.append(token)
-            decoded = model.tokenizer.decode(generated)
-            # Hold text back while it is an incomplete byte sequence (U+FFFD) or while decoding
-            # the longer id list rewrote what was already shown (byte-level BPE can).
-            if decoded.startswith(shown) and not decoded.endswith("\ufffd"):
-                sys.stdout.write(decoded[len(shown):])
-                shown = decoded
+            sys.stdout.write(decoder.push(token))
         else:
-            sys.stdout.write(("," if generated else "") + str(token))
-            generated.append(token)
+            sys.stdout.write(("," if count else "") + str(token))
+        count += 1
         sys.stdout.flush()
-    if text and generated:
-        decoded = model.tokenizer.decode(generated)
-        sys.stdout.write(decoded[len(shown):] if decoded.startswith(shown) else "\n" + decoded)
+    if decoder is not None:
+        sys.stdout.write(decoder.finish())
     sys.stdout.write("\n")
+
+
+QUIT = "/quit"
+USER_PROMPT = "> "
+
+
+def _reply(model: Model, messages: list[dict], options: dict) -> str:
+    """Stream the assistant's reply to stdout; return its text."""
+    pieces = []
+    for piece in model.chat_stream(messages, **options):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        pieces.append(piece)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(pieces)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    model = load_model(args.model_dir, args.provider, intra_op_threads=args.threads)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    if args.message is not None:
+        _reply(model, [*messages, {"role": "user", "content": args.message}], options)
+        return 0
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stderr.write(USER_PROMPT)
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() == QUIT:  # EOF or /quit
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        messages.append({"role": "assistant", "content": _reply(model, messages, options)})
 
 
 def run_embed(args: argparse.Namespace) -> int:

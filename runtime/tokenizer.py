@@ -47,3 +47,46 @@ class TextTokenizer:
         """Text of token ids."""
         return self._tokenizer.decode([int(i) for i in ids],
                                       skip_special_tokens=skip_special_tokens)
+
+    def token(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id`` (e.g. ``"<|im_end|>"``), or None."""
+        return self._tokenizer.id_to_token(int(token_id))
+
+    def unknown_token(self) -> str | None:
+        """The model's unknown token (BPE / WordPiece / Unigram), if it has one."""
+        model = self._tokenizer.model
+        unk = getattr(model, "unk_token", None)
+        if unk is None and getattr(model, "unk_id", None) is not None:
+            unk = self.token(model.unk_id)
+        return unk
+
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (BOS, EOS, ``<|im_end|>``, ...)."""
+        return frozenset(i for i, t in self._tokenizer.get_added_tokens_decoder().items() if t.special)
+
+
+class TextStream:
+    """Token ids in, text out as soon as it is final: each ``push`` returns the text the new id
+    completes. Text is held back while it ends in an incomplete UTF-8 sequence (U+FFFD) or while
+    decoding the longer id list rewrote text already returned (byte-level BPE can); ``finish``
+    returns what is still held back. Special tokens are not shown."""
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        decoded = self.tokenizer.decode(self.ids)
+        if not decoded.startswith(self.shown) or decoded.endswith("\ufffd"):
+            return ""
+        piece, self.shown = decoded[len(self.shown):], decoded
+        return piece
+
+    def finish(self) -> str:
+        """The rest of the text (on a new line if it rewrote what was shown)."""
+        decoded = self.tokenizer.decode(self.ids)
+        rest = decoded[len(self.shown):] if decoded.startswith(self.shown) else "\n" + decoded
+        self.shown = decoded
+        return rest
