@@ -1,0 +1,388 @@
+"""Continuous batching: one scheduler thread per decoder model.
+
+Requests wait in a bounded queue. At every step boundary the scheduler retires rows that are
+finished, cancelled or past their deadline, admits waiting requests into free rows (each prompt
+prefilled alone, its first token sampled from the prefill's logits), then runs one decode step for
+all live rows together and samples each row's next token with that row's own parameters and random
+generator. A row's tokens therefore do not depend on what else is in the batch: greedy rows get
+their solo result.
+
+    scheduler = Scheduler(model, SchedulerLimits(max_rows=16, max_queue=64))
+    scheduler.start()
+    handle = scheduler.submit(GenerationRequest(prompt=[1, 5, 7], max_tokens=16))
+    for event in handle:                       # Token(id) ..., then Finished(reason) or Failed
+        ...
+    scheduler.stop()
+
+Events reach a handle from the scheduler thread; ``handle.attach(loop)`` delivers them to an
+asyncio loop instead (``async for event in handle``). ``handle.cancel()`` (a client that went away)
+frees the row at the next step boundary. An exception while prefilling fails that request only;
+one in a decode step fails the rows of that step, and the scheduler carries on with fresh state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, Union
+
+import numpy as np
+
+from ..decoding.rows import Row, RowBatch, row_batch_for
+from ..sampling import SamplingParams, make_rng, next_token
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds ``max_queue`` requests (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """``max_rows``: requests decoded together; ``max_queue``: requests waiting for a row;
+    ``max_length``: prompt + generated tokens per row (the KV buffer's slots; default the model's
+    ``max_positions``)."""
+
+    max_rows: int = 16
+    max_queue: int = 256
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_rows", "max_queue"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected a positive integer")
+        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 2):
+            raise ValueError(f"max_length={self.max_length!r}: expected an integer >= 2 or None")
+
+
+@dataclass
+class GenerationRequest:
+    """One sequence to generate: ``prompt`` token ids, at most ``max_tokens`` new tokens, stop at
+    any of ``stop_ids`` (the stop token is reported, then the row ends); ``timeout`` seconds from
+    submission (None: no limit)."""
+
+    prompt: Sequence[int]
+    max_tokens: int = 16
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+    timeout: float | None = None
+
+
+@dataclass(frozen=True)
+class Token:
+    id: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """``reason``: "stop" (a stop id), "length" (max_tokens), "cancelled", "timeout"."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+Event = Union[Token, Finished, Failed]
+
+
+class Observer(Protocol):
+    """What the scheduler reports (``metrics.ServeMetrics`` implements it for Prometheus)."""
+
+    def queue_depth(self, waiting: int, running: int) -> None: ...
+    def first_token(self, seconds: float) -> None: ...
+    def step(self, rows: int, tokens: int, seconds: float) -> None: ...
+    def finished(self, reason: str, seconds: float) -> None: ...
+
+
+class _NoObserver:
+    def queue_depth(self, waiting, running): pass
+    def first_token(self, seconds): pass
+    def step(self, rows, tokens, seconds): pass
+    def finished(self, reason, seconds): pass
+
+
+class Handle:
+    """A submitted request: its events, in order, ending with ``Finished`` or ``Failed``."""
+
+    def __init__(self, request: GenerationRequest):
+        self.request = request
+        self.submitted = time.monotonic()
+        self.deadline = None if request.timeout is None else self.submitted + request.timeout
+        self.tokens: list[int] = []
+        self.cancelled = False
+        self.done = False
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async: asyncio.Queue | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> "Handle":
+        """Deliver events to ``loop`` (iterate with ``async for``); call before ``submit``."""
+        self._loop, self._async = loop, asyncio.Queue()
+        return self
+
+    def cancel(self) -> None:
+        """Stop generating; the row is freed at the next step boundary."""
+        self.cancelled = True
+
+    def _emit(self, event: Event) -> None:
+        with self._lock:
+            if self.done:
+                return
+            if isinstance(event, Token):
+                self.tokens.append(event.id)
+            else:
+                self.done = True
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+        else:
+            self._queue.put(event)
+
+    def __iter__(self) -> Iterator[Event]:
+        assert self._loop is None, "this handle delivers to an asyncio loop: use async for"
+        while True:
+            event = self._queue.get()
+            yield event
+            if not isinstance(event, Token):
+                return
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        assert self._async is not None, "call attach(loop) before submit to use async for"
+        while True:
+            event = await self._async.get()
+            yield event
+            if not isinstance(event, Token):
+                return
+
+    def result(self) -> tuple[list[int], str]:
+        """Block until done -> (tokens, finish reason); raises the request's error."""
+        for event in self:
+            if isinstance(event, Failed):
+                raise event.error
+            if isinstance(event, Finished):
+                return list(self.tokens), event.reason
+        raise AssertionError("unreachable")
+
+
+@dataclass(eq=False)
+class _Live:
+    handle: Handle
+    row: Row
+    rng: np.random.Generator | None
+    last: int
+
+
+class Scheduler:
+    """Continuous batching over one decoder ``Model`` (see the module docstring)."""
+
+    def __init__(self, model, limits: SchedulerLimits = SchedulerLimits(),
+                 observer: Observer | None = None):
+        runner = model._runner("decoder", "serve")
+        if model.config.family != "decoder":
+            raise ValueError(f"Scheduler: family {model.config.family!r} is not batched per row; "
+                             "serve decoder-only exports")
+        self.model = model
+        self.runner = runner
+        self.limits = limits
+        self.max_length = min(limits.max_length or model.config.max_positions,
+                              model.config.max_positions)
+        self.observer = observer or _NoObserver()
+        self._make_batch = row_batch_for(model.manifest.layout)
+        self.batch: RowBatch = self._new_batch()
+        self._waiting: collections.deque[Handle] = collections.deque()
+        self._live: list[_Live] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def _new_batch(self) -> RowBatch:
+        return self._make_batch(self.runner, self.limits.max_rows, self.max_length,
+                                self.model.config.pad_token_id)
+
+    # ------------------------------------------------------------------------------ public API
+    def check(self, request: GenerationRequest) -> None:
+        """``ValueError`` naming the field for a request this scheduler cannot run."""
+        prompt = request.prompt
+        vocab = self.model.config.vocab_size
+        if len(prompt) == 0:
+            raise ValueError("prompt: expected at least one token")
+        bad = [int(t) for t in prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:8]} outside [0, {vocab}) (the model's vocab_size)")
+        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) \
+                or request.max_tokens < 1:
+            raise ValueError(f"max_tokens={request.max_tokens!r}: expected a positive integer")
+        need = len(prompt) + request.max_tokens - 1  # the last token is not fed back
+        if need > self.max_length:
+            raise ValueError(f"max_tokens: prompt {len(prompt)} + max_tokens {request.max_tokens} "
+                             f"- 1 = {need} tokens, more than this server's context of "
+                             f"{self.max_length}; lower max_tokens to at most "
+                             f"{self.max_length - len(prompt) + 1}")
+        if request.timeout is not None and not request.timeout > 0:
+            raise ValueError(f"timeout={request.timeout!r}: expected a positive number of seconds")
+
+    def submit(self, requests: GenerationRequest | Sequence[GenerationRequest],
+               loop: asyncio.AbstractEventLoop | None = None) -> Handle | list[Handle]:
+        """Queue request(s) -> handle(s), all or none: ``QueueFull`` when the queue has no room
+        for all of them, ``ValueError`` for a request ``check`` refuses."""
+        single = isinstance(requests, GenerationRequest)
+        requests = [requests] if single else list(requests)
+        for request in requests:
+            self.check(request)
+        handles = [Handle(r) for r in requests]
+        if loop is not None:
+            for handle in handles:
+                handle.attach(loop)
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the scheduler is stopped")
+            if len(self._waiting) + len(handles) > self.limits.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue="
+                                f"{self.limits.max_queue}); retry later")
+            self._waiting.extend(handles)
+            self._cond.notify()
+            self.observer.queue_depth(len(self._waiting), len(self._live))
+        return handles[0] if single else handles
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._live)
+
+    def start(self) -> "Scheduler":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tfport-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the current step; waiting and live requests are cancelled."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for handle in [*self._waiting, *(live.handle for live in self._live)]:
+            handle._emit(Finished("cancelled"))
+
+    # ------------------------------------------------------------------------------ the loop
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._live:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self.run_once()
+            except Exception:  # never lose the thread: a bug here fails the live rows only
+                logger.exception("scheduler step failed")
+                self._fail_live(RuntimeError("internal error in the scheduler"))
+
+    def run_once(self) -> None:
+        """One step boundary: retire, admit, decode one token for every live row."""
+        now = time.monotonic()
+        for live in list(self._live):
+            reason = self._stop_reason(live.handle, now)
+            if reason:
+                self._retire(live, Finished(reason))
+        self._admit(now)
+        self.observer.queue_depth(len(self._waiting), len(self._live))
+        if not self._live:
+            return
+        self._live.sort(key=lambda live: live.row.index)  # the batch's row order (rows move)
+        tokens = np.array([live.last for live in self._live], dtype=np.int64)
+        start = time.perf_counter()
+        try:
+            logits = self.batch.step(tokens)  # [n, V], rows in the order of self._live
+        except Exception as err:
+            logger.exception("decode step failed")
+            self._fail_live(err)
+            return
+        picked = self._sample(logits)
+        self.observer.step(len(self._live), len(picked), time.perf_counter() - start)
+        for live, token in zip(list(self._live), picked):
+            self._push(live, int(token))
+
+    def _stop_reason(self, handle: Handle, now: float) -> str | None:
+        if handle.cancelled:
+            return "cancelled"
+        if handle.deadline is not None and now >= handle.deadline:
+            return "timeout"
+        return None
+
+    def _admit(self, now: float) -> None:
+        while len(self._live) < self.limits.max_rows:
+            with self._cond:
+                if not self._waiting:
+                    return
+                handle = self._waiting.popleft()
+            reason = self._stop_reason(handle, now)
+            if reason:
+                handle._emit(Finished(reason))
+                self.observer.finished(reason, time.monotonic() - handle.submitted)
+                continue
+            request = handle.request
+            try:
+                row, logits = self.batch.add(np.asarray(request.prompt, dtype=np.int64))
+            except Exception as err:  # this request only; the batch is unchanged
+                logger.exception("prefill failed")
+                handle._emit(Failed(err))
+                self.observer.finished("error", time.monotonic() - handle.submitted)
+                continue
+            rng = None if request.params.greedy and request.seed is None else make_rng(request.seed)
+            live = _Live(handle, row, rng, -1)
+            self._live.append(live)
+            self.observer.first_token(time.monotonic() - handle.submitted)
+            self._push(live, int(next_token(logits[None], request.params, rng)[0]))
+
+    def _sample(self, logits: np.ndarray) -> np.ndarray:
+        """One token per live row, each with its own parameters and generator -> int64 [n]."""
+        picked = np.argmax(logits, axis=-1).astype(np.int64)  # greedy rows, vectorised
+        for b, live in enumerate(self._live):
+            params = live.handle.request.params
+            if not params.greedy:
+                picked[b] = next_token(logits[b:b + 1], params, live.rng)[0]
+        return picked
+
+    def _push(self, live: _Live, token: int) -> None:
+        handle, request = live.handle, live.handle.request
+        live.last = token
+        handle._emit(Token(token))
+        if token in request.stop_ids:
+            self._retire(live, Finished("stop"))
+        elif len(handle.tokens) >= request.max_tokens:
+            self._retire(live, Finished("length"))
+
+    def _retire(self, live: _Live, event: Event) -> None:
+        self._live.remove(live)
+        self.batch.remove(live.row)
+        live.handle._emit(event)
+        reason = event.reason if isinstance(event, Finished) else "error"
+        self.observer.finished(reason, time.monotonic() - live.handle.submitted)
+
+    def _fail_live(self, err: BaseException) -> None:
+        """Fail every live row and start over with an empty batch."""
+        for live in self._live:
+            live.handle._emit(Failed(err))
+            self.observer.finished("error", time.monotonic() - live.handle.submitted)
+        self._live = []
+        self.batch = self._new_batch()

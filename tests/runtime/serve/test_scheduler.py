@@ -1,0 +1,159 @@
+"""Continuous batching (runtime/serve/scheduler.py over runtime/decoding/rows.py): rows join and
+leave at step boundaries, and each request gets exactly its solo result."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tfport.runtime import load_model
+from tfport.runtime.decoding.rows import ROW_BATCHES, row_batch_for
+from tfport.runtime.sampling import SamplingParams
+from tfport.runtime.serve.scheduler import (Failed, Finished, GenerationRequest, QueueFull,
+                                            Scheduler, SchedulerLimits, Token)
+
+LAYOUT_EXPORTS = {"inplace": "dec-ort", "concat": "dec-portable"}
+
+
+@pytest.fixture(scope="module", params=sorted(ROW_BATCHES))
+def model(request, serve_exports):
+    loaded = load_model(serve_exports[LAYOUT_EXPORTS[request.param]], intra_op_threads=1)
+    assert loaded.manifest.layout == request.param
+    return loaded
+
+
+@pytest.fixture
+def scheduler(model):
+    scheduler = Scheduler(model, SchedulerLimits(max_rows=4, max_queue=64)).start()
+    yield scheduler
+    scheduler.stop()
+
+
+def prompts(count: int, seed: int = 0, vocab: int = 96) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(4, vocab, size=int(rng.integers(1, 12))).tolist() for _ in range(count)]
+
+
+def solo(model, prompt, max_tokens, **kwargs) -> list[int]:
+    return model.generate([prompt], max_new_tokens=max_tokens, **kwargs)[0].tolist()
+
+
+def test_row_batch_greedy_equals_solo_as_rows_come_and_go(model):
+    """The RowBatch alone: rows admitted when others are mid-way, removed when done."""
+    cases = [(p, 3 + i % 7) for i, p in enumerate(prompts(9, seed=1))]
+    batch = row_batch_for(model.manifest.layout)(model.runners["decoder"], 3, 64)
+    out, live, waiting = {}, {}, list(range(len(cases)))
+    while waiting or live:
+        while waiting and len(batch.rows) < batch.capacity:
+            i = waiting.pop(0)
+            row, logits = batch.add(np.array(cases[i][0]))
+            out[i], live[i] = [int(logits.argmax())], row
+        for i in [i for i in live if len(out[i]) == cases[i][1]]:
+            batch.remove(live.pop(i))
+        order = sorted(live, key=lambda i: live[i].index)
+        assert [live[i] for i in order] == batch.rows
+        if order:
+            logits = batch.step(np.array([out[i][-1] for i in order]))
+            for b, i in enumerate(order):
+                out[i].append(int(logits[b].argmax()))
+    for i, (prompt, n) in enumerate(cases):
+        assert out[i] == solo(model, prompt, n, stop_token_ids=()), i
+
+
+def test_concurrent_greedy_requests_equal_their_solo_results(model, scheduler):
+    """20 requests of different lengths through 4 rows: every one answered once, with exactly
+    its solo tokens, while the others join and leave the batch around it."""
+    cases = [(p, 2 + (i * 5) % 13) for i, p in enumerate(prompts(20))]
+    handles = scheduler.submit([GenerationRequest(p, n) for p, n in cases])
+    for (prompt, n), handle in zip(cases, handles):
+        events = list(handle)
+        tokens = [e.id for e in events if isinstance(e, Token)]
+        assert sum(not isinstance(e, Token) for e in events) == 1
+        assert tokens == solo(model, prompt, n, stop_token_ids=()), prompt
+        assert events[-1] == Finished("length")
+    assert scheduler.running == 0 and scheduler.waiting == 0
+
+
+def test_stop_id_ends_the_row(model, scheduler):
+    prompt = prompts(1, seed=3)[0]
+    full = solo(model, prompt, 12, stop_token_ids=())
+    stop = full[4]
+    tokens, reason = scheduler.submit(GenerationRequest(prompt, 12, stop_ids=(stop,))).result()
+    assert reason == "stop" and tokens == full[:full.index(stop) + 1]
+
+
+def test_sampled_rows_are_reproducible_and_leave_greedy_rows_alone(model, scheduler):
+    """A seeded sampled row draws what Model.generate draws with that seed (its own generator),
+    and greedy neighbours still get their solo tokens."""
+    params = SamplingParams(temperature=1.5, top_k=20, top_p=0.9)
+    cases = prompts(6, seed=4)
+    requests = [GenerationRequest(p, 10, params, seed=i) if i % 2 else GenerationRequest(p, 10)
+                for i, p in enumerate(cases)]
+    for i, handle in enumerate(scheduler.submit(requests)):
+        expected = solo(model, cases[i], 10, stop_token_ids=(),
+                        **({"temperature": 1.5, "top_k": 20, "top_p": 0.9, "seed": i} if i % 2 else {}))
+        assert handle.result() == (expected, "length")
+
+
+def test_cancel_and_timeout_free_the_row(model):
+    scheduler = Scheduler(model, SchedulerLimits(max_rows=1, max_queue=4)).start()
+    try:
+        long = scheduler.submit(GenerationRequest([5, 6], 60))
+        first = next(iter(long))
+        assert isinstance(first, Token)
+        long.cancel()
+        assert list(long)[-1] == Finished("cancelled")
+        slow = scheduler.submit(GenerationRequest([5, 6], 60, timeout=1e-4))
+        assert list(slow)[-1] == Finished("timeout")
+        assert scheduler.submit(GenerationRequest([5, 6], 3)).result()[1] == "length"
+        assert scheduler.running == 0
+    finally:
+        scheduler.stop()
+
+
+def test_queue_bound_and_request_checks(model):
+    scheduler = Scheduler(model, SchedulerLimits(max_rows=1, max_queue=2))  # not started: all wait
+    scheduler.submit([GenerationRequest([5], 2), GenerationRequest([6], 2)])
+    with pytest.raises(QueueFull, match="max_queue=2"):
+        scheduler.submit(GenerationRequest([7], 2))
+    with pytest.raises(ValueError, match="lower max_tokens to at most 61"):
+        scheduler.check(GenerationRequest([5] * 4, 62))  # max_positions 64
+    with pytest.raises(ValueError, match=r"outside \[0, 96\)"):
+        scheduler.check(GenerationRequest([500], 2))
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        scheduler.check(GenerationRequest([5], 0))
+    scheduler.stop()
+
+
+def test_a_failing_request_fails_alone(model, scheduler, monkeypatch):
+    """An exception in one prompt's prefill fails that request; one in a decode step fails the
+    rows of that step; the scheduler serves the next requests either way."""
+    add = scheduler.batch.add
+
+    def failing_add(prompt):
+        if prompt[0] == 77:
+            raise RuntimeError("boom in prefill")
+        return add(prompt)
+
+    monkeypatch.setattr(scheduler.batch, "add", failing_add)
+    good, bad = scheduler.submit([GenerationRequest([5, 6], 4), GenerationRequest([77, 6], 4)])
+    with pytest.raises(RuntimeError, match="boom in prefill"):
+        bad.result()
+    assert good.result()[1] == "length"
+
+    def failing_step(tokens):
+        raise RuntimeError("boom in step")
+
+    monkeypatch.setattr(scheduler.batch, "step", failing_step)
+    events = list(scheduler.submit(GenerationRequest([5, 6], 4)))
+    assert isinstance(events[-1], Failed) and "boom in step" in str(events[-1].error)
+    # a fresh batch replaced the failed one: the next request is served normally
+    prompt = prompts(1, seed=9)[0]
+    assert scheduler.submit(GenerationRequest(prompt, 5)).result() == \
+        (solo(model, prompt, 5, stop_token_ids=()), "length")
+    deadline = time.monotonic() + 5
+    while scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.running == 0
