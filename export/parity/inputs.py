@@ -48,7 +48,7 @@ class Prepared:
     reference: Callable[[], dict[str, torch.Tensor]]
     query_mask: np.ndarray  # [B, S] bool: real query positions
     key_mask: np.ndarray  # [B, T] bool: real key positions (for present K/V)
-    # Target "ort": buffers bound as both past and present (updated in place), and a function
+    # Layout "inplace": buffers bound as both past and present (updated in place), and a function
     # mapping each ONNX output back to the portable layout the reference uses.
     inplace: dict[str, np.ndarray] | None = None
     to_reference_layout: Callable[[str, np.ndarray], np.ndarray] | None = None
