@@ -20,12 +20,15 @@ _COMMANDS = {
     "embed": "tfport.runtime.cli",
     "parity": "tfport.export.parity.cli",
     "bench": "tfport.export.bench",
+    "serve": "tfport.runtime.serve.cli",
+    "bench-serve": "tfport.runtime.serve.cli",
 }
 _EXTRA_HINT = {
     "tfport.export.cli": "pip install 'tfport[export]'",
     "tfport.export.parity.cli": "pip install 'tfport[export,cpu]' (or 'tfport[export,gpu]')",
     "tfport.runtime.cli": "pip install 'tfport[gpu]' (or 'tfport[cpu]')",
     "tfport.export.bench": "pip install 'tfport[gpu,export]'",
+    "tfport.runtime.serve.cli": "pip install 'tfport[serve,cpu]' (or 'tfport[serve,gpu]')",
 }
 
 

@@ -1,0 +1,244 @@
+"""``tfport bench-serve``: a bounded load test of a server on this machine.
+
+For each concurrency level N, N clients send ``requests`` streamed greedy completions in total
+(``prompt_len`` random ids, exactly ``new_tokens`` new tokens with ``ignore_eos``) over loopback.
+Every response is checked: HTTP 200, the SSE stream ends with ``[DONE]``, ``new_tokens`` ids with
+finish reason "length", and the same ids for the same prompt at every level (a row's tokens do not
+depend on its neighbours). Reported per level: generated tokens/s over the level's wall time,
+p50/p99 time to first token and latency. Level 1 is the one-at-a-time baseline.
+
+The server is started in a child process (``tfport serve`` on 127.0.0.1, a free port) unless
+``url`` names one already running on this machine; the whole run stops sending after
+``time_limit`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import numpy as np
+
+from tfport.contract import Manifest
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
+    requests: int = 32
+    new_tokens: int = 64
+    prompt_len: int = 16
+    time_limit: float = 600.0
+    seed: int = 0
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    sent: int
+    ok: int
+    failed: int
+    seconds: float
+    tokens: int
+    tokens_per_s: float
+    ttft_p50: float
+    ttft_p99: float
+    latency_p50: float
+    latency_p99: float
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_loopback(url: str) -> str:
+    host = urlparse(url).hostname or ""
+    if host not in LOOPBACK:
+        raise ValueError(f"--url={url!r}: bench-serve targets this machine only (127.0.0.1, "
+                         "localhost or ::1)")
+    return url.rstrip("/")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model_dir: str, options, name: str | None, wait: float = 120.0
+                 ) -> tuple[subprocess.Popen, str]:
+    """``tfport serve`` in a child process on 127.0.0.1 -> (process, base url) once healthy."""
+    import httpx
+
+    port = _free_port()
+    command = [sys.executable, "-m", "tfport.cli", "serve", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(port), "--max-rows", str(options.max_rows),
+               "--max-queue", str(options.max_queue), "--timeout", str(options.timeout),
+               "--provider", options.provider, "--threads", str(options.threads)]
+    if options.max_length:
+        command += ["--max-length", str(options.max_length)]
+    if name:
+        command += ["--name", name]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"tfport serve exited with {process.returncode}: "
+                               f"{process.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"tfport serve did not become healthy within {wait:g} s")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def _one(client, url: str, model: str, prompt: list[int], config: BenchConfig,
+               deadline: float) -> tuple[float, float, list[int], str | None]:
+    """One streamed request -> (ttft s, latency s, token ids, error or None)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": config.new_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    start = time.perf_counter()
+    first = None
+    ids: list[int] = []
+    reason = None
+    done = False
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body,
+                                 timeout=max(1.0, deadline - time.monotonic())) as response:
+            if response.status_code != 200:
+                return 0.0, 0.0, [], f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return 0.0, 0.0, ids, f"error event: {chunk['error'].get('message')}"
+                for choice in chunk["choices"]:
+                    if choice["token_ids"] and first is None:
+                        first = time.perf_counter() - start
+                    ids.extend(choice["token_ids"])
+                    reason = choice["finish_reason"] or reason
+    except Exception as err:  # noqa: BLE001 -- counted as a failed response
+        return 0.0, 0.0, ids, f"{type(err).__name__}: {err}"
+    latency = time.perf_counter() - start
+    if not done:
+        return 0.0, 0.0, ids, "the stream ended without [DONE]"
+    if len(ids) != config.new_tokens or reason != "length":
+        return 0.0, 0.0, ids, f"{len(ids)} tokens, finish_reason {reason!r}"
+    return first or latency, latency, ids, None
+
+
+async def _level(url: str, model: str, prompts: list[list[int]], clients: int,
+                 config: BenchConfig, deadline: float, reference: dict[int, list[int]]
+                 ) -> LevelResult:
+    import httpx
+
+    todo = list(range(len(prompts)))
+    ttfts, latencies, errors = [], [], []
+    tokens = sent = 0
+
+    async def worker(client) -> None:
+        nonlocal tokens, sent
+        while todo and time.monotonic() < deadline:
+            index = todo.pop(0)
+            sent += 1
+            ttft, latency, ids, error = await _one(client, url, model, prompts[index], config,
+                                                   deadline)
+            if error is None and reference.setdefault(index, ids) != ids:
+                error = f"prompt {index}: tokens differ from the same prompt at another level"
+            if error is None:
+                ttfts.append(ttft)
+                latencies.append(latency)
+                tokens += len(ids)
+            else:
+                errors.append(error)
+
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(clients)))
+        seconds = time.perf_counter() - start
+    return LevelResult(clients, sent, len(latencies), len(errors), seconds, tokens,
+                       tokens / seconds if seconds else 0.0, _percentile(ttfts, 50),
+                       _percentile(ttfts, 99), _percentile(latencies, 50),
+                       _percentile(latencies, 99), errors[:10])
+
+
+def run_bench_serve(model_dir: str | Path, config: BenchConfig, options, url: str | None = None,
+                    name: str | None = None) -> list[LevelResult]:
+    """Run every concurrency level against ``url`` (or a server started for ``model_dir``)."""
+    import httpx
+
+    manifest = Manifest.read(Path(model_dir))
+    if manifest.config.family != "decoder":
+        raise ValueError(f"{model_dir}: bench-serve generates; expected a decoder export")
+    need = config.prompt_len + config.new_tokens - 1
+    if need > manifest.config.max_positions:
+        raise ValueError(f"--prompt-len + --max-new - 1 = {need} exceeds the model's "
+                         f"max_positions={manifest.config.max_positions}")
+    rng = np.random.default_rng(config.seed)
+    vocab = manifest.config.vocab_size
+    prompts = [rng.integers(3, vocab, size=config.prompt_len).tolist()
+               for _ in range(config.requests)]
+    process = None
+    if url is None:
+        process, url = start_server(str(model_dir), options, name)
+    else:
+        url = check_loopback(url)
+    try:
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        deadline = time.monotonic() + config.time_limit
+        reference: dict[int, list[int]] = {}
+        results = []
+        for clients in config.concurrency:
+            if time.monotonic() >= deadline:
+                break
+            results.append(asyncio.run(_level(url, model, prompts, clients, config, deadline,
+                                              reference)))
+        return results
+    finally:
+        if process is not None:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def format_table(results: list[LevelResult]) -> str:
+    """A Markdown table; speed-up is against the 1-client (one-at-a-time) level."""
+    base = next((r.tokens_per_s for r in results if r.concurrency == 1), None)
+    lines = ["| clients | requests ok | tokens/s | vs one-at-a-time | TTFT p50 / p99 (s) | "
+             "latency p50 / p99 (s) | failed |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        ratio = f"{r.tokens_per_s / base:.1f}x" if base else "-"
+        lines.append(f"| {r.concurrency} | {r.ok}/{r.sent} | {r.tokens_per_s:.0f} | {ratio} | "
+                     f"{r.ttft_p50:.3f} / {r.ttft_p99:.3f} | {r.latency_p50:.2f} / "
+                     f"{r.latency_p99:.2f} | {r.failed} |")
+    for r in results:
+        for error in r.errors:
+            lines.append(f"  {r.concurrency} clients: {error}")
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""``tfport serve`` and ``tfport bench-serve``.
+
+    tfport serve out/dec [out/minilm ...] [--host 127.0.0.1] [--port 8000] [--max-rows 16]
+    tfport serve out/dec --ray [--replicas 2]          # Ray Serve: proxy + replica routing
+    tfport bench-serve out/dec --concurrency 1,4,16 --requests 32 --max-tokens 64
+
+Needs the ``serve`` extra (``--ray``: ``serve-ray``); no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+from ..session import PROVIDERS
+
+logger = logging.getLogger(__name__)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected a positive integer")
+    return value
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dirs", metavar="DIR", nargs="+",
+                        help="export directories (each served under its directory name)")
+    parser.add_argument("--name", action="append", dest="names",
+                        help="model id for each DIR, in order (default: the directory name)")
+    parser.add_argument("--max-rows", type=_positive, default=16,
+                        help="requests decoded together per model (default 16)")
+    parser.add_argument("--max-queue", type=_positive, default=256,
+                        help="requests waiting for a row before 429 (default 256)")
+    parser.add_argument("--max-tokens", type=_positive, default=4096,
+                        help="largest max_tokens a request may ask (default 4096)")
+    parser.add_argument("--max-length", type=_positive, default=None,
+                        help="prompt + generated tokens per row (default: the model's max_positions)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds a request may take (default 600)")
+    parser.add_argument("--provider", choices=PROVIDERS, default="cpu")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads per model (default: ONNX Runtime's choice)")
+
+
+def _options(args: argparse.Namespace):
+    from .served import ServeOptions
+    return ServeOptions(max_rows=args.max_rows, max_queue=args.max_queue,
+                        max_tokens=args.max_tokens, timeout=args.timeout,
+                        max_length=args.max_length, provider=args.provider, threads=args.threads)
+
+
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``serve`` and ``bench-serve``."""
+    import fastapi  # noqa: F401  -- a missing 'serve' extra is reported by tfport.cli
+    import uvicorn  # noqa: F401
+
+    serve = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with continuous batching",
+        description="Serve exports over HTTP: /v1/completions, /v1/chat/completions, "
+                    "/v1/embeddings, /v1/models, /health, /metrics.")
+    _add_options(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--ray", action="store_true",
+                       help="deploy on Ray Serve (extra 'serve-ray'); joins a running cluster "
+                            "(RAY_ADDRESS) or starts a local one")
+    serve.add_argument("--replicas", type=_positive, default=1,
+                       help="Ray Serve replicas (with --ray; default 1)")
+    serve.set_defaults(func=run_serve)
+
+    bench = subparsers.add_parser(
+        "bench-serve", help="load-test a server: throughput, time to first token, latency",
+        description="Start a server on 127.0.0.1 for DIR (or use --url, loopback only), send "
+                    "--requests requests from N concurrent clients per --concurrency level, check "
+                    "every response and report tokens/s and p50/p99 TTFT and latency.")
+    _add_options(bench)
+    bench.add_argument("--url", help="an already running server on this machine "
+                                     "(http://127.0.0.1:PORT); default: start one")
+    bench.add_argument("--concurrency", default="1,4,16",
+                       help="comma-separated client counts (default 1,4,16)")
+    bench.add_argument("--requests", type=_positive, default=32,
+                       help="requests per concurrency level (default 32)")
+    bench.add_argument("--max-new", type=_positive, default=64, dest="new_tokens",
+                       help="tokens generated per request (default 64; ignore_eos)")
+    bench.add_argument("--prompt-len", type=_positive, default=16,
+                       help="prompt tokens per request (default 16)")
+    bench.add_argument("--time-limit", type=float, default=600.0,
+                       help="seconds for the whole run; stops sending after (default 600)")
+    bench.add_argument("--json", help="write the results to this file")
+    bench.set_defaults(func=run_bench)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    options = _options(args)
+    if args.ray:
+        from .ray_serve import run_ray
+        return run_ray(args.model_dirs, options, names=args.names, host=args.host,
+                       port=args.port, replicas=args.replicas)
+    if args.replicas != 1:
+        raise ValueError("--replicas: needs --ray (one process serves one replica)")
+    import uvicorn
+
+    from .app import ServerState, create_app
+    app = create_app(lambda: ServerState.load(args.model_dirs, options, args.names))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from .bench import BenchConfig, format_table, run_bench_serve
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
+    levels = [int(c) for c in args.concurrency.split(",") if c]
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency={args.concurrency!r}: expected positive integers")
+    config = BenchConfig(concurrency=levels, requests=args.requests, new_tokens=args.new_tokens,
+                         prompt_len=args.prompt_len, time_limit=args.time_limit)
+    results = run_bench_serve(args.model_dirs[0], config, _options(args), url=args.url,
+                              name=(args.names or [None])[0])
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump([r.as_dict() for r in results], out, indent=2)
+    failed = sum(r.failed for r in results)
+    if failed:
+        print(f"{failed} responses failed their checks", flush=True)
+    return 1 if failed else 0

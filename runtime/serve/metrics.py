@@ -1,0 +1,90 @@
+"""Prometheus metrics of a server: requests, queue depth, tokens/s, time to first token.
+
+Each app has its own ``CollectorRegistry`` (two servers in one process, as in the tests, do not
+share counters); ``GET /metrics`` writes it in the Prometheus text format. A scheduler reports
+through ``ServeMetrics.observer(model)``, which implements ``scheduler.Observer``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+# Seconds; time to first token and latency span a loaded 2-core CPU to a GPU.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# tokens/s gauge: generated tokens over this many trailing seconds.
+RATE_WINDOW_S = 10.0
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("tfport_requests", "HTTP requests answered",
+                                ["endpoint", "status"], registry=r)
+        self.request_seconds = Histogram("tfport_request_seconds", "HTTP request latency",
+                                         ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Gauge("tfport_queue_depth", "requests waiting for a row", ["model"], registry=r)
+        self.running = Gauge("tfport_running_rows", "rows in the running batch", ["model"], registry=r)
+        self.tokens = Counter("tfport_generated_tokens", "tokens generated", ["model"], registry=r)
+        self.rate = Gauge("tfport_tokens_per_second",
+                          f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
+                          ["model"], registry=r)
+        self.ttft = Histogram("tfport_time_to_first_token_seconds",
+                              "from submission to the first token", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.step_seconds = Histogram("tfport_decode_step_seconds", "one decode step of the batch",
+                                      ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_rows = Histogram("tfport_decode_batch_rows", "live rows per decode step",
+                                    ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.finished = Counter("tfport_sequences_finished", "generated sequences by finish reason",
+                                ["model", "reason"], registry=r)
+
+    def observer(self, model: str) -> "ModelObserver":
+        return ModelObserver(self, model)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class ModelObserver:
+    """``scheduler.Observer`` for one model's scheduler."""
+
+    def __init__(self, metrics: ServeMetrics, model: str):
+        self.m = metrics
+        self.model = model
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+        metrics.rate.labels(model).set_function(self._rate)
+
+    def _rate(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+                self._recent.popleft()
+            return sum(n for _, n in self._recent) / RATE_WINDOW_S
+
+    def _count(self, tokens: int) -> None:
+        self.m.tokens.labels(self.model).inc(tokens)
+        with self._lock:
+            self._recent.append((time.monotonic(), tokens))
+
+    def queue_depth(self, waiting: int, running: int) -> None:
+        self.m.queue.labels(self.model).set(waiting)
+        self.m.running.labels(self.model).set(running)
+
+    def first_token(self, seconds: float) -> None:
+        self.m.ttft.labels(self.model).observe(seconds)
+        self._count(1)
+
+    def step(self, rows: int, tokens: int, seconds: float) -> None:
+        self.m.step_seconds.labels(self.model).observe(seconds)
+        self.m.batch_rows.labels(self.model).observe(rows)
+        self._count(tokens)
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self.m.finished.labels(self.model, reason).inc()

@@ -1,0 +1,130 @@
+"""The OpenAI API request bodies this server takes, and its error shape.
+
+Fields the server does not implement are refused with a 400 that names them when they ask for
+something (``logprobs``, penalties, ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > ``n``);
+unknown fields are ignored, as OpenAI-compatible servers do. Extensions, as vLLM names them:
+``top_k``, ``ignore_eos``, ``stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_exceeded",
+             500: "internal_error", 503: "service_unavailable", 504: "timeout"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0)
+    top_p: Optional[float] = Field(default=None, gt=0, le=1)
+    top_k: Optional[int] = Field(default=None, ge=-1)  # extension; 0 or -1 keep all
+    n: int = Field(default=1, ge=1, le=16)
+    stream: bool = False
+    stream_options: Optional[dict[str, Any]] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(default=None, ge=0)
+    ignore_eos: bool = False  # extension
+    stop_token_ids: Optional[list[int]] = None  # extension
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+
+    def refuse_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ApiError(400, f"{name}={getattr(self, name)!r}: penalties are not "
+                                    "supported by this server (use 0)", name)
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias: not supported by this server", "logit_bias")
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ApiError(400, f"stop={self.stop!r}: expected up to 4 non-empty strings", "stop")
+        return stops
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise ApiError(400, "echo: not supported by this server", "echo")
+        if self.logprobs is not None:
+            raise ApiError(400, "logprobs: not supported by this server", "logprobs")
+        if self.suffix:
+            raise ApiError(400, "suffix: not supported by this server", "suffix")
+        if self.best_of not in (None, self.n):
+            raise ApiError(400, f"best_of={self.best_of}: only best_of == n is supported", "best_of")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+    def text(self, index: int) -> str:
+        """The content as one str (text parts joined; other parts refused)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages[{index}].content: only text parts are supported, "
+                                    f"got type {part.get('type')!r}", f"messages[{index}].content")
+            pieces.append(part["text"])
+        return "".join(pieces)
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: Optional[bool] = None
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    tools: Optional[list[dict[str, Any]]] = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs:
+            raise ApiError(400, "logprobs: not supported by this server", "logprobs")
+        if self.tools:
+            raise ApiError(400, "tools: not supported by this server", "tools")
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
