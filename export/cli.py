@@ -1,4 +1,4 @@
-"""``tfport export SOURCE --out DIR``: a preset (random weights) or a checkpoint to ONNX."""
+"""``tfport export SOURCE --out DIR``: a preset (random weights), a checkpoint or a GGUF file to ONNX."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ def run_export(args: argparse.Namespace) -> int:
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("export", help="export a preset or checkpoint to ONNX",
                               description=__doc__)
-    p.add_argument("source", help="preset name (random weights), tfport checkpoint directory, or "
-                                  "Hugging Face model directory (llama, mistral, gpt2, bert, bloom, mpt, t5)")
+    p.add_argument("source", help="preset name (random weights), tfport checkpoint directory, "
+                                  "Hugging Face model directory (llama, mistral, gpt2, bert, bloom, mpt, t5) "
+                                  "or .gguf file (llama)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
     p.add_argument("--dtype", choices=DTYPES, default="float32")
