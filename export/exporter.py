@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from tfport.config import ModelConfig
 from tfport.contract import (CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphSpec, Manifest,
                              cache_names, graph_specs)
+from tfport.embedding import EmbeddingSettings
 from tfport.files import atomic_directory, check_output_dir
 
 from . import emit
@@ -161,12 +162,15 @@ def _require_validator() -> None:
 def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "float32",
                  opset: int | None = None, target: str | Target = DEFAULT_TARGET, validate: bool = True,
                  tokenizer: str | os.PathLike | None = None, chat_template: str | None = None,
+                 embedding: EmbeddingSettings | None = None,
                  overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  show_progress: bool | None = None) -> Manifest:
     """Export ``model`` (a tfport reference module with ``.config``) to ``out_dir``.
 
     Writes ``manifest.json``, ``config.json``, one ``.onnx`` per graph of the family (and
-    ``tokenizer.json`` if given, and ``chat_template.jinja`` from the ``chat_template`` text).
+    ``tokenizer.json`` if given, ``chat_template.jinja`` from the ``chat_template`` text, and
+    ``embedding.json`` from ``embedding``: pooling, normalisation and truncation length of a
+    sentence encoder, which ``Model.embed_text`` then applies by default).
     ``target`` names an export target (``tfport.export.targets.TARGETS``: "portable" for any ONNX
     runtime, "ort" for ONNX Runtime's fused attention with an in-place KV buffer, "onnx23" for
     ONNX's opset-23 operators) or is a target object. ``opset`` defaults to the target's
@@ -183,6 +187,9 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
         opset = target.default_opset
     _check_options(config, dtype, opset, target)
     out_dir = check_output_dir(out_dir, "out_dir", overwrite)
+    if embedding is not None and (config.family != "encoder" or not isinstance(embedding, EmbeddingSettings)):
+        raise ValueError(f"embedding={embedding!r}: expected EmbeddingSettings for an encoder-only model "
+                         f"(family={config.family!r})")
     if tokenizer is not None and not Path(tokenizer).is_file():
         raise ValueError(f"tokenizer={str(tokenizer)!r}: no such file (expected a tokenizer.json)")
     specs = graph_specs(config, dtype, target.layout)
@@ -206,6 +213,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
             shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
         if chat_template is not None:
             (tmp / CHAT_TEMPLATE_FILE).write_text(chat_template)
+        if embedding is not None:
+            embedding.write(tmp)
         manifest.write(tmp)
         if validate:
             from .parity import validate_export
@@ -216,8 +225,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
 
 def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, seed: int = 0, **options) -> Manifest:
     """Export a source (see ``tfport.export.source.load_source``); a checkpoint's own
-    ``tokenizer.json`` and chat template are shipped unless ``tokenizer`` / ``chat_template``
-    are given."""
+    ``tokenizer.json``, chat template and sentence-transformers pipeline are shipped unless
+    ``tokenizer`` / ``chat_template`` / ``embedding`` are given."""
     from .source import load_source
 
     loaded = load_source(source, seed)
@@ -225,6 +234,8 @@ def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, seed: i
         options["tokenizer"] = loaded.tokenizer
     if options.get("chat_template") is None:
         options["chat_template"] = loaded.chat_template
+    if options.get("embedding") is None:
+        options["embedding"] = loaded.embedding
     return export_model(loaded.model, out_dir, **options)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from tfport.contract import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
+from tfport.embedding import EmbeddingSettings
 from tfport.presets import PRESETS
 
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -23,14 +24,15 @@ HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 @dataclass
 class Source:
-    """A loaded reference module and, when the source ships them, its ``tokenizer.json`` and chat
-    template (Jinja text)."""
+    """A loaded reference module and, when the source ships them, its ``tokenizer.json``, chat
+    template (Jinja text) and sentence-embedding pipeline (sentence-transformers' modules)."""
 
     model: nn.Module
     tokenizer: Path | None = None
     chat_template: str | None = None
     # Holds a tokenizer.json generated from GGUF metadata; removed with the Source.
     workdir: Any = None
+    embedding: EmbeddingSettings | None = None
 
 
 def _chat_template(directory: Path) -> str | None:
@@ -76,8 +78,11 @@ def load_source(source: str, seed: int = 0, argument: str = "source") -> Source:
     path = Path(source)
     if path.is_dir():
         model = load_hf_model(path) if is_hf_checkpoint(path) else load_checkpoint(path)
+        from .sentence_transformers import read_sentence_transformers
+
         tokenizer = path / TOKENIZER_FILE
-        return Source(model, tokenizer if tokenizer.is_file() else None, _chat_template(path))
+        return Source(model, tokenizer if tokenizer.is_file() else None, _chat_template(path),
+                      embedding=read_sentence_transformers(path))
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _gguf_source(path)
     if source in PRESETS:

@@ -18,6 +18,7 @@ import logging
 import sys
 
 from .model import Model, cut_at_stop, load_model
+from .encoding import POOLINGS
 from .session import PROVIDERS
 from .tokenizer import TextStream
 
@@ -87,8 +88,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     emb = subparsers.add_parser("embed", help="sentence embeddings from an encoder export",
                                 description="Pooled (and optionally normalised) encoder states.")
     _add_common(emb)
-    emb.add_argument("--pooling", choices=("cls", "mean"), default="mean")
-    emb.add_argument("--normalize", action="store_true", help="scale to unit L2 norm")
+    emb.add_argument("--pooling", choices=POOLINGS, default=None,
+                     help="default: the export's embedding.json (a sentence-transformers "
+                          "checkpoint's pooling), else mean")
+    emb.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                     help="scale to unit L2 norm (default: the export's embedding.json, else no)")
+    emb.add_argument("--batch-size", type=int, default=32, help="texts per encoder call (default 32)")
     emb.set_defaults(func=run_embed)
 
 
@@ -183,8 +188,15 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def run_embed(args: argparse.Namespace) -> int:
-    model, prompts = _open(args)
-    embeddings = model.embed(prompts, pooling=args.pooling, normalize=args.normalize)
+    if args.text is not None:  # truncated as the checkpoint says, in batches
+        model = load_model(args.model_dir, args.provider, intra_op_threads=args.threads)
+        if model.tokenizer is None:
+            raise ValueError(f"--text: {args.model_dir} has no tokenizer.json; pass --ids")
+        embeddings = model.embed_text(args.text, pooling=args.pooling, normalize=args.normalize,
+                                      batch_size=args.batch_size)
+    else:
+        model, prompts = _open(args)
+        embeddings = model.embed(prompts, pooling=args.pooling, normalize=args.normalize)
     for row in embeddings:
         print(json.dumps([round(float(x), 6) for x in row]))
     return 0

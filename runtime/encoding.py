@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-POOLINGS = ("cls", "mean")
+from tfport.embedding import POOLINGS  # cls, mean, max, mean_sqrt_len_tokens, lasttoken
 
 
 @dataclass
@@ -36,6 +36,29 @@ def cls_pool(states: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
     return states[np.arange(states.shape[0]), first]
 
 
+def max_pool(states: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """Per channel, the largest state over real tokens -> [B, E] (an all-padding row gives 0)."""
+    real = attention_mask[:, :, None] != 0  # [B, S, 1]
+    pooled = np.where(real, states, -np.inf).max(axis=1)
+    return np.where(real.any(axis=1), pooled, 0.0)
+
+
+def mean_sqrt_len_pool(states: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """Sum of states over real tokens divided by sqrt(their count) -> [B, E]."""
+    weights = attention_mask.astype(np.float32)[:, :, None]  # [B, S, 1]
+    return (states * weights).sum(axis=1) / np.sqrt(np.maximum(weights.sum(axis=1), 1.0))
+
+
+def last_token_pool(states: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    """States [B, S, E] of each row's last real token -> [B, E]."""
+    last = attention_mask.shape[1] - 1 - np.argmax(attention_mask[:, ::-1] != 0, axis=1)  # [B]
+    return states[np.arange(states.shape[0]), last]
+
+
+POOLERS = {"cls": cls_pool, "mean": mean_pool, "max": max_pool,
+           "mean_sqrt_len_tokens": mean_sqrt_len_pool, "lasttoken": last_token_pool}
+
+
 def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
     """Rows of x [B, E] scaled to unit L2 norm (a zero row stays zero)."""
     norm = np.linalg.norm(x, axis=-1, keepdims=True)
@@ -47,6 +70,6 @@ def pool(states: np.ndarray, attention_mask: np.ndarray, pooling: str = "mean",
     """Sentence embeddings [B, E] from states [B, S, E] and attention_mask [B, S]."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling={pooling!r}: expected one of {list(POOLINGS)}")
-    pooled = (cls_pool if pooling == "cls" else mean_pool)(states, attention_mask)
+    pooled = POOLERS[pooling](states, attention_mask)
     pooled = pooled.astype(np.float32)
     return l2_normalize(pooled) if normalize else pooled

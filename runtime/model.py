@@ -22,14 +22,17 @@ from tqdm import tqdm
 
 from tfport.config import ModelConfig
 from tfport.contract import MANIFEST_FILE, TOKENIZER_FILE, Manifest
+from tfport.embedding import EmbeddingSettings
 
 from .binding import GraphRunner
 from .decoding import strategy_for
-from .encoding import EncoderOutput, pool
+from .encoding import POOLINGS, EncoderOutput, pool
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .sampling import SamplingParams, make_rng
 from .session import SessionSettings, open_session
+from .texts import BATCH_SIZE, EncodedTexts, TruncatingTokenizer, batches, check_texts, report_truncation, \
+    tokenizer_truncation
 from .tokenizer import TextTokenizer
 
 # callback(step, tokens int64 [B]) after each generated step.
@@ -289,20 +292,89 @@ class Model:
         return pad_batch(types, 0, "right")[0]
 
     def embed(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
-              token_type_ids: Prompts | None = None, *, pooling: str = "mean",
-              normalize: bool = False) -> np.ndarray:
-        """Sentence embeddings float32 [B, E]: ``cls`` (first token's state) or ``mean`` over
-        real tokens of ``last_hidden_state``, optionally L2-normalised."""
-        if pooling not in ("cls", "mean"):
-            raise ValueError(f"pooling={pooling!r}: expected one of ['cls', 'mean']")
+              token_type_ids: Prompts | None = None, *, pooling: str | None = None,
+              normalize: bool | None = None) -> np.ndarray:
+        """Sentence embeddings float32 [B, E] pooled from ``last_hidden_state`` over real tokens
+        (``cls``, ``mean``, ``max``, ``mean_sqrt_len_tokens``, ``lasttoken``), optionally
+        L2-normalised. ``pooling`` / ``normalize`` default to the export's ``embedding.json``
+        (a sentence-transformers checkpoint's pipeline), else ``mean`` / False."""
+        pooling, normalize = self._pooling(pooling, normalize)
         out = self.encode(input_ids, attention_mask, token_type_ids)
         return pool(out.last_hidden_state, out.attention_mask, pooling, normalize)
 
-    def embed_text(self, texts: str | Sequence[str], *, pooling: str = "mean",
-                   normalize: bool = False) -> np.ndarray:
-        """Sentence embeddings float32 [B, E] of text(s) (B = 1 for one str)."""
-        ids = self._text_tokenizer("texts").encode_batch(texts)
-        return self.embed(ids, pooling=pooling, normalize=normalize)
+    @property
+    def embedding(self) -> EmbeddingSettings | None:
+        """The export's sentence-embedding pipeline (``embedding.json``), or None."""
+        if not hasattr(self, "_embedding"):
+            self._embedding = EmbeddingSettings.read(self.directory)
+        return self._embedding
+
+    def _pooling(self, pooling: str | None, normalize: bool | None) -> tuple[str, bool]:
+        settings = self.embedding or EmbeddingSettings()
+        pooling = settings.pooling if pooling is None else pooling
+        normalize = settings.normalize if normalize is None else normalize
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling={pooling!r}: expected one of {list(POOLINGS)}")
+        if not isinstance(normalize, (bool, np.bool_)):
+            raise TypeError(f"normalize={normalize!r}: expected true, false or None (the export's)")
+        return pooling, bool(normalize)
+
+    def text_limit(self) -> tuple[int, str]:
+        """(tokens, why): the length texts are truncated to -- the export's ``embedding.json``
+        ``max_seq_length``, else the truncation in ``tokenizer.json``, never above the model's
+        ``max_positions``."""
+        limit, why = self.config.max_positions, f"the model's max_positions={self.config.max_positions}"
+        settings = self.embedding
+        if settings is not None and settings.max_seq_length is not None:
+            if settings.max_seq_length < limit:
+                limit = settings.max_seq_length
+                why = f"max_seq_length={limit} in embedding.json (the checkpoint's sentence-transformers config)"
+        else:
+            configured = tokenizer_truncation(self._text_tokenizer("texts").path)
+            if configured is not None and configured < limit:
+                limit, why = configured, f"truncation max_length={configured} in tokenizer.json"
+        return limit, why
+
+    def _truncating(self) -> TruncatingTokenizer:
+        if getattr(self, "_truncating_tokenizer", None) is None:
+            limit, _ = self.text_limit()
+            self._truncating_tokenizer = TruncatingTokenizer(self._text_tokenizer("texts").path, limit)
+        return self._truncating_tokenizer
+
+    def encode_texts(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None,
+                     method: str = "encode_texts") -> EncodedTexts:
+        """Token ids of texts (or text pairs), truncated as ``text_limit`` says; a warning (log)
+        names the truncated rows. Texts are lowercased first when ``embedding.json`` says so."""
+        texts = check_texts(texts, "texts")
+        if pairs is not None:
+            pairs = check_texts(pairs, "pairs")
+            if len(pairs) != len(texts):
+                raise ValueError(f"pairs: {len(pairs)} texts for {len(texts)} texts; expected one "
+                                 "pair per text")
+        if self.embedding is not None and self.embedding.lowercase:
+            texts = [t.lower() for t in texts]
+            pairs = None if pairs is None else [t.lower() for t in pairs]
+        tokenizer = self._truncating()
+        encoded = tokenizer.encode(texts, pairs)
+        report_truncation(encoded.truncated, tokenizer.max_length, self.text_limit()[1], method)
+        return encoded
+
+    def embed_text(self, texts: str | Sequence[str], *, pooling: str | None = None,
+                   normalize: bool | None = None, batch_size: int = BATCH_SIZE,
+                   progress: bool | None = None) -> np.ndarray:
+        """Sentence embeddings float32 [B, E] of text(s) (B = 1 for one str), as
+        ``SentenceTransformer.encode`` gives them for a sentence-transformers export: texts
+        truncated to its ``max_seq_length`` (a logged warning says which), its pooling and
+        normalisation (arguments as in ``embed``). Texts run in batches of ``batch_size``,
+        longest first; ``progress`` shows a bar (None: for 8 batches or more)."""
+        pooling, normalize = self._pooling(pooling, normalize)
+        encoded = self.encode_texts(texts, method="embed_text")
+        out = np.zeros((len(encoded.ids), self.config.d_model), np.float32)
+        for rows in batches(len(encoded.ids), [len(i) for i in encoded.ids], batch_size, progress, "embed"):
+            types = [encoded.type_ids[r] for r in rows] if self.config.type_vocab_size else None
+            out[rows] = self.embed([encoded.ids[r] for r in rows], token_type_ids=types,
+                                   pooling=pooling, normalize=normalize)
+        return out
 
 
 def cut_at_stop(tokens: Sequence[int], stop_token_ids: Sequence[int]) -> list[int]:

@@ -1,0 +1,73 @@
+"""How a sentence encoder turns states into one vector: ``embedding.json`` in an export.
+
+sentence-transformers checkpoints say it in ``modules.json`` (a Pooling module, maybe a Normalize
+module), ``1_Pooling/config.json`` (the pooling mode) and ``sentence_bert_config.json``
+(``max_seq_length``: inputs are truncated to it). The exporter reads those
+(``tfport.export.sentence_transformers``) and writes their content here, so the torch-free runtime
+embeds exactly as ``SentenceTransformer.encode`` does by default without reading the checkpoint.
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+EMBEDDING_FILE = "embedding.json"
+# sentence-transformers' pooling modes that the runtime computes (tfport.runtime.encoding).
+POOLINGS = ("cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken")
+
+
+@dataclass(frozen=True)
+class EmbeddingSettings:
+    """``pooling`` (one of ``POOLINGS``), ``normalize`` (L2, the Normalize module),
+    ``max_seq_length`` (inputs longer than this many tokens, special tokens included, are
+    truncated; null: the model's own limit) and ``lowercase`` (sentence-transformers'
+    ``do_lower_case``: texts are lowercased before tokenizing)."""
+
+    pooling: str = "mean"
+    normalize: bool = False
+    max_seq_length: int | None = None
+    lowercase: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"embedding.pooling={self.pooling!r}: expected one of {list(POOLINGS)}")
+        for name in ("normalize", "lowercase"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"embedding.{name}={getattr(self, name)!r}: expected true or false")
+        length = self.max_seq_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            raise ValueError(f"embedding.max_seq_length={length!r}: expected a positive integer or null")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, origin: str = EMBEDDING_FILE) -> "EmbeddingSettings":
+        if not isinstance(data, dict):
+            raise ValueError(f"{origin}: expected a JSON object, got {type(data).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{origin}: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**data)
+
+    def write(self, directory: str | Path) -> Path:
+        path = Path(directory) / EMBEDDING_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def read(cls, directory: str | Path) -> "EmbeddingSettings | None":
+        """``directory/embedding.json``, or None when the export has none."""
+        path = Path(directory) / EMBEDDING_FILE
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{path}: not a readable JSON file ({err})") from None
+        return cls.from_dict(data, str(path))
