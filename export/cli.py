@@ -8,6 +8,8 @@ import logging
 from tfport.contract import DTYPES
 
 from .exporter import MAX_OPSET, MIN_OPSET, export_checkpoint_or_preset
+from .quantize import BITS as QUANTIZE_FORMATS
+from .quantize import BLOCK_SIZES
 from .targets import DEFAULT_TARGET, TARGETS
 
 log = logging.getLogger(__name__)
@@ -17,7 +19,8 @@ def run_export(args: argparse.Namespace) -> int:
     manifest = export_checkpoint_or_preset(
         args.source, args.out, seed=args.seed, dtype=args.dtype, opset=args.opset, target=args.target,
         validate=not args.no_validate, tokenizer=args.tokenizer, overwrite=args.force,
-        show_progress=None if not args.progress else True)
+        show_progress=None if not args.progress else True, quantize=args.quantize,
+        block_size=args.block_size, symmetric=args.symmetric)
     graphs = ", ".join(g.file for g in manifest.graphs.values())
     print(f"exported {manifest.config.family} model to {args.out}: {graphs} "
           f"({manifest.dtype}, opset {manifest.opset})")
@@ -42,4 +45,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-validate", action="store_true",
                    help="skip running ONNX Runtime against PyTorch after export")
     p.add_argument("--progress", action="store_true", help="always show the progress bar")
+    p.add_argument("--quantize", choices=list(QUANTIZE_FORMATS), default=None,
+                   help="weight-only blockwise quantisation of every weight product, the token table "
+                        "and a tied head (round-to-nearest; the target lowers it: DequantizeLinear + "
+                        "MatMul for portable/onnx23, MatMulNBits for ort)")
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=32,
+                   help="values per scale along each weight row (default 32)")
+    p.add_argument("--symmetric", action="store_true",
+                   help="no zero points (codes centred on 0); default: a zero point per block")
     p.set_defaults(func=run_export)

@@ -38,6 +38,9 @@ def project(g: GraphBuilder, x: str, weight: np.ndarray | str, name: str, *,
     an initializer already in the graph; ``transposed`` says that stored one is [out, in] (a tied
     embedding table read as the output head) and is transposed in the graph, not copied.
     """
+    quantizer = getattr(g, "quantizer", None)  # export/quantize.WeightQuantizer, or None
+    if quantizer is not None and (not isinstance(weight, str) or quantizer.owns(weight)):
+        return quantizer.project(g, x, weight, name, bias=bias, transposed=transposed)
     if not isinstance(weight, str):
         weight = g.weight(f"{name}.weight_t", weight)
     if transposed:
@@ -46,6 +49,15 @@ def project(g: GraphBuilder, x: str, weight: np.ndarray | str, name: str, *,
     if bias is not None:
         y = g.op("Add", y, g.weight(f"{name}.bias", bias), name=f"{name}.bias_add")
     return y
+
+
+def gather_rows(g: GraphBuilder, table: str, ids: str, name: str) -> str:
+    """Rows ``ids`` [B, S] of an embedding table [V, E] -> [B, S, E]; a table quantised by
+    ``g.quantizer`` is gathered from its quantised rows as the export target lowers it."""
+    quantizer = getattr(g, "quantizer", None)
+    if quantizer is not None and quantizer.owns(table):
+        return quantizer.gather(g, table, ids, name)
+    return g.op("Gather", table, ids, name=name)
 
 
 def linear(g: GraphBuilder, x: str, module: nn.Linear, name: str) -> str:
@@ -179,7 +191,7 @@ def block(g: GraphBuilder, x: str, module: Block, config: ModelConfig, ctx: Stac
 def embeddings(g: GraphBuilder, module: Embeddings, config: ModelConfig, input_ids: str, position_ids: str | None,
                token_type_ids: str | None, token_table: str, name: str) -> str:
     """Token (+ position table) (+ token type) embeddings, optional norm -> [B, S, E]."""
-    x = g.op("Gather", token_table, input_ids, name=f"{name}.tokens")
+    x = gather_rows(g, token_table, input_ids, f"{name}.tokens")
     positions = POSITION_EMITTERS[config.position].embedding(g, module, position_ids, name)
     if positions is not None:
         x = g.op("Add", x, positions, name=f"{name}.add_positions")

@@ -25,6 +25,7 @@ from tfport.files import atomic_directory, check_output_dir
 
 from . import emit
 from .graph import GraphBuilder
+from .quantize import QuantScheme, WeightQuantizer, fake_quantize, resolve_scheme
 from .targets import DEFAULT_TARGET, Target, get_target
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # below protobuf's 2 GiB limit, with ro
 
 
 def _token_table(g: GraphBuilder, tokens: nn.Embedding) -> str:
+    if g.quantizer is not None and g.quantizer.scheme.embeddings:  # gathered from quantised rows
+        return g.quantizer.table(g, "tokens", emit._np(tokens.weight))
     return g.weight("tokens", emit._np(tokens.weight))
 
 
@@ -64,10 +67,11 @@ def _presents(presents, n_layers: int, kind: str | None) -> dict[str, str]:
 
 
 def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
-                        progress=None) -> GraphBuilder:
+                        progress=None, quantization: QuantScheme | None = None) -> GraphBuilder:
     """Encoder graph of an EncoderModel or of an EncoderDecoderLM (which adds cross K/V outputs)."""
     config: ModelConfig = model.config
     g = GraphBuilder("encoder", dtype)
+    g.quantizer = _quantizer(target, quantization)
     inputs = _declare(g, spec)
     body = model.encoder
     table = _token_table(g, body.embed.tokens)
@@ -99,12 +103,13 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
 
 
 def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
-                        progress=None) -> GraphBuilder:
+                        progress=None, quantization: QuantScheme | None = None) -> GraphBuilder:
     """Decoder graph of a DecoderLM or EncoderDecoderLM: one graph for prefill and decode."""
     config: ModelConfig = model.config
     seq2seq = config.family == "encoder-decoder"
     kind = "decoder" if seq2seq else None
     g = GraphBuilder("decoder", dtype)
+    g.quantizer = _quantizer(target, quantization)
     inputs = _declare(g, spec)
     n = config.n_decoder_layers
     pasts = [tuple(inputs[name] for name in cache_names(i, "past_key_values", kind)) for i in range(n)]
@@ -122,6 +127,10 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
 
 
 BUILDERS = {"encoder": build_encoder_graph, "decoder": build_decoder_graph}
+
+
+def _quantizer(target: Target, quantization: QuantScheme | None) -> WeightQuantizer | None:
+    return None if quantization is None else WeightQuantizer(quantization, target)
 
 
 def _check_options(config: ModelConfig, dtype: str, opset: int, target: Target) -> None:
@@ -164,7 +173,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
                  tokenizer: str | os.PathLike | None = None, chat_template: str | None = None,
                  embedding: EmbeddingSettings | None = None,
                  overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
-                 show_progress: bool | None = None) -> Manifest:
+                 show_progress: bool | None = None, quantize: str | QuantScheme | None = None,
+                 block_size: int = 32, symmetric: bool = False) -> Manifest:
     """Export ``model`` (a tfport reference module with ``.config``) to ``out_dir``.
 
     Writes ``manifest.json``, ``config.json``, one ``.onnx`` per graph of the family (and
@@ -178,14 +188,23 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     random inputs (prefill and a decode step with past) and raises if they differ beyond the
     dtype's tolerance (``ModuleNotFoundError`` up front if ONNX Runtime is not installed).
     ``out_dir`` must not exist unless ``overwrite``.
+
+    ``quantize`` ("int4", "int8" or an ``export.quantize.QuantScheme``) stores every weight
+    product, the token table and a tied head as blockwise round-to-nearest codes (``block_size``
+    values per scale, zero points unless ``symmetric``), lowered by the target
+    (``project_quantized``); validation then compares against the module with its weights
+    replaced by the dequantised values (``quantize.fake_quantize``).
     """
     if validate:
         _require_validator()
     config: ModelConfig = model.config
     target = get_target(target)
+    scheme = resolve_scheme(quantize, block_size, symmetric)
     if opset is None:
-        opset = target.default_opset
+        opset = target.default_opset if scheme is None else target.quantized_opset(target.default_opset)
     _check_options(config, dtype, opset, target)
+    if scheme is not None:
+        target.check_quantized(scheme, opset)
     out_dir = check_output_dir(out_dir, "out_dir", overwrite)
     if embedding is not None and (config.family != "encoder" or not isinstance(embedding, EmbeddingSettings)):
         raise ValueError(f"embedding={embedding!r}: expected EmbeddingSettings for an encoder-only model "
@@ -197,7 +216,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
                         device_refusals=target.device_refusals(dtype),
                         tokenizer=TOKENIZER_FILE if tokenizer is not None else None,
                         chat_template=CHAT_TEMPLATE_FILE if chat_template is not None else None,
-                        graphs=specs)
+                        graphs=specs, quantization=None if scheme is None else scheme.to_dict())
     model = model.eval()
     n_layers = config.n_encoder_layers * ("encoder" in specs) + config.n_decoder_layers * ("decoder" in specs)
     if show_progress is None:
@@ -205,7 +224,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     with atomic_directory(out_dir) as tmp:
         with tqdm(total=n_layers, desc="export", unit="layer", disable=not show_progress) as progress:
             for name, spec in specs.items():
-                proto = BUILDERS[name](model, spec, dtype, target, progress).build(opset, target.bodies)
+                proto = BUILDERS[name](model, spec, dtype, target, progress, scheme).build(opset, target.bodies)
                 external = _save_graph(proto, tmp / spec.file, external_data_threshold)
                 log.info("wrote %s%s", spec.file, " with external data" if external else "")
         (tmp / CONFIG_FILE).write_text(config.to_json() + "\n")
@@ -218,7 +237,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
         manifest.write(tmp)
         if validate:
             from .parity import validate_export
-            validate_export(model, tmp)
+            validate_export(model if scheme is None else fake_quantize(model, scheme, dtype), tmp)
     log.info("exported %s model to %s (%s, opset %d)", config.family, out_dir, dtype, opset)
     return manifest
 

@@ -49,6 +49,9 @@ class GraphBuilder:
         # Intermediate values worth comparing when a graph diverges from PyTorch, keyed by the
         # reference module path they correspond to ("decoder.layers.0.ffn"), in graph order.
         self.taps: dict[str, tuple[str, str]] = {}
+        # Weight-only quantisation of this graph's products and token gathers
+        # (export/quantize.WeightQuantizer), or None for weights in the graph dtype.
+        self.quantizer = None
 
     def fresh(self, hint: str) -> str:
         self._used[hint] += 1

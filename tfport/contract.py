@@ -182,6 +182,9 @@ class Manifest:
     tokenizer: str | None = None
     chat_template: str | None = None  # file name of the checkpoint's Jinja chat template
     graphs: dict[str, GraphSpec] = field(default_factory=dict)
+    # Weight-only quantisation of the graphs' weight products (export/quantize.QuantScheme's
+    # to_dict: format, bits, block_size, symmetric, embeddings), None for float weights.
+    quantization: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.graphs:
@@ -195,6 +198,7 @@ class Manifest:
             "chat_template": self.chat_template,
             "config": self.config.to_dict(),
             "graphs": {name: g.to_dict() for name, g in self.graphs.items()},
+            **({"quantization": dict(self.quantization)} if self.quantization else {}),
         }
 
     def write(self, directory: str | Path) -> Path:
@@ -229,7 +233,8 @@ class Manifest:
         manifest = cls(config=config, dtype=data["dtype"], opset=int(data["opset"]),
                        target=data["target"], layout=data["layout"], device_refusals=refusals,
                        tokenizer=data.get("tokenizer"),
-                       chat_template=data.get("chat_template"))
+                       chat_template=data.get("chat_template"),
+                       quantization=data.get("quantization"))
         for name, graph in manifest.graphs.items():
             recorded = data.get("graphs", {}).get(name)
             if recorded != graph.to_dict():

@@ -24,10 +24,14 @@ from .inputs import CaseInputs, Prepared
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
-def make_session(model: str | Path | bytes, provider: str = "cpu") -> ort.InferenceSession:
-    """An ONNX Runtime session on ``provider``; raises if CUDA was asked for and not obtained."""
+def make_session(model: str | Path | bytes, provider: str = "cpu",
+                 config: dict[str, str] | None = None) -> ort.InferenceSession:
+    """An ONNX Runtime session on ``provider`` (``config``: session config entries); raises if
+    CUDA was asked for and not obtained."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
     source = model if isinstance(model, bytes) else str(model)
     session = ort.InferenceSession(source, options, providers=PROVIDERS[provider])
     if provider == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
@@ -68,7 +72,7 @@ class Runner:
         self.provider = provider
         self.dtype = self.manifest.dtype
         self.tolerance = TOLERANCES[(self.dtype, provider)]
-        self.sessions = {name: make_session(self.export_dir / g.file, provider)
+        self.sessions = {name: self._session(self.export_dir / g.file, provider)
                          for name, g in self.manifest.graphs.items()}
         self._device = "cuda" if provider == "cuda" else "cpu"
         self.torch_dtype = torch.float16 if self.dtype == "float16" else torch.float32
@@ -76,6 +80,15 @@ class Runner:
             self.model = copy.deepcopy(self.model).to(self.torch_dtype)
         self.inputs = CaseInputs(self.model, self.config, self.dtype, self.manifest.layout,
                                  self.run_onnx)
+
+    def _session(self, path: Path, provider: str) -> ort.InferenceSession:
+        """A graph's session; a quantised export's runs its products with float activations
+        (``export.quantize.exact_graph``), so it matches the fake-quantised reference exactly."""
+        if not self.manifest.quantization:
+            return make_session(path, provider)
+        from ..quantize import EXACT_SESSION_CONFIG, exact_graph
+
+        return make_session(exact_graph(path), provider, EXACT_SESSION_CONFIG)
 
     def prepare(self, case: Case) -> list[Prepared]:
         """The graph runs of ``case``: the encoder, the decoder, or both (seq2seq)."""

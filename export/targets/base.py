@@ -19,6 +19,9 @@ from tfport.config import ModelConfig
 from ..emit import StackInputs, heads
 from ..graph import GraphBuilder, to_numpy
 from ..positions import POSITION_EMITTERS
+from ..quantize import BlockQuantized, int_initializer
+
+QUANTIZED_MIN_OPSET = 21  # DequantizeLinear with block_size and int4/uint4 codes
 
 
 class PortableTarget:
@@ -37,6 +40,18 @@ class PortableTarget:
     def device_refusals(self, dtype: str) -> dict[str, str]:
         """Devices this target's graphs of ``dtype`` must not run on -> the reason (manifest)."""
         return {}
+
+    def check_quantized(self, scheme, opset: int) -> None:
+        """Raise ``ValueError`` if this target cannot lower ``scheme`` (export/quantize.QuantScheme)
+        at ``opset``: the portable lowering uses ONNX's blocked DequantizeLinear (opset 21)."""
+        if opset < QUANTIZED_MIN_OPSET:
+            raise ValueError(f"opset={opset!r}: target {self.name!r} lowers a quantised weight as a "
+                             f"blocked DequantizeLinear with {scheme.name} codes, which needs opset "
+                             f"{QUANTIZED_MIN_OPSET} or newer (omit --opset to get it)")
+
+    def quantized_opset(self, opset: int) -> int:
+        """The default opset of a quantised export of this target."""
+        return max(opset, QUANTIZED_MIN_OPSET)
 
     # ------------------------------------------------------------------------------ emission
     def stack_inputs(self, g: GraphBuilder, stack: nn.Module, config: ModelConfig,
@@ -80,3 +95,44 @@ class PortableTarget:
         out, pk, pv = g.fn("GroupQueryAttention", q, k, v, past[0], past[1], ctx.bias,
                            scale=module.scale, outputs=3, name=f"{name}.gqa")
         return out, (pk, pv)
+
+    # ------------------------------------------------------------------- quantised weights
+    def project_quantized(self, g: GraphBuilder, x: str, weight: BlockQuantized, name: str,
+                          bias=None) -> str:
+        """x [..., K] @ W -> [..., N] for ``weight`` quantised in rows [N, K]: ONNX
+        ``DequantizeLinear`` (opset 21, blocks of ``block_size`` along axis 0 of W [K, N]; int4 /
+        int8 codes when symmetric, uint4 / uint8 with zero points otherwise) feeding ``MatMul``.
+        ONNX Runtime's CPU provider fuses the pair into its ``MatMulNBits`` kernel."""
+        if "kn" not in weight.stored:
+            signed = weight.symmetric
+            codes = (weight.signed_codes() if signed else weight.codes).T  # [K, N]
+            stored = [int_initializer(g, f"{name}.qweight", codes, weight.bits, signed),
+                      g.weight(f"{name}.scales", weight.scales.T.astype("float32"))]  # [Kb, N]
+            if not signed:
+                stored.append(int_initializer(g, f"{name}.zero_points", weight.zero_points.T,
+                                              weight.bits, False))
+            weight.stored["kn"] = tuple(stored)
+        w = g.op("DequantizeLinear", *weight.stored["kn"], axis=0, block_size=weight.block_size,
+                 name=f"{name}.dequantize")  # [K, N], graph dtype
+        y = g.op("MatMul", x, w, name=name)
+        if weight.offsets is not None:  # GGUF Q4_1: + x @ (block minimum spread over its rows)
+            raise NotImplementedError("block offsets")
+        if bias is not None:
+            y = g.op("Add", y, g.weight(f"{name}.bias", bias), name=f"{name}.bias_add")
+        return y
+
+    def gather_quantized(self, g: GraphBuilder, table: BlockQuantized, ids: str, name: str) -> str:
+        """Rows ``ids`` [B, S] of a quantised table [V, E] -> [B, S, E]: ``Gather`` of the codes,
+        scales (and zero points) of those rows, then a blocked ``DequantizeLinear`` along E. ONNX's
+        Gather takes no int4, so the gathered codes are stored one per byte (int8 / uint8)."""
+        if "rows" not in table.stored:
+            signed = table.symmetric
+            stored = [int_initializer(g, f"{name}.qrows", table.signed_codes() if signed else table.codes,
+                                      8, signed),
+                      g.weight(f"{name}.row_scales", table.scales.astype("float32"))]  # [V, Eb]
+            if not signed:
+                stored.append(int_initializer(g, f"{name}.row_zero_points", table.zero_points, 8, False))
+            table.stored["rows"] = tuple(stored)
+        gathered = [g.op("Gather", value, ids, name=f"{name}.gather") for value in table.stored["rows"]]
+        return g.op("DequantizeLinear", *gathered, axis=-1, block_size=table.block_size,
+                    name=f"{name}.dequantize")  # [B, S, E]

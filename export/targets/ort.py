@@ -5,6 +5,7 @@ Decoder-only RoPE models whose head dimension is a multiple of 16."""
 
 from __future__ import annotations
 
+import numpy as np
 from onnxscript import script, values
 from onnxscript import opset18 as op
 
@@ -12,8 +13,12 @@ from tfport.config import ModelConfig
 
 from ..emit import StackInputs
 from ..functions import tfport
+from ..quantize import byte_initializer, pack_nibbles
 from .base import PortableTarget
 from .onnx23 import rope_cache
+
+# MatMulNBits' accuracy_level: 4 = int8 activations (the CPU kernel's fast path), 0 = float.
+ORT_ACCURACY_LEVEL = 4
 
 msft = values.Opset("com.microsoft", 1)  # ONNX Runtime's contrib operators
 
@@ -80,3 +85,62 @@ class OrtTarget(PortableTarget):
         for value in (pk, pv):
             g.declare(value, g.dtype, ["batch", hkv, "max_sequence", d])
         return out, (pk, pv)
+
+    # ------------------------------------------------------------------- quantised weights
+    def check_quantized(self, scheme, opset):
+        """MatMulNBits and GatherBlockQuantized are contrib operators: any opset."""
+
+    def quantized_opset(self, opset):
+        return opset
+
+    def project_quantized(self, g, x, weight, name, bias=None):
+        """``com.microsoft.MatMulNBits``: codes packed per row [N, Kb, block_size * bits / 8]
+        uint8, scales [N * Kb], zero points packed like the codes (absent when symmetric: the
+        kernel's default 2^(bits-1)). ``accuracy_level`` 4 lets the CPU kernel quantise the
+        activations to int8 per block (its fast path; parity checks the graph at level 0)."""
+        n, k = weight.shape
+        if weight.offsets is not None:
+            raise NotImplementedError("block offsets")
+        y = g.op("MatMulNBits", x, *_nbits_storage(g, weight, name), domain="com.microsoft", K=k,
+                 N=n, bits=weight.bits, block_size=weight.block_size,
+                 accuracy_level=ORT_ACCURACY_LEVEL, name=name)
+        if bias is not None:
+            y = g.op("Add", y, g.weight(f"{name}.bias", bias), name=f"{name}.bias_add")
+        return y
+
+    def gather_quantized(self, g, table, ids, name):
+        """``com.microsoft.GatherBlockQuantized`` on the rows [V, E * bits / 8]: when E is whole
+        blocks, the very codes a tied head's MatMulNBits reads, reshaped (stored once)."""
+        v, e = table.shape
+        if "gather" not in table.stored:
+            if e % table.block_size == 0:
+                data = g.op("Reshape", _nbits_storage(g, table, name)[0],
+                            g.const([v, e * table.bits // 8], name=f"{name}.rows_shape"), name=f"{name}.rows")
+            else:
+                data = byte_initializer(g, f"{name}.qrows", _pack(table.codes, table.bits))
+            stored = [data, g.weight(f"{name}.row_scales", table.scales.astype("float32"))]  # [V, Eb]
+            if not table.symmetric:
+                stored.append(byte_initializer(g, f"{name}.row_zero_points", _pack(table.zero_points, table.bits)))
+            table.stored["gather"] = tuple(stored)
+        data, scales, *zero_points = table.stored["gather"]
+        return g.op("GatherBlockQuantized", data, ids, scales, *zero_points, domain="com.microsoft",
+                    bits=table.bits, block_size=table.block_size, gather_axis=0, quantize_axis=1,
+                    name=name)
+
+
+def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 codes -> bytes as the contrib operators store them (two 4-bit codes per byte)."""
+    return pack_nibbles(codes) if bits == 4 else codes
+
+
+def _nbits_storage(g, weight, name: str) -> tuple[str, ...]:
+    """MatMulNBits' B [N, Kb, block_size * bits / 8], scales [N * Kb] and packed zero points
+    [N * ceil(Kb * bits / 8)] of ``weight``, stored once per graph."""
+    if "nbits" not in weight.stored:
+        stored = [byte_initializer(g, f"{name}.qweight", _pack(weight.padded_codes(), weight.bits)),
+                  g.weight(f"{name}.scales", weight.scales.reshape(-1).astype("float32"))]
+        if not weight.symmetric:
+            stored.append(byte_initializer(g, f"{name}.zero_points",
+                                           _pack(weight.zero_points, weight.bits).reshape(-1)))
+        weight.stored["nbits"] = tuple(stored)
+    return weight.stored["nbits"]

@@ -1,0 +1,349 @@
+"""Blockwise weight-only quantisation: formats, round-to-nearest, the fake-quantised reference.
+
+A weight matrix is quantised in *rows* ``[N, K]`` (an ``nn.Linear`` weight: N outputs, K inputs;
+an embedding table: N = V rows of K = E values), each row in blocks of ``block_size`` consecutive
+values along K with one scale (and with ``symmetric=False`` one integer zero point) per block:
+
+    w[n, k] ~= (code[n, k] - zero_point[n, k // bs]) * scale[n, k // bs]
+
+Codes are unsigned (0 .. 2^bits - 1); a symmetric block has the implicit zero point 2^(bits-1),
+which is the same as signed codes with no zero point. A row whose K is not a multiple of the block
+size ends in a short block (padded with the zero point where a kernel needs whole blocks).
+
+This is the layout ONNX Runtime's ``com.microsoft.MatMulNBits`` and ``GatherBlockQuantized`` read,
+the one ONNX ``DequantizeLinear`` (opset 21, blocked) reads along K of ``[K, N]``, and the one
+GGUF's legacy block types store (Q4_0: 32 values, symmetric; Q8_0: 32 values, symmetric; Q4_1: 32
+values with a float minimum). Everything here is numpy; the export target decides how a quantised
+product is lowered (``targets.base.PortableTarget.project_quantized``).
+
+``fake_quantize`` returns a copy of a reference module whose weights are replaced by the
+dequantised values the graph uses, so that parity against it holds with float32 tolerances.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tfport.dtypes import NUMPY_DTYPES
+
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # powers of two >= 16: what MatMulNBits and ONNX's blocks take
+BITS = {"int4": 4, "int8": 8}  # --quantize FORMAT -> bits
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How weights are quantised: ``bits`` 4 or 8, ``block_size`` values per scale along K,
+    ``symmetric`` (no zero points) or not; ``embeddings`` also quantises the token table (gathered
+    from its quantised rows where the target can) and with it a tied output head."""
+
+    bits: int = 4
+    block_size: int = 32
+    symmetric: bool = False
+    embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS.values():
+            raise ValueError(f"bits={self.bits!r}: expected one of {sorted(BITS.values())}")
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size={self.block_size!r}: expected one of {list(BLOCK_SIZES)}")
+
+    @classmethod
+    def parse(cls, quantize: str, block_size: int = 32, symmetric: bool = False) -> "QuantScheme":
+        """``--quantize int4|int8`` with ``--block-size`` and ``--symmetric``."""
+        if quantize not in BITS:
+            raise ValueError(f"quantize={quantize!r}: expected one of {list(BITS)}")
+        return cls(BITS[quantize], block_size, symmetric)
+
+    @property
+    def name(self) -> str:
+        return f"int{self.bits}"
+
+    def to_dict(self) -> dict:
+        return {"format": self.name, "bits": self.bits, "block_size": self.block_size,
+                "symmetric": self.symmetric, "embeddings": self.embeddings}
+
+    def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> "BlockQuantized":
+        return quantize_rows(rows, self.bits, self.block_size, self.symmetric, scale_dtype)
+
+
+@dataclass
+class BlockQuantized:
+    """A matrix [N, K] in blocks along K: ``codes`` uint8 [N, K] (one code per byte, 0..2^bits-1),
+    ``scales`` [N, Kb] (the graph's float dtype), ``zero_points`` uint8 [N, Kb] or None
+    (symmetric: 2^(bits-1)); ``offsets`` [N, Kb] float, GGUF Q4_1's block minimum, added after
+    scaling (None for round-to-nearest)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zero_points: np.ndarray | None
+    bits: int
+    block_size: int
+    offsets: np.ndarray | None = None
+    # Initializer names per storage layout, filled by the target's lowering, so a tied table is
+    # stored once per layout however many products and gathers read it.
+    stored: dict[str, tuple] = field(default_factory=dict, repr=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    @property
+    def n_blocks(self) -> int:
+        return self.scales.shape[1]
+
+    @property
+    def symmetric(self) -> bool:
+        return self.zero_points is None
+
+    def block_values(self, values: np.ndarray) -> np.ndarray:
+        """A per-block array [N, Kb] spread to [N, K]."""
+        return np.repeat(values, self.block_size, axis=1)[:, :self.shape[1]]
+
+    def zero_point_values(self) -> np.ndarray:
+        """uint8 [N, Kb]: the zero points, the implicit 2^(bits-1) when symmetric."""
+        if self.zero_points is not None:
+            return self.zero_points
+        return np.full(self.scales.shape, 1 << (self.bits - 1), dtype=np.uint8)
+
+    def dequantize(self) -> np.ndarray:
+        """[N, K] in the scales' dtype: (code - zero point) * scale (+ offset), as the graph
+        computes it (one rounding, in the scales' dtype)."""
+        dtype = self.scales.dtype
+        centred = self.codes.astype(np.int16) - self.block_values(self.zero_point_values()).astype(np.int16)
+        values = centred.astype(dtype) * self.block_values(self.scales)
+        if self.offsets is not None:
+            values = values + self.block_values(self.offsets)
+        return values.astype(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel reads: packed codes, scales, zero points (packed like the codes)."""
+        n, k = self.shape
+        packed = n * self.n_blocks * self.block_size * self.bits // 8
+        extra = 0 if self.zero_points is None else self.zero_points.size * self.bits // 8
+        offsets = 0 if self.offsets is None else self.offsets.nbytes
+        return packed + self.scales.nbytes + extra + offsets
+
+    # ------------------------------------------------------------------------- storage layouts
+    def padded_codes(self) -> np.ndarray:
+        """uint8 [N, Kb, block_size]: the codes in whole blocks, a short last block padded with
+        its zero point (dequantises to 0)."""
+        n, k = self.shape
+        full = self.n_blocks * self.block_size
+        if full == k:
+            return self.codes.reshape(n, self.n_blocks, self.block_size)
+        pad = np.repeat(self.zero_point_values()[:, -1:], full - k, axis=1)
+        return np.concatenate([self.codes, pad], axis=1).reshape(n, self.n_blocks, self.block_size)
+
+    def signed_codes(self) -> np.ndarray:
+        """int8 [N, K]: code - 2^(bits-1) (the signed codes of a symmetric block)."""
+        return (self.codes.astype(np.int16) - (1 << (self.bits - 1))).astype(np.int8)
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """uint8 [..., 2M] with values < 16 -> uint8 [..., M], the first of each pair in the low nibble
+    (ONNX int4/uint4 and MatMulNBits' order). An odd last axis is padded with 0."""
+    values = np.asarray(values, dtype=np.uint8)
+    if values.shape[-1] % 2:
+        values = np.concatenate([values, np.zeros((*values.shape[:-1], 1), np.uint8)], axis=-1)
+    return (values[..., 0::2] & 0x0F) | ((values[..., 1::2] & 0x0F) << 4)
+
+
+def quantize_rows(rows: np.ndarray, bits: int, block_size: int, symmetric: bool,
+                  scale_dtype: str = "float32") -> BlockQuantized:
+    """Round-to-nearest blockwise quantisation of ``rows`` [N, K] along K.
+
+    Symmetric: 4 bits take GGUF Q4_0's scale (the block's value of largest magnitude maps to code
+    -8, so all 16 levels are used), 8 bits ``max|w| / 127``. Asymmetric: the block's range, widened
+    to include 0, over 2^bits - 1 levels, with the zero point that puts 0 on a code. Scales are
+    rounded to ``scale_dtype`` *before* the codes are chosen, so the dequantised values are those
+    the graph computes.
+    """
+    rows = np.asarray(rows, dtype=np.float32)
+    if rows.ndim != 2:
+        raise ValueError(f"rows: expected a matrix [N, K], got shape {rows.shape}")
+    n, k = rows.shape
+    n_blocks = -(-k // block_size)
+    padded = np.zeros((n, n_blocks * block_size), np.float32)
+    padded[:, :k] = rows
+    blocks = padded.reshape(n, n_blocks, block_size)
+    levels = (1 << bits) - 1
+    half = 1 << (bits - 1)
+    dtype = NUMPY_DTYPES[scale_dtype]
+    if symmetric:
+        if bits == 4:
+            index = np.abs(blocks).argmax(axis=-1)[..., None]
+            peak = np.take_along_axis(blocks, index, axis=-1)[..., 0]  # signed, largest magnitude
+            scale = peak / -half
+        else:
+            scale = np.abs(blocks).max(axis=-1) / (half - 1)
+        scale = _nonzero(scale.astype(dtype))
+        codes = np.clip(np.rint(blocks / scale.astype(np.float32)[..., None]), -half, half - 1) + half
+        zero_points = None
+    else:
+        low = np.minimum(blocks.min(axis=-1), 0.0)
+        high = np.maximum(blocks.max(axis=-1), 0.0)
+        scale = _nonzero(((high - low) / levels).astype(dtype))
+        scale32 = scale.astype(np.float32)
+        zero_points = np.clip(np.rint(-low / scale32), 0, levels).astype(np.uint8)
+        codes = np.clip(np.rint(blocks / scale32[..., None]) + zero_points[..., None], 0, levels)
+    codes = codes.astype(np.uint8).reshape(n, -1)[:, :k]
+    return BlockQuantized(np.ascontiguousarray(codes), scale, zero_points, bits, block_size)
+
+
+def _nonzero(scale: np.ndarray) -> np.ndarray:
+    """All-zero blocks get scale 1 (their codes are the zero point either way)."""
+    return np.where(scale == 0, np.ones_like(scale), scale)
+
+
+# ------------------------------------------------------------------------------ the reference
+def quantized_weights(model, scheme: QuantScheme, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """Parameter name -> the dequantised value [out, in] (float32) the export of ``model`` with
+    ``scheme`` computes with: every ``nn.Linear`` weight, and with ``scheme.embeddings`` the token
+    tables (and so a tied head). Scales are rounded to ``dtype`` as the graph stores them."""
+    from torch import nn
+
+    values = {}
+    tables = token_table_paths(model)
+    table_ids = {id(model.get_parameter(path)) for path in tables}
+    for path, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            if id(module.weight) in table_ids and not scheme.embeddings:
+                continue  # a tied head reads the table, which stays unquantised
+            rows = module.weight.detach().float().cpu().numpy()
+            values[f"{path}.weight"] = scheme.quantize(rows, dtype).dequantize().astype(np.float32)
+    if scheme.embeddings:
+        for path in tables:
+            table = model.get_parameter(path).detach().float().cpu().numpy()
+            values[path] = scheme.quantize(table, dtype).dequantize().astype(np.float32)
+    return values
+
+
+def token_table_paths(model) -> list[str]:
+    """Parameter names of the token embedding tables the exporter gathers from."""
+    paths = []
+    for side in ("encoder", "decoder"):
+        stack = getattr(model, side, None)
+        if stack is not None and hasattr(stack, "embed"):
+            name = f"{side}.embed.tokens.weight"
+            if name not in paths and dict(model.named_parameters(remove_duplicate=False)).get(name) is not None:
+                paths.append(name)
+    return paths
+
+
+def fake_quantize(model, scheme: QuantScheme, dtype: str = "float32"):
+    """A copy of ``model`` whose weights are replaced by their dequantised values (see
+    ``quantized_weights``): the PyTorch reference a quantised export is compared against."""
+    import torch
+
+    reference = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        for name, value in quantized_weights(reference, scheme, dtype).items():
+            parameter = reference.get_parameter(name)
+            parameter.copy_(torch.from_numpy(value).to(parameter.dtype))
+    return reference
+
+
+# ------------------------------------------------------------------------------ graph storage
+ONNX_INT_TYPES = {(4, True): 22, (4, False): 21, (8, True): 3, (8, False): 2}  # (bits, signed) -> INT4, UINT4, INT8, UINT8
+
+
+def int_initializer(g, name: str, values: np.ndarray, bits: int, signed: bool) -> str:
+    """An integer initializer of ONNX type int4/uint4 (``values`` packed two per byte, as ONNX
+    stores them) or int8/uint8; returns its (fresh) name."""
+    from onnx import helper
+
+    name = g.fresh(name)
+    values = np.ascontiguousarray(values)
+    if bits == 4:
+        raw = pack_nibbles(values.astype(np.int8).view(np.uint8).reshape(-1)).tobytes()
+        tensor = helper.make_tensor(name, ONNX_INT_TYPES[(4, signed)], values.shape, raw, raw=True)
+    else:
+        tensor = helper.make_tensor(name, ONNX_INT_TYPES[(8, signed)], values.shape,
+                                    values.astype(np.int8 if signed else np.uint8).tobytes(), raw=True)
+    g.initializers.append(tensor)
+    return name
+
+
+def byte_initializer(g, name: str, values: np.ndarray) -> str:
+    """A uint8 initializer (MatMulNBits / GatherBlockQuantized storage)."""
+    from onnx import numpy_helper
+
+    name = g.fresh(name)
+    g.initializers.append(numpy_helper.from_array(np.ascontiguousarray(values, dtype=np.uint8), name))
+    return name
+
+
+class WeightQuantizer:
+    """What one graph's weight products and token gathers do under a ``QuantScheme``: held by the
+    ``GraphBuilder`` (``g.quantizer``) and consulted by ``emit.project`` and ``emit.gather_rows``,
+    it quantises each weight once and hands it to the export target's lowering
+    (``project_quantized``, ``gather_quantized``). A token table quantised here is kept by its
+    graph name, so a tied head and the embedding gather read the same quantised rows."""
+
+    def __init__(self, scheme: QuantScheme, target):
+        self.scheme = scheme
+        self.target = target
+        self.tables: dict[str, BlockQuantized] = {}
+        self.weight_bytes = 0  # bytes of quantised weights the graph's products read
+
+    def table(self, g, name: str, rows: np.ndarray) -> str:
+        """Quantise a token table [V, E]; returns the handle ``gather`` and ``project`` take."""
+        handle = g.fresh(name)
+        self.tables[handle] = self.scheme.quantize(rows, g.dtype)
+        return handle
+
+    def owns(self, weight) -> bool:
+        return isinstance(weight, str) and weight in self.tables
+
+    def project(self, g, x: str, weight, name: str, bias=None, transposed: bool = False) -> str:
+        """x [..., K] @ W -> [..., N] with W quantised: ``weight`` an array [K, N], or a table
+        handle read transposed (a tied head: rows [N = V, K = E])."""
+        if isinstance(weight, str):
+            assert transposed and weight in self.tables, (weight, transposed)
+            quantized = self.tables[weight]
+        else:
+            rows = weight.T if not transposed else weight
+            quantized = self.scheme.quantize(rows, g.dtype)
+        self.weight_bytes += quantized.nbytes
+        return self.target.project_quantized(g, x, quantized, name, bias)
+
+    def gather(self, g, table: str, ids: str, name: str) -> str:
+        """Rows ``ids`` of a quantised table, dequantised -> [..., E]."""
+        return self.target.gather_quantized(g, self.tables[table], ids, name)
+
+
+def resolve_scheme(quantize, block_size: int = 32, symmetric: bool = False) -> QuantScheme | None:
+    """``export_model``'s ``quantize`` argument: None, "int4" / "int8" (with ``block_size`` and
+    ``symmetric``) or a ``QuantScheme`` (taken as is)."""
+    if quantize is None or isinstance(quantize, QuantScheme):
+        return quantize
+    if not isinstance(quantize, str):
+        raise TypeError(f"quantize={quantize!r}: expected None, one of {list(BITS)} or a QuantScheme")
+    return QuantScheme.parse(quantize, block_size, symmetric)
+
+
+# ------------------------------------------------------------------------------ exact parity
+# ONNX Runtime fuses DequantizeLinear + MatMul into MatMulNBits at this accuracy level (default 4:
+# int8 activations); parity sets 0 (float activations), so the graph computes what the
+# fake-quantised reference computes.
+EXACT_SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
+
+
+def exact_graph(path) -> bytes:
+    """The graph at ``path`` with every ``MatMulNBits`` at accuracy level 0 (float activations),
+    serialised: what parity runs a quantised export as. The int8-activation error of the shipped
+    level is measured separately (``tfport.export.quantize_report``)."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(path))
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
+            kept = [a for a in node.attribute if a.name != "accuracy_level"]
+            del node.attribute[:]
+            node.attribute.extend(kept + [helper.make_attribute("accuracy_level", 0)])
+    return model.SerializeToString()
