@@ -27,6 +27,7 @@ import base64
 import contextlib
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -194,7 +195,8 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
             healthy &= alive
             models[name] = {"family": served.family, "running": scheduler.running,
                             "waiting": scheduler.waiting, "alive": alive}
-        return JSONResponse({"status": "ok" if healthy else "unhealthy", "models": models},
+        return JSONResponse({"status": "ok" if healthy else "unhealthy", "models": models,
+                             "pid": os.getpid()},  # tells Ray Serve replicas apart
                             status_code=200 if healthy else 503)
 
     @app.get("/metrics")
