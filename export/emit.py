@@ -9,7 +9,7 @@ are lowered is the export target's (``targets``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,8 +67,9 @@ def linear(g: GraphBuilder, x: str, module: nn.Linear, name: str) -> str:
 
 
 def norm(g: GraphBuilder, x: str, module: nn.Module, name: str) -> str:
-    """LayerNorm (opset 17 LayerNormalization, float32 stash) or ai.tfport.RMSNorm."""
-    weight = g.weight(f"{name}.weight", _np(module.weight))
+    """LayerNorm (opset 17 LayerNormalization, float32 stash) or ai.tfport.RMSNorm (a weight
+    offset, Gemma's ``1 + w``, is folded into the stored weight)."""
+    weight = g.weight(f"{name}.weight", _np(module.weight) + getattr(module, "offset", 0.0))
     if isinstance(module, RMSNorm):
         return g.fn("RMSNorm", x, weight, epsilon=float(module.eps), name=name)
     bias = g.weight(f"{name}.bias", _np(module.bias))
@@ -130,16 +131,38 @@ class StackInputs:
     rotary: tuple[str, ...] = ()  # the target's rotary tables (inv_freq, or cos and sin)
     memory_bias: str | None = None  # float32 [B, 1, S, Senc] (cross-attention)
     extra: dict[str, str] = field(default_factory=dict)  # target-specific graph values
+    # The sliding-window layers' bias and rotary tables (config.sliding_window, rope_local_theta).
+    local_bias: str | None = None
+    local_rotary: tuple[str, ...] = ()
+    window: int | None = None  # set on the view a sliding-window layer reads (see ``layer``)
+
+    def layer(self, config: ModelConfig, index: int) -> "StackInputs":
+        """What layer ``index`` reads: the stack's values, or for a sliding-window layer its
+        windowed bias, its rotary tables and ``window``."""
+        if not config.is_local(index):
+            return self
+        return replace(self, bias=self.local_bias, rotary=self.local_rotary or self.rotary,
+                       window=config.sliding_window)
+
+
+def head_norm(g: GraphBuilder, x: str, module: nn.Module, n: int, head_dim: int, name: str) -> str:
+    """Per-head RMSNorm over D of x [B, S, N*D] (Qwen3 / Gemma 3 q and k norms) -> [B, S, N*D]."""
+    shaped = g.op("Reshape", x, g.const([0, 0, n, head_dim], name="heads_shape"), name=f"{name}.reshape")
+    normed = norm(g, shaped, module, name)  # [B, S, N, D]
+    return g.op("Reshape", normed, g.const([0, 0, -1], name="merge_heads"), name=f"{name}.merge")
 
 
 def self_attention(g: GraphBuilder, x: str, module: Attention, ctx: StackInputs,
                    past: tuple[str, str] | None, name: str) -> tuple[str, tuple[str, str] | None]:
-    """Fused QKV projection, then rotary + attention as the target lowers them
+    """Fused QKV projection (q/k norms), then rotary + attention as the target lowers them
     -> (output [B, S, E], present (k, v) or None)."""
     h, hkv, d = module.n_heads, module.kv_heads, module.head_dim
     qkv = linear(g, x, module.qkv, f"{name}.qkv")  # [B, S, (H + 2 Hkv) D]
     q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d], name="qkv_split"), axis=-1,
                    outputs=3, name=f"{name}.split")  # [B, S, N*D] each
+    if module.q_norm is not None:
+        q = head_norm(g, q, module.q_norm, h, d, f"{name}.q_norm")
+        k = head_norm(g, k, module.k_norm, hkv, d, f"{name}.k_norm")
     out, present = ctx.target.attend(g, q, k, v, module, ctx, past, name)
     g.tap(f"{name}.context", out)
     return g.tap(name, linear(g, out, module.out, f"{name}.out")), present
@@ -170,7 +193,11 @@ def block(g: GraphBuilder, x: str, module: Block, config: ModelConfig, ctx: Stac
     def residual(x: str, norm_module: nn.Module, f, part: str) -> str:
         if module.pre:
             normed = g.tap(f"{name}.{part}_norm", norm(g, x, norm_module, f"{name}.{part}_norm"))
-            return g.op("Add", x, f(normed), name=f"{name}.{part}_residual")
+            out = f(normed)
+            post = getattr(module, f"{part}_post_norm", None)
+            if post is not None:  # Gemma 2/3: the sublayer's output is normalised too
+                out = g.tap(f"{name}.{part}_post_norm", norm(g, out, post, f"{name}.{part}_post_norm"))
+            return g.op("Add", x, out, name=f"{name}.{part}_residual")
         summed = g.op("Add", x, f(x), name=f"{name}.{part}_residual")
         return g.tap(f"{name}.{part}_norm", norm(g, summed, norm_module, f"{name}.{part}_norm"))
 
@@ -192,6 +219,8 @@ def embeddings(g: GraphBuilder, module: Embeddings, config: ModelConfig, input_i
                token_type_ids: str | None, token_table: str, name: str) -> str:
     """Token (+ position table) (+ token type) embeddings, optional norm -> [B, S, E]."""
     x = gather_rows(g, token_table, input_ids, f"{name}.tokens")
+    if module.scale != 1.0:  # Gemma: sqrt(E) in the model dtype, as the reference rounds it
+        x = g.op("Mul", x, g.const(module.scale, g.dtype, "embedding_scale"), name=f"{name}.scale")
     positions = POSITION_EMITTERS[config.position].embedding(g, module, position_ids, name)
     if positions is not None:
         x = g.op("Add", x, positions, name=f"{name}.add_positions")
@@ -221,7 +250,7 @@ def stack(g: GraphBuilder, module: Stack, config: ModelConfig, target: Target, i
     for i, layer in enumerate(module.layers):
         past = pasts[i] if pasts is not None else None
         memory = memories[i] if memories is not None else None
-        x, present = block(g, x, layer, config, ctx, past, memory, f"{name}.layers.{i}")
+        x, present = block(g, x, layer, config, ctx.layer(config, i), past, memory, f"{name}.layers.{i}")
         presents.append(present)
         if progress is not None:
             progress.update(1)

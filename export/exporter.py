@@ -8,6 +8,8 @@ and renames it into place, so a failed export leaves nothing behind. Graphs whos
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -22,6 +24,7 @@ from tfport.contract import (CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOK
                              cache_names, graph_specs)
 from tfport.embedding import EmbeddingSettings
 from tfport.files import atomic_directory, check_output_dir
+from tfport.integrity import graph_metadata, record_files
 
 from . import emit
 from .graph import GraphBuilder
@@ -45,8 +48,15 @@ def _lm_head(g: GraphBuilder, x: str, model: nn.Module, token_table: str) -> str
     if model.config.lm_head_scale != 1.0:
         x = g.op("Mul", x, g.const(model.config.lm_head_scale, g.dtype, "lm_head_scale"), name="lm_head.scale")
     if model.config.tie_embeddings:
-        return emit.project(g, x, token_table, "lm_head", transposed=True)
-    return emit.linear(g, x, model.lm_head, "lm_head")
+        logits = emit.project(g, x, token_table, "lm_head", transposed=True)
+    else:
+        logits = emit.linear(g, x, model.lm_head, "lm_head")
+    cap = model.config.final_logit_softcap
+    if cap is not None:  # Gemma 2: c * tanh(logits / c), in the model dtype as the reference
+        c = g.const(cap, g.dtype, "final_logit_softcap")
+        logits = g.op("Mul", g.op("Tanh", g.op("Div", logits, c, name="lm_head.softcap_div")), c,
+                      name="lm_head.softcap")
+    return logits
 
 
 def _declare(g: GraphBuilder, spec: GraphSpec) -> dict[str, str]:
@@ -64,6 +74,27 @@ def _presents(presents, n_layers: int, kind: str | None) -> dict[str, str]:
         key, value = cache_names(i, "present", kind)
         out[key], out[value] = presents[i]
     return out
+
+
+def _classifier(g: GraphBuilder, states: str, attention_mask: str, head: nn.Module, config: ModelConfig) -> str:
+    """Sequence classification logits [B, n_labels] (tfport.models.encoder.ClassifierHead)."""
+    if head.pooling == "cls":
+        pooled = g.op("Gather", states, g.const(0, name="first"), axis=1, name="classifier.first")  # [B, E]
+    else:  # mean over real tokens
+        weights = g.op("Unsqueeze", g.op("CastLike", attention_mask, states, name="classifier.mask"),
+                       g.const([2], name="axis2"), name="classifier.weights")  # [B, S, 1]
+        total = g.op("ReduceSum", g.op("Mul", states, weights), g.const([1], name="axis1"), keepdims=0)
+        count = g.op("ReduceSum", weights, g.const([1], name="axis1"), keepdims=0)  # [B, 1]
+        count = g.op("Max", count, g.const(1.0, g.dtype, "one_f"), name="classifier.count")
+        pooled = g.op("Div", total, count, name="classifier.mean")  # [B, E]
+    h = emit.linear(g, pooled, head.dense, "classifier.dense")
+    if config.classifier_activation == "tanh":
+        h = g.op("Tanh", h, name="classifier.act")
+    else:
+        h = emit.activation(g, h, config.classifier_activation, "classifier.act")
+    if head.norm is not None:
+        h = emit.norm(g, h, head.norm, "classifier.norm")
+    return g.tap("classifier", emit.linear(g, h, head.out, "classifier.out"))
 
 
 def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
@@ -94,6 +125,8 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
                                             transposed=True)
         else:
             values["logits"] = emit.linear(g, h, mlm.decoder, "mlm.decoder")
+    if getattr(model, "classifier", None) is not None:
+        values["class_logits"] = _classifier(g, states, inputs["attention_mask"], model.classifier, config)
     if config.family == "encoder-decoder":
         memories = [emit.cross_memory(g, states, layer.cross_attn, f"decoder.layers.{i}.cross_attn")
                     for i, layer in enumerate(model.decoder.layers)]
@@ -155,6 +188,30 @@ def _save_graph(model: onnx.ModelProto, path: Path, threshold: int) -> bool:
     return external
 
 
+def _check_tokenizer(path: Path) -> None:
+    """``ValueError`` naming ``tokenizer`` unless ``path`` is a ``tokenizer.json`` of the
+    ``tokenizers`` library (read with it when it is installed): the runtime loads it only when
+    text is used, long after the export."""
+    if not path.is_file():
+        raise ValueError(f"tokenizer={str(path)!r}: no such file (expected a tokenizer.json)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"tokenizer={str(path)!r}: not a tokenizer.json (not JSON: {err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise ValueError(f"tokenizer={str(path)!r}: not a tokenizer.json of the 'tokenizers' "
+                         "library (no 'model' object)")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises its own Exception type
+        raise ValueError(f"tokenizer={str(path)!r}: the 'tokenizers' library cannot read it "
+                         f"({err})") from None
+
+
 def _require_validator() -> None:
     """Fail before anything is written when validation cannot run: it needs ONNX Runtime, which
     the 'export' extra leaves out (onnxruntime and onnxruntime-gpu cannot be installed together,
@@ -209,8 +266,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     if embedding is not None and (config.family != "encoder" or not isinstance(embedding, EmbeddingSettings)):
         raise ValueError(f"embedding={embedding!r}: expected EmbeddingSettings for an encoder-only model "
                          f"(family={config.family!r})")
-    if tokenizer is not None and not Path(tokenizer).is_file():
-        raise ValueError(f"tokenizer={str(tokenizer)!r}: no such file (expected a tokenizer.json)")
+    if tokenizer is not None:
+        _check_tokenizer(Path(tokenizer))
     specs = graph_specs(config, dtype, target.layout)
     manifest = Manifest(config=config, dtype=dtype, opset=opset, target=target.name, layout=target.layout,
                         device_refusals=target.device_refusals(dtype),
@@ -224,7 +281,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     with atomic_directory(out_dir) as tmp:
         with tqdm(total=n_layers, desc="export", unit="layer", disable=not show_progress) as progress:
             for name, spec in specs.items():
-                proto = BUILDERS[name](model, spec, dtype, target, progress, scheme).build(opset, target.bodies)
+                builder = BUILDERS[name](model, spec, dtype, target, progress, scheme)
+                proto = builder.build(opset, target.bodies, graph_metadata(manifest.settings))
                 external = _save_graph(proto, tmp / spec.file, external_data_threshold)
                 log.info("wrote %s%s", spec.file, " with external data" if external else "")
         (tmp / CONFIG_FILE).write_text(config.to_json() + "\n")
@@ -234,6 +292,9 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
             (tmp / CHAT_TEMPLATE_FILE).write_text(chat_template)
         if embedding is not None:
             embedding.write(tmp)
+        # Every file but the manifest itself, external data included, with its size and sha256.
+        written = [p.name for p in tmp.iterdir() if p.name != MANIFEST_FILE]
+        manifest = dataclasses.replace(manifest, files=record_files(tmp, written))
         manifest.write(tmp)
         if validate:
             from .parity import validate_export

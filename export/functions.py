@@ -34,13 +34,15 @@ MASK_VALUE = float(np.finfo(np.float32).min)
 
 
 @script(tfport, default_opset=op)
-def AttentionBias(attention_mask, query_length, causal: int):
+def AttentionBias(attention_mask, query_length, causal: int, window: int):
     """Additive float32 attention bias [B, 1, S, T] from a 0/1 padding mask.
 
-    PyTorch: ``tfport.models.masks.attention_bias(attention_mask, S, causal)``.
+    PyTorch: ``tfport.models.masks.attention_bias(attention_mask, S, causal, window or None)``.
     attention_mask int64 [B, T] (1 = real token); query_length int64 [1] = S, the queries being the
-    last S of the T positions. Entry (b, s, t) is 0 when key t is real and, if ``causal``, not after
-    query s (absolute index T - S + s); otherwise the finite float32 minimum (see module doc).
+    last S of the T positions. Entry (b, s, t) is 0 when key t is real, if ``causal`` not after
+    query s (absolute index T - S + s), and if ``window`` W > 0 (sliding-window attention) fewer
+    than W positions before the query, positions counting real tokens (cumsum(mask) - 1, at least
+    0); otherwise the finite float32 minimum (see module doc). ``window`` 0 means no window.
     """
     total = op.Squeeze(op.Shape(attention_mask, start=1, end=2))
     length = op.Squeeze(query_length)
@@ -50,7 +52,17 @@ def AttentionBias(attention_mask, query_length, causal: int):
     not_causal = op.Not(op.Cast(op.Constant(value_int=causal), to=BOOL.dtype))
     in_order = op.Or(op.LessOrEqual(key_index, query_index), not_causal)  # [S, T]
     real_key = op.Unsqueeze(op.Cast(attention_mask, to=BOOL.dtype), op.Constant(value_ints=[1, 2]))  # [B, 1, 1, T]
-    keep = op.And(real_key, in_order)  # [B, 1, S, T]
+    counts = op.CumSum(attention_mask, op.Constant(value_int=1))
+    position = op.Max(op.Sub(counts, op.Constant(value_int=1)), op.Constant(value_int=0))  # [B, T]
+    # Gathered (not sliced) at the query slots, clamped at 0, so that the shape is [B, S] even
+    # where S exceeds T (cross-attention masks, which have no window).
+    query_slots = op.Max(op.Range(op.Sub(total, length), total, one), op.Constant(value_int=0))  # [S]
+    query_position = op.Gather(position, query_slots, axis=1)  # [B, S]
+    distance = op.Sub(op.Unsqueeze(query_position, op.Constant(value_ints=[2])),
+                      op.Unsqueeze(position, op.Constant(value_ints=[1])))  # [B, S, T]
+    width = op.Constant(value_int=window)
+    near = op.Or(op.Less(distance, width), op.LessOrEqual(width, op.Constant(value_int=0)))
+    keep = op.And(op.And(real_key, in_order), op.Unsqueeze(near, op.Constant(value_ints=[1])))  # [B, 1, S, T]
     return op.Where(keep, op.Constant(value_float=0.0), op.Constant(value_float=MASK_VALUE))
 
 
@@ -153,6 +165,32 @@ def ScaledDotProductAttention(query, key, value, bias, scale: float):
 
 
 @script(tfport, default_opset=op)
+def SoftcapScaledDotProductAttention(query, key, value, bias, scale: float, softcap: float):
+    """``ScaledDotProductAttention`` with Gemma 2's attention-logit soft-capping: the scaled
+    float32 scores s become softcap * tanh(s / softcap) before the bias is added (so masked
+    entries stay at the float32 minimum). PyTorch: ``grouped_attention(..., softcap=softcap)``.
+    query [B, H, S, D]; key, value [B, Hkv, T, D]; bias float32 [B, 1 or H, S, T] -> [B, S, H*D].
+    """
+    zero = op.Constant(value_ints=[0])
+    rest = op.Constant(value_ints=[-1])
+    heads = op.Shape(query, start=1, end=2)
+    kv_heads = op.Shape(key, start=1, end=2)
+    group = op.Div(heads, kv_heads)
+    length = op.Shape(query, start=2, end=3)
+    grouped = op.Reshape(query, op.Concat(zero, kv_heads, group, length, rest, axis=0))  # [B, Hkv, G, S, D]
+    keys_t = op.Unsqueeze(op.Transpose(key, perm=[0, 1, 3, 2]), op.Constant(value_ints=[2]))  # [B, Hkv, 1, D, T]
+    scores = op.Cast(op.MatMul(grouped, keys_t), to=FLOAT.dtype)  # [B, Hkv, G, S, T]
+    scores = op.Reshape(scores, op.Concat(zero, heads, length, rest, axis=0))  # [B, H, S, T]
+    cap = op.Constant(value_float=softcap)
+    scores = op.Mul(op.Tanh(op.Div(op.Mul(scores, op.Constant(value_float=scale)), cap)), cap)
+    probs = op.CastLike(op.Softmax(op.Add(scores, bias), axis=-1), query)
+    probs = op.Reshape(probs, op.Concat(zero, kv_heads, group, length, rest, axis=0))  # [B, Hkv, G, S, T]
+    out = op.MatMul(probs, op.Unsqueeze(value, op.Constant(value_ints=[2])))  # [B, Hkv, G, S, D]
+    out = op.Transpose(op.Reshape(out, op.Shape(query)), perm=[0, 2, 1, 3])  # [B, S, H, D]
+    return op.Reshape(out, op.Concat(zero, zero, rest, axis=0))  # [B, S, H*D]
+
+
+@script(tfport, default_opset=op)
 def GroupQueryAttention(query, key, value, past_key, past_value, bias, scale: float):
     """Causal/padded self-attention over a KV cache (MHA, GQA or MQA by the head counts).
 
@@ -164,6 +202,17 @@ def GroupQueryAttention(query, key, value, past_key, past_value, bias, scale: fl
     present_key = op.Concat(past_key, key, axis=2)
     present_value = op.Concat(past_value, value, axis=2)
     output = ScaledDotProductAttention(query, present_key, present_value, bias, scale=scale)
+    return output, present_key, present_value
+
+
+@script(tfport, default_opset=op)
+def SoftcapGroupQueryAttention(query, key, value, past_key, past_value, bias, scale: float, softcap: float):
+    """``GroupQueryAttention`` whose scores are soft-capped as in
+    ``SoftcapScaledDotProductAttention`` (Gemma 2). Shapes as ``GroupQueryAttention``."""
+    present_key = op.Concat(past_key, key, axis=2)
+    present_value = op.Concat(past_value, value, axis=2)
+    output = SoftcapScaledDotProductAttention(query, present_key, present_value, bias, scale=scale,
+                                              softcap=softcap)
     return output, present_key, present_value
 
 
@@ -183,7 +232,7 @@ def RMSNorm(x, weight, epsilon: float):
 
 
 FUNCTIONS = (AttentionBias, AlibiBias, RelativePositionBias, RotaryEmbedding, ScaledDotProductAttention,
-             GroupQueryAttention, RMSNorm)
+             SoftcapScaledDotProductAttention, GroupQueryAttention, SoftcapGroupQueryAttention, RMSNorm)
 
 
 def function_protos(opset: int, bodies: Mapping[str, OnnxFunction]) -> list[onnx.FunctionProto]:

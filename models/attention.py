@@ -7,6 +7,7 @@ from torch import nn
 
 from tfport.config import ModelConfig
 
+from .norms import RMSNorm
 from .positions import apply_rope
 
 
@@ -16,18 +17,22 @@ class Tap(nn.Identity):
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, softcap: float | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v with H query heads sharing Hkv key/value heads.
 
     q [B, H, S, D], k and v [B, Hkv, T, D], bias float32 [B, 1 or H, S, T] -> [B, S, H*D].
     Query heads h*G .. h*G+G-1 (G = H / Hkv) read key/value head h. Scores and softmax are
     float32 whatever the input dtype. K and V are broadcast, never copied per query head.
+    ``softcap`` c replaces the scaled scores s by c * tanh(s / c) before the bias is added.
     """
     b, h, s, d = q.shape
     hkv = k.shape[1]
     q = q.reshape(b, hkv, h // hkv, s, d)  # [B, Hkv, G, S, D]
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2))  # [B, Hkv, G, S, T]
-    scores = scores.float().reshape(b, h, s, -1) * scale + bias  # [B, H, S, T]
+    scores = scores.float().reshape(b, h, s, -1) * scale  # [B, H, S, T]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + bias
     probs = scores.softmax(dim=-1).to(v.dtype).reshape(b, hkv, h // hkv, s, -1)
     out = torch.matmul(probs, v.unsqueeze(2))  # [B, Hkv, G, S, D]
     return out.reshape(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)  # [B, S, H*D]
@@ -46,6 +51,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.dim_per_head
         self.scale = config.softmax_scale
+        self.softcap = config.attn_logit_softcap
         self.cross = cross
         q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
         bias = config.attention_bias
@@ -54,7 +60,11 @@ class Attention(nn.Module):
             self.kv = nn.Linear(config.d_model, 2 * kv_dim, bias=bias)
         else:
             self.qkv = nn.Linear(config.d_model, q_dim + 2 * kv_dim, bias=bias)
-        self.out = nn.Linear(q_dim, config.d_model, bias=bias)
+        self.out = nn.Linear(q_dim, config.d_model, bias=config.out_bias)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_weight_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_weight_offset)
         self.rotary_q, self.rotary_k, self.context = Tap(), Tap(), Tap()
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -83,10 +93,12 @@ class Attention(nn.Module):
             q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
             q, k, v = self.qkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
             q, k, v = self._heads(q, self.n_heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
                 q, k = self.rotary_q(apply_rope(q, *rope)), self.rotary_k(apply_rope(k, *rope))
             if past is not None:
                 k = torch.cat([past[0], k], dim=2)  # [B, Hkv, P+S, D]
                 v = torch.cat([past[1], v], dim=2)
-        out = self.context(grouped_attention(q, k, v, bias, self.scale))
+        out = self.context(grouped_attention(q, k, v, bias, self.scale, self.softcap))
         return self.out(out), (k, v)

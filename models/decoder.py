@@ -28,4 +28,8 @@ class DecoderLM(nn.Module):
                 past_key_values: KVCache | None = None) -> tuple[torch.Tensor, KVCache]:
         """input_ids [B, S], attention_mask [B, P+S] -> (logits float32 [B, S, V], present cache)."""
         x, present = self.decoder(input_ids, attention_mask, position_ids, past=past_key_values)
-        return self.lm_head(x * self.config.lm_head_scale).float(), present
+        logits = self.lm_head(x * self.config.lm_head_scale).float()
+        cap = self.config.final_logit_softcap
+        if cap is not None:  # Gemma 2: c * tanh(logits / c)
+            logits = torch.tanh(logits / cap) * cap
+        return logits, present

@@ -1,4 +1,4 @@
-"""Norms, feed-forward networks and the transformer block (pre- or post-norm)."""
+"""Feed-forward networks and the transformer block (pre- or post-norm; norms in ``norms``)."""
 
 from __future__ import annotations
 
@@ -9,39 +9,9 @@ from torch.nn import functional as F
 from tfport.config import ModelConfig
 
 from .attention import Attention
+from .norms import LayerNorm, RMSNorm, make_norm
 
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich, 2019).
-
-    The normalisation is computed in float32 and cast back before the weight multiplies it, as
-    LLaMA's and T5's reference implementations do.
-    """
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
-
-
-class LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in float32 for every input dtype."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.layer_norm(x.float(), self.normalized_shape, self.weight.float(),
-                           self.bias.float(), self.eps)
-        return out.to(x.dtype)
-
-
-def make_norm(config: ModelConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.d_model, config.norm_eps)
-    return LayerNorm(config.d_model, eps=config.norm_eps)
+__all__ = ["ACTIVATIONS", "Block", "FeedForward", "LayerNorm", "RMSNorm", "make_norm"]
 
 
 ACTIVATIONS = {
@@ -70,7 +40,9 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Self-attention, optional cross-attention, feed-forward; each wrapped in a residual.
 
-    Pre-norm: ``x + f(norm(x))``; post-norm: ``norm(x + f(x))``.
+    Pre-norm: ``x + f(norm(x))``; post-norm: ``norm(x + f(x))``. With ``post_sublayer_norm``
+    (pre-norm only, Gemma 2/3) the output is normalised too: ``x + post_norm(f(norm(x)))``
+    (``attn_post_norm``, ``ffn_post_norm``).
     """
 
     def __init__(self, config: ModelConfig, cross: bool = False):
@@ -80,10 +52,16 @@ class Block(nn.Module):
         self.cross_norm = make_norm(config) if cross else None
         self.cross_attn = Attention(config, cross=True) if cross else None
         self.ffn_norm, self.ffn = make_norm(config), FeedForward(config)
+        self.attn_post_norm = self.ffn_post_norm = None
+        if config.post_sublayer_norm:
+            self.attn_post_norm, self.ffn_post_norm = make_norm(config), make_norm(config)
 
-    def _residual(self, x: torch.Tensor, norm: nn.Module, f) -> tuple[torch.Tensor, object]:
+    def _residual(self, x: torch.Tensor, norm: nn.Module, f, post: nn.Module | None = None
+                  ) -> tuple[torch.Tensor, object]:
         if self.pre:
             out, extra = f(norm(x))
+            if post is not None:
+                out = post(out)
             return x + out, extra
         out, extra = f(x)
         return norm(x + out), extra
@@ -95,9 +73,10 @@ class Block(nn.Module):
                 memory_bias: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x [B, S, E] -> ([B, S, E], present self-attention (k, v) [B, Hkv, P+S, D])."""
-        x, present = self._residual(x, self.attn_norm, lambda h: self.attn(h, bias, rope, past))
+        x, present = self._residual(x, self.attn_norm, lambda h: self.attn(h, bias, rope, past),
+                                    self.attn_post_norm)
         if self.cross_attn is not None:
             x, _ = self._residual(x, self.cross_norm,
                                   lambda h: self.cross_attn(h, memory_bias, memory=memory))
-        x, _ = self._residual(x, self.ffn_norm, lambda h: (self.ffn(h), None))
+        x, _ = self._residual(x, self.ffn_norm, lambda h: (self.ffn(h), None), self.ffn_post_norm)
         return x, present

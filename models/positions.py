@@ -25,19 +25,34 @@ def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
     return table.float()
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     """Rotary inverse frequencies [D/2], with the config's scaling folded in.
 
     Linear scaling (position interpolation) divides positions by the factor, i.e. the
-    frequencies; NTK-aware scaling raises the base to theta * factor^(D / (D - 2)).
+    frequencies; NTK-aware scaling raises the base to theta * factor^(D / (D - 2)). Llama 3
+    scaling divides frequencies whose wavelength 2 pi / f exceeds L / low_freq_factor (L the
+    original context) by the factor, keeps those below L / high_freq_factor, and in between blends
+    f / factor and f with weight s = (L / wavelength - low) / (high - low) on f. ``local`` gives
+    the sliding-window layers' frequencies: base ``rope_local_theta``, unscaled.
     """
     dim = config.dim_per_head
     theta = config.rope_theta
+    if local and config.rope_local_theta is not None:
+        return (1.0 / config.rope_local_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
     if config.rope_scaling == "ntk":
         theta = theta * config.rope_scaling_factor ** (dim / (dim - 2))
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    factor = config.rope_scaling_factor
     if config.rope_scaling == "linear":
-        inv_freq = inv_freq / config.rope_scaling_factor
+        inv_freq = inv_freq / factor
+    elif config.rope_scaling == "llama3":
+        context = config.rope_original_max_positions
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (context / wavelength - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelength > context / low, inv_freq / factor,
+                               torch.where(wavelength < context / high, inv_freq, blended))
     return inv_freq.float()
 
 
@@ -150,8 +165,10 @@ class PositionScheme:
         """Added to the attention scores: float32 [B, H, S, T], or None."""
         return None
 
-    def rotary(self, stack: nn.Module, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(cos, sin) [B, 1, S, D/2] that rotate queries and keys, or None."""
+    def rotary(self, stack: nn.Module, position_ids: torch.Tensor, local: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) [B, 1, S, D/2] that rotate queries and keys (``local``: of the
+        sliding-window layers), or None."""
         return None
 
 
@@ -175,8 +192,12 @@ class Learned(PositionScheme):
 class Rotary(PositionScheme):
     def init_stack(self, stack, config):
         stack.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [D/2]
+        if config.rope_local_theta is not None:
+            stack.register_buffer("local_inv_freq", rope_inv_freq(config, local=True), persistent=False)
 
-    def rotary(self, stack, position_ids):
+    def rotary(self, stack, position_ids, local=False):
+        if local and stack.config.rope_local_theta is not None:
+            return rope_cos_sin(position_ids, stack.local_inv_freq)
         return rope_cos_sin(position_ids, stack.inv_freq)
 
 

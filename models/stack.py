@@ -24,11 +24,14 @@ class Embeddings(nn.Module):
         self.scheme.init_embeddings(self, config)
         self.token_types = nn.Embedding(config.type_vocab_size, config.d_model) if token_types else None
         self.norm = make_norm(config) if config.embedding_norm else None
+        self.scale = config.embedding_scale  # Gemma: sqrt(E), rounded to the model dtype
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, position_ids, token_type_ids [B, S] -> [B, S, E]."""
         x = self.tokens(input_ids)
+        if self.scale != 1.0:
+            x = x * torch.tensor(self.scale, dtype=x.dtype)
         positions = self.scheme.embed(self, position_ids)
         if positions is not None:
             x = x + positions.to(x.dtype)
@@ -51,6 +54,7 @@ class Stack(nn.Module):
         self.norm = make_norm(config) if config.final_norm else None
         self.scheme.init_stack(self, config)
         self.bias = Tap()  # the attention bias every layer adds (masks, ALiBi, relative)
+        self.local_bias = Tap()  # the sliding-window layers' bias, if any
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None,
@@ -73,12 +77,17 @@ class Stack(nn.Module):
         if position_ids is None:
             position_ids = positions_from_mask(attention_mask, length)
         x = self.embed(input_ids, position_ids, token_type_ids)
-        bias = attention_bias(attention_mask, length, self.causal)  # [B, 1, S, T]
+        config = self.config
         position_bias = self.scheme.bias(self, attention_mask, length)  # [B, H, S, T] or None
-        if position_bias is not None:
-            bias = bias + position_bias
-        bias = self.bias(bias)
+
+        def layer_bias(window: int | None) -> torch.Tensor:
+            bias = attention_bias(attention_mask, length, self.causal, window)  # [B, 1, S, T]
+            return bias if position_bias is None else bias + position_bias
+
+        bias = self.bias(layer_bias(None))
+        local_bias = self.local_bias(layer_bias(config.sliding_window)) if config.sliding_window else None
         rope = self.scheme.rotary(self, position_ids)
+        local_rope = self.scheme.rotary(self, position_ids, local=True) if config.rope_local_theta else rope
         memory_bias = None
         if memory is not None:
             if memory_mask is None:
@@ -89,7 +98,9 @@ class Stack(nn.Module):
         for i, layer in enumerate(self.layers):
             layer_past = past.layer(i) if past is not None else None
             layer_memory = memory[i] if memory is not None else None
-            x, present = layer(x, bias, rope, layer_past, layer_memory, memory_bias)
+            local = config.is_local(i)
+            x, present = layer(x, local_bias if local else bias, local_rope if local else rope,
+                               layer_past, layer_memory, memory_bias)
             presents.append(present)
         if self.norm is not None:
             x = self.norm(x)

@@ -22,7 +22,9 @@ NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
-ROPE_SCALINGS = (None, "linear", "ntk")
+CLASSIFIER_POOLINGS = ("cls", "mean")
+CLASSIFIER_ACTIVATIONS = ("tanh", "gelu", "gelu_tanh", "relu", "silu")
+ROPE_SCALINGS = (None, "linear", "ntk", "llama3")
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,25 @@ class ModelConfig:
     multi-query (MQA), anything between that divides ``n_heads`` is grouped-query (GQA).
     The feed-forward is ``act(x W1) W2``, or ``(act(x Wg) * x W1) W2`` when ``gated_ffn``
     (SwiGLU is ``activation="silu", gated_ffn=True``).
+
+    RoPE scaling (``rope_scaling``): ``linear`` divides the frequencies by the factor, ``ntk``
+    raises the base, ``llama3`` divides the low frequencies (wavelength above
+    ``rope_original_max_positions / rope_low_freq_factor``) by the factor, keeps the high ones
+    (wavelength below ``... / rope_high_freq_factor``) and interpolates smoothly between.
+    ``rope_local_theta`` gives the sliding-window layers their own base, unscaled (Gemma 3).
+
+    ``sliding_window`` W restricts the layers listed in ``local_layers`` (all layers when null)
+    to keys at most W - 1 positions before the query (the query itself included: W keys), as
+    Mistral, Gemma 2/3 and Phi-3 do; positions count real tokens, as RoPE's do.
+
+    ``attention_out_bias`` (null = ``attention_bias``) lets the output projection differ from
+    q/k/v (Qwen2: biased q/k/v, unbiased output). ``qk_norm`` applies a per-head RMSNorm [D] to
+    queries and keys before RoPE (Qwen3, Gemma 3). ``attn_logit_softcap`` c replaces scaled scores
+    s by c * tanh(s / c) before the bias is added; ``final_logit_softcap`` does the same to the
+    logits (Gemma 2). ``norm_weight_offset`` is added to every norm weight (Gemma's ``1 + w``);
+    ``embedding_scale`` multiplies the token embeddings (Gemma: sqrt(d_model), rounded to the
+    model dtype); ``post_sublayer_norm`` normalises each sublayer's output before the residual
+    add (Gemma 2/3: ``x + norm2(f(norm1(x)))``).
     """
 
     family: str
@@ -58,11 +79,24 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: str | None = None
     rope_scaling_factor: float = 1.0
+    rope_original_max_positions: int | None = None
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_local_theta: float | None = None
+    sliding_window: int | None = None
+    local_layers: tuple[int, ...] | None = None
     relative_buckets: int = 32
     relative_max_distance: int = 128
     attention_bias: bool = True
     mlp_bias: bool = True
     attention_scale: float | None = None
+    attention_out_bias: bool | None = None
+    qk_norm: bool = False
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    norm_weight_offset: float = 0.0
+    embedding_scale: float = 1.0
+    post_sublayer_norm: bool = False
     tie_embeddings: bool = True
     lm_head_scale: float = 1.0
     embedding_norm: bool = False
@@ -73,9 +107,21 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     decoder_start_token_id: int | None = None
+    # Sequence classification head (encoder family; _validate_heads_and_training says more).
+    n_labels: int = 0
+    labels: tuple[str, ...] | None = None
+    classifier_pooling: str = "cls"
+    classifier_activation: str = "tanh"
+    classifier_norm: bool = False
+    # Dropout probabilities, applied in train() mode only (eval mode and exports have none).
+    embedding_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    residual_dropout: float = 0.0
+    ffn_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         self._validate()
+        self._validate_heads_and_training()
 
     # ----------------------------------------------------------------------------- derived values
     @property
@@ -98,6 +144,17 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.dim_per_head**-0.5
+
+    @property
+    def out_bias(self) -> bool:
+        """Whether the attention output projection has a bias."""
+        return self.attention_bias if self.attention_out_bias is None else self.attention_out_bias
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer ``layer`` attends through the sliding window."""
+        if self.sliding_window is None:
+            return False
+        return self.local_layers is None or layer in self.local_layers
 
     @property
     def has_encoder(self) -> bool:
@@ -132,6 +189,8 @@ class ModelConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"config: unknown field(s) {unknown}; known fields are {sorted(known)}")
+        tuples = {f.name for f in dataclasses.fields(cls) if "tuple" in str(f.type)}
+        data = {k: tuple(v) if k in tuples and isinstance(v, list) else v for k, v in data.items()}
         return cls(**data)
 
     @classmethod
@@ -170,13 +229,22 @@ class ModelConfig:
             if not is_int(getattr(self, field)) or getattr(self, field) < 0:
                 fail(field, "a non-negative integer")
         for field in ("gated_ffn", "attention_bias", "mlp_bias", "tie_embeddings", "embedding_norm",
-                      "pooler", "mlm_head"):
+                      "pooler", "mlm_head", "qk_norm", "post_sublayer_norm"):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "true or false")
-        for field in ("rope_theta", "norm_eps", "lm_head_scale"):
+        for field in ("rope_theta", "norm_eps", "lm_head_scale", "embedding_scale", "rope_low_freq_factor",
+                      "rope_high_freq_factor"):
             if not is_number(getattr(self, field)) or getattr(self, field) <= 0:
                 fail(field, "a positive finite number")
-        for field in ("head_dim", "n_kv_heads"):
+        for field in ("rope_local_theta", "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, field)
+            if value is not None and (not is_number(value) or value <= 0):
+                fail(field, "a positive finite number or null")
+        if not is_number(self.norm_weight_offset):
+            fail("norm_weight_offset", "a finite number")
+        if self.attention_out_bias is not None and not isinstance(self.attention_out_bias, bool):
+            fail("attention_out_bias", "true, false or null (= attention_bias)")
+        for field in ("head_dim", "n_kv_heads", "rope_original_max_positions", "sliding_window"):
             value = getattr(self, field)
             if value is not None and (not is_int(value) or value <= 0):
                 fail(field, "a positive integer or null")
@@ -210,9 +278,38 @@ class ModelConfig:
             fail("head_dim" if self.head_dim else "d_model",
                  f"a head dimension above 2 for NTK-aware RoPE scaling, got {self.dim_per_head}")
         if self.rope_scaling is None and self.rope_scaling_factor != 1.0:
-            fail("rope_scaling_factor", "1.0 unless rope_scaling is 'linear' or 'ntk'")
+            fail("rope_scaling_factor", "1.0 unless rope_scaling is set")
         if self.rope_scaling is not None and self.position != "rope":
             fail("rope_scaling", f"null unless position='rope' (position={self.position!r})")
+        if self.rope_scaling == "llama3":
+            if self.rope_original_max_positions is None:
+                fail("rope_original_max_positions", "the trained context length for rope_scaling='llama3'")
+            if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+                fail("rope_high_freq_factor", f"above rope_low_freq_factor={self.rope_low_freq_factor} "
+                     "(the band between them is interpolated)")
+        elif (self.rope_low_freq_factor, self.rope_high_freq_factor) != (1.0, 4.0):
+            fail("rope_low_freq_factor" if self.rope_low_freq_factor != 1.0 else "rope_high_freq_factor",
+                 "the default (1.0 / 4.0) unless rope_scaling='llama3'")
+        if self.rope_original_max_positions is not None and self.rope_scaling != "llama3":
+            fail("rope_original_max_positions", "null unless rope_scaling is 'llama3'")
+        if self.rope_local_theta is not None and (self.position != "rope" or self.sliding_window is None):
+            fail("rope_local_theta", "null unless position='rope' with a sliding_window (it is the "
+                 "sliding-window layers' RoPE base)")
+        if self.local_layers is not None:
+            layers = self.local_layers
+            if not isinstance(layers, tuple) or not all(is_int(i) for i in layers):
+                fail("local_layers", "a tuple of layer indices or null (= every layer)")
+            n = max(self.n_encoder_layers, self.n_decoder_layers)
+            if any(not 0 <= i < n for i in layers) or len(set(layers)) != len(layers):
+                fail("local_layers", f"distinct layer indices in [0, {n})")
+            if self.sliding_window is None:
+                fail("local_layers", "null unless sliding_window is set")
+        if self.sliding_window is not None and self.family != "decoder":
+            fail("sliding_window", f"null unless family='decoder' (family={self.family!r})")
+        if self.norm_weight_offset != 0.0 and self.norm != "rmsnorm":
+            fail("norm_weight_offset", f"0.0 unless norm='rmsnorm' (norm={self.norm!r})")
+        if self.qk_norm and self.norm != "rmsnorm":
+            fail("qk_norm", f"false unless norm='rmsnorm' (the q/k norms are per-head RMSNorms; norm={self.norm!r})")
         if self.family != "encoder" and (self.pooler or self.mlm_head):
             fail("pooler" if self.pooler else "mlm_head", "false unless family='encoder'")
         if self.family != "encoder" and self.type_vocab_size:
@@ -223,3 +320,38 @@ class ModelConfig:
                 fail(field, f"a token id in [0, {self.vocab_size}) or null")
         if self.family == "encoder-decoder" and self.decoder_start_token_id is None:
             fail("decoder_start_token_id", "a token id for family 'encoder-decoder'")
+
+    def _validate_heads_and_training(self) -> None:
+        """The classification head and dropout fields.
+
+        ``n_labels`` > 0 adds a sequence classification head to an encoder (rerankers,
+        cross-encoders, classifiers): the ``classifier_pooling`` state (``cls``: the first token,
+        ``mean``: the mean over real tokens) -> dense [E, E] -> ``classifier_activation`` ->
+        optional LayerNorm (``classifier_norm``, ModernBERT) -> out [E, n_labels]; ``labels`` names
+        the classes (a checkpoint's ``id2label``). BERT's pooler followed by its classifier,
+        RoBERTa's and DistilBERT's heads and DeBERTa's context pooler all have this form.
+        ``*_dropout`` are the probabilities of dropping embeddings (after their norm), attention
+        probabilities, sublayer outputs before the residual add, and the FFN's hidden activations.
+        """
+        def fail(field: str, expected: str) -> None:
+            raise ValueError(f"config.{field}={getattr(self, field)!r}: expected {expected}")
+
+        if isinstance(self.n_labels, bool) or not isinstance(self.n_labels, int) or self.n_labels < 0:
+            fail("n_labels", "a non-negative integer")
+        if self.n_labels and self.family != "encoder":
+            fail("n_labels", f"0 unless family='encoder' (family={self.family!r})")
+        if self.labels is not None:
+            if not isinstance(self.labels, tuple) or not all(isinstance(x, str) for x in self.labels):
+                fail("labels", "a tuple of label names or null")
+            if len(self.labels) != self.n_labels:
+                fail("labels", f"{self.n_labels} names (n_labels), got {len(self.labels)}")
+        if self.classifier_pooling not in CLASSIFIER_POOLINGS:
+            fail("classifier_pooling", f"one of {list(CLASSIFIER_POOLINGS)}")
+        if self.classifier_activation not in CLASSIFIER_ACTIVATIONS:
+            fail("classifier_activation", f"one of {list(CLASSIFIER_ACTIVATIONS)}")
+        if not isinstance(self.classifier_norm, bool):
+            fail("classifier_norm", "true or false")
+        for field in ("embedding_dropout", "attention_dropout", "residual_dropout", "ffn_dropout"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+                fail(field, "a probability in [0, 1)")

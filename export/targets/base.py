@@ -61,21 +61,34 @@ class PortableTarget:
         length = g.op("Shape", inputs["input_ids"], start=1, end=2, name=f"{name}.query_length")  # [1] = S
         mask = inputs["attention_mask"]
         scheme = POSITION_EMITTERS[config.position]
-        bias = g.fn("AttentionBias", mask, length, causal=int(causal), name=f"{name}.mask")
         position_bias = scheme.bias(g, stack, mask, length, causal, name)
-        if position_bias is not None:
-            bias = g.op("Add", bias, position_bias, name=f"{name}.mask_{config.position}")  # [B, H, S, T]
-        ctx = StackInputs(self, bias=g.tap(f"{name}.bias", bias, "float32"),
+
+        def layer_bias(window: int, part: str) -> str:
+            bias = g.fn("AttentionBias", mask, length, causal=int(causal), window=window, name=f"{name}.{part}")
+            if position_bias is not None:
+                bias = g.op("Add", bias, position_bias, name=f"{name}.{part}_{config.position}")  # [B, H, S, T]
+            return bias
+
+        ctx = StackInputs(self, bias=g.tap(f"{name}.bias", layer_bias(0, "mask"), "float32"),
                           position_ids=inputs.get("position_ids"))
+        if config.sliding_window is not None:
+            ctx.local_bias = g.tap(f"{name}.local_bias", layer_bias(config.sliding_window, "local_mask"),
+                                   "float32")
         if scheme.rotary:
             ctx.rotary = self.rotary_tables(g, stack, name)
+            if config.rope_local_theta is not None:
+                ctx.local_rotary = self.rotary_tables(g, stack, name, local=True)
         if "encoder_attention_mask" in inputs:
             ctx.memory_bias = g.fn("AttentionBias", inputs["encoder_attention_mask"], length, causal=0,
-                                   name=f"{name}.cross_mask")
+                                   window=0, name=f"{name}.cross_mask")
         return ctx
 
-    def rotary_tables(self, g: GraphBuilder, stack: nn.Module, name: str) -> tuple[str, ...]:
-        """The tables ``RotaryEmbedding`` takes after x and position_ids: inv_freq float32 [D/2]."""
+    def rotary_tables(self, g: GraphBuilder, stack: nn.Module, name: str, local: bool = False
+                      ) -> tuple[str, ...]:
+        """The tables ``RotaryEmbedding`` takes after x and position_ids: inv_freq float32 [D/2]
+        (``local``: the sliding-window layers' own, Gemma 3)."""
+        if local:
+            return (g.weight(f"{name}.local_inv_freq", to_numpy(stack.local_inv_freq), "float32"),)
         return (g.weight(f"{name}.inv_freq", to_numpy(stack.inv_freq), "float32"),)
 
     def attend(self, g: GraphBuilder, q: str, k: str, v: str, module: nn.Module, ctx: StackInputs,
@@ -89,11 +102,14 @@ class PortableTarget:
                                                name=f"{name}.rotary_q"))
             k = g.tap(f"{name}.rotary_k", g.fn("RotaryEmbedding", k, ctx.position_ids, *ctx.rotary,
                                                name=f"{name}.rotary_k"))
+        # Soft-capped scores (Gemma 2) have their own functions, so other graphs pay nothing for them.
+        capped = {"softcap": module.softcap} if module.softcap is not None else {}
+        prefix = "Softcap" if capped else ""
         if past is None:
-            return g.fn("ScaledDotProductAttention", q, k, v, ctx.bias, scale=module.scale,
-                        name=f"{name}.sdpa"), None
-        out, pk, pv = g.fn("GroupQueryAttention", q, k, v, past[0], past[1], ctx.bias,
-                           scale=module.scale, outputs=3, name=f"{name}.gqa")
+            return g.fn(f"{prefix}ScaledDotProductAttention", q, k, v, ctx.bias, scale=module.scale,
+                        **capped, name=f"{name}.sdpa"), None
+        out, pk, pv = g.fn(f"{prefix}GroupQueryAttention", q, k, v, past[0], past[1], ctx.bias,
+                           scale=module.scale, **capped, outputs=3, name=f"{name}.gqa")
         return out, (pk, pv)
 
     # ------------------------------------------------------------------- quantised weights

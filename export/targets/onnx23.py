@@ -51,16 +51,37 @@ def GroupQueryAttention23(query, key, value, past_key, past_value, bias, scale: 
     return output, present_key, present_value
 
 
+@script(tfport, default_opset=op23)
+def SoftcapScaledDotProductAttention23(query, key, value, bias, scale: float, softcap: float):
+    """Body of ``SoftcapScaledDotProductAttention``: ONNX Attention (opset 23) with its
+    ``softcap`` (applied to the scaled scores before the mask, as the reference does)."""
+    mask = op23.CastLike(op23.Max(bias, op23.Constant(value_float=ONNX23_MASK_FLOOR)), query)
+    out = op23.Attention(query, key, value, mask, scale=scale, softcap=softcap)  # [B, H, S, D]
+    return op23.Reshape(op23.Transpose(out, perm=[0, 2, 1, 3]), op23.Constant(value_ints=[0, 0, -1]))
+
+
+@script(tfport, default_opset=op23)
+def SoftcapGroupQueryAttention23(query, key, value, past_key, past_value, bias, scale: float, softcap: float):
+    """Body of ``SoftcapGroupQueryAttention``: as GroupQueryAttention23 with ``softcap``."""
+    mask = op23.CastLike(op23.Max(bias, op23.Constant(value_float=ONNX23_MASK_FLOOR)), query)
+    out, present_key, present_value = op23.Attention(query, key, value, mask, past_key, past_value,
+                                                     scale=scale, softcap=softcap)
+    output = op23.Reshape(op23.Transpose(out, perm=[0, 2, 1, 3]), op23.Constant(value_ints=[0, 0, -1]))
+    return output, present_key, present_value
+
+
 def rope_tables(inv_freq: torch.Tensor, n_positions: int) -> tuple:
     """cos and sin float32 [n_positions, D/2] exactly as the reference computes them per position."""
     cos, sin = rope_cos_sin(torch.arange(n_positions)[None], inv_freq)  # [1, 1, N, D/2]
     return to_numpy(cos[0, 0]), to_numpy(sin[0, 0])
 
 
-def rope_cache(g: GraphBuilder, stack, name: str) -> tuple[str, str]:
-    """The stack's cos and sin tables as initializers (model dtype)."""
-    cos, sin = rope_tables(stack.inv_freq, stack.config.max_positions)
-    return g.weight(f"{name}.rope_cos", cos), g.weight(f"{name}.rope_sin", sin)
+def rope_cache(g: GraphBuilder, stack, name: str, local: bool = False) -> tuple[str, str]:
+    """The stack's cos and sin tables as initializers (model dtype); ``local``: those of the
+    sliding-window layers (their own base, Gemma 3)."""
+    prefix = "local_" if local else ""
+    cos, sin = rope_tables(getattr(stack, f"{prefix}inv_freq"), stack.config.max_positions)
+    return g.weight(f"{name}.{prefix}rope_cos", cos), g.weight(f"{name}.{prefix}rope_sin", sin)
 
 
 class Onnx23Target(PortableTarget):
@@ -69,12 +90,14 @@ class Onnx23Target(PortableTarget):
     summary = "the ai.tfport functions on ONNX's opset-23 Attention and RotaryEmbedding"
     bodies = {"RotaryEmbedding": RotaryEmbedding23,
               "ScaledDotProductAttention": ScaledDotProductAttention23,
-              "GroupQueryAttention": GroupQueryAttention23}
+              "GroupQueryAttention": GroupQueryAttention23,
+              "SoftcapScaledDotProductAttention": SoftcapScaledDotProductAttention23,
+              "SoftcapGroupQueryAttention": SoftcapGroupQueryAttention23}
 
     def check(self, config: ModelConfig, dtype: str, opset: int) -> None:
         if opset != 23:
             raise ValueError(f"opset={opset!r}: target 'onnx23' uses the opset-23 Attention and "
                              "RotaryEmbedding operators, so it needs opset 23")
 
-    def rotary_tables(self, g, stack, name):
-        return rope_cache(g, stack, name)
+    def rotary_tables(self, g, stack, name, local=False):
+        return rope_cache(g, stack, name, local)

@@ -25,7 +25,8 @@ msft = values.Opset("com.microsoft", 1)  # ONNX Runtime's contrib operators
 
 @script(tfport, default_opset=op)
 def FusedGroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
-                             cos_cache, sin_cache, num_heads: int, kv_num_heads: int, scale: float):
+                             cos_cache, sin_cache, num_heads: int, kv_num_heads: int, scale: float,
+                             local_window_size: int, softcap: float):
     """RotaryEmbedding + GroupQueryAttention lowered to ONNX Runtime's fused kernel (target "ort").
 
     PyTorch: as ``GroupQueryAttention`` with RoPE applied to query and key first. query
@@ -35,12 +36,14 @@ def FusedGroupQueryAttention(query, key, value, past_key, past_value, seqlens_k,
     int32 [B] = index of each row's last real token (rows are right-padded); total_sequence_length
     int32 scalar = the longest row's P + S; cos_cache, sin_cache float [max_positions, D/2] =
     cos/sin(position * inv_freq), positions counted from 0 at each row's first token.
+    ``local_window_size`` W - 1 for sliding-window attention over W keys (query included), -1 for
+    none; ``softcap`` c > 0 soft-caps the scaled scores (c * tanh(s / c)), 0 for none.
     -> output [B, S, H*D], present_key, present_value [B, Hkv, M, D].
     """
     output, present_key, present_value = msft.GroupQueryAttention(
         query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache,
         sin_cache, num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, do_rotary=1,
-        rotary_interleaved=0)
+        rotary_interleaved=0, local_window_size=local_window_size, softcap=softcap)
     return output, present_key, present_value
 
 
@@ -71,16 +74,22 @@ class OrtTarget(PortableTarget):
     def stack_inputs(self, g, stack, config, inputs, causal, name):
         """Masking and RoPE happen inside the kernel, from seqlens_k and the cos/sin tables."""
         cos, sin = rope_cache(g, stack, name)
-        return StackInputs(self, extra={"seqlens_k": inputs["seqlens_k"], "cos": cos, "sin": sin,
-                                        "total_sequence_length": inputs["total_sequence_length"]})
+        ctx = StackInputs(self, rotary=(cos, sin),
+                          extra={"seqlens_k": inputs["seqlens_k"],
+                                 "total_sequence_length": inputs["total_sequence_length"]})
+        if config.rope_local_theta is not None:
+            ctx.local_rotary = rope_cache(g, stack, name, local=True)
+        return ctx
 
     def attend(self, g, q, k, v, module, ctx, past, name):
         """[B, S, N*D] straight into ONNX Runtime's kernel; present is the past buffer, updated."""
         h, hkv, d = module.n_heads, module.kv_heads, module.head_dim
         f = ctx.extra
+        window = -1 if ctx.window is None else ctx.window - 1  # the kernel's window excludes the query
         out, pk, pv = g.fn("FusedGroupQueryAttention", q, k, v, past[0], past[1], f["seqlens_k"],
-                           f["total_sequence_length"], f["cos"], f["sin"], num_heads=h,
-                           kv_num_heads=hkv, scale=module.scale, outputs=3, name=f"{name}.gqa")
+                           f["total_sequence_length"], *ctx.rotary, num_heads=h,
+                           kv_num_heads=hkv, scale=module.scale, local_window_size=window,
+                           softcap=module.softcap or 0.0, outputs=3, name=f"{name}.gqa")
         g.declare(out, g.dtype, ["batch", "sequence", h * d])  # com.microsoft: no ONNX schema
         for value in (pk, pv):
             g.declare(value, g.dtype, ["batch", hkv, "max_sequence", d])

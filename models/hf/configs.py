@@ -1,7 +1,7 @@
 """Reading a Hugging Face ``config.json``: the helpers every family's config function shares.
 
 HF renamed several fields over the years (``hidden_size`` / ``n_embd``), spells activations its own
-way and stores RoPE settings in two layouts; these read them the same way for every family and
+way and stores RoPE settings in two layouts (``rope_parameters``; ``rope_scaling`` + ``rope_theta``); these read them the same way for every family and
 refuse, naming the field and the value, what tfport cannot compute exactly.
 """
 
@@ -81,27 +81,75 @@ def token_ids(hf: dict, vocab_size: int) -> dict:
     return ids
 
 
-def rope_fields(hf: dict) -> dict:
-    """RoPE fields from ``rope_parameters`` (transformers >= 5) or ``rope_theta``/``rope_scaling``.
-
-    Only the default and linear (position interpolation) types are computed exactly as tfport
-    does; dynamic NTK depends on the running length and yarn/longrope/llama3 rescale frequency
-    bands, which tfport's config cannot express.
-    """
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+def rope_parameters(hf: dict) -> dict:
+    """The RoPE parameters as one dict: transformers 5's ``rope_parameters``, or the
+    ``rope_scaling`` object with the top-level ``rope_theta`` / ``partial_rotary_factor`` that
+    earlier checkpoints (Llama 3.1/3.2, Qwen2, Phi-3) ship."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(params, dict):
         refuse(hf, "rope_parameters", params, "expected a JSON object")
+    params = dict(params)
+    for name in ("rope_theta", "partial_rotary_factor"):
+        if name not in params and hf.get(name) is not None:
+            params[name] = hf[name]
+    return params
+
+
+def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 10000.0) -> dict:
+    """RoPE fields of ``ModelConfig`` from the RoPE parameters (``rope_parameters(hf)`` unless
+    given: per-layer-type models pass one entry).
+
+    Computed exactly: the default, linear (position interpolation) and llama3 (frequency bands)
+    types. Refused, naming the type: the others (dynamic NTK depends on the running length,
+    yarn and longrope rescale cos/sin too), which have no config option yet.
+    """
+    params = rope_parameters(hf) if params is None else params
     if set(params) & {"full_attention", "sliding_attention"}:
-        refuse(hf, "rope_parameters", params, "per-layer-type RoPE is not expressible in tfport")
+        refuse(hf, "rope_parameters", params, "per-layer-type RoPE is read by the families that "
+               "have it (Gemma 3), not by this one")
     kind = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    theta = float(params.get("rope_theta", default_theta))
+    partial = params.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         refuse(hf, "partial_rotary_factor", partial, "tfport rotates the whole head dimension")
     if kind == "default":
-        return {"rope_theta": float(theta)}
+        return {"rope_theta": theta}
     if kind == "linear":
-        return {"rope_theta": float(theta), "rope_scaling": "linear",
-                "rope_scaling_factor": float(params["factor"])}
-    refuse(hf, "rope_type", kind, "tfport maps 'default' and 'linear' exactly; other types "
-           "(dynamic, yarn, longrope, llama3, ...) need a config option tfport does not have")
+        return {"rope_theta": theta, "rope_scaling": "linear", "rope_scaling_factor": float(params["factor"])}
+    if kind == "llama3":
+        missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                               "original_max_position_embeddings") if params.get(k) is None]
+        if missing:
+            refuse(hf, "rope_parameters", params, f"rope_type 'llama3' needs {missing}")
+        return {"rope_theta": theta, "rope_scaling": "llama3", "rope_scaling_factor": float(params["factor"]),
+                "rope_low_freq_factor": float(params["low_freq_factor"]),
+                "rope_high_freq_factor": float(params["high_freq_factor"]),
+                "rope_original_max_positions": int(params["original_max_position_embeddings"])}
+    refuse(hf, "rope_type", kind, "tfport maps 'default', 'linear' and 'llama3' exactly; "
+           "'dynamic', 'yarn' and 'longrope' have no tfport config option yet")
+
+
+def sliding_fields(hf: dict, n_layers: int, all_layers: bool) -> dict:
+    """``sliding_window`` and ``local_layers`` from ``sliding_window`` and ``layer_types``.
+
+    ``layer_types`` (transformers 5) names each layer ``sliding_attention`` or
+    ``full_attention``; without it every layer slides when ``all_layers`` (Mistral, Phi-3) and
+    none otherwise. ``use_sliding_window: false`` (Qwen2) turns the window off.
+    """
+    window = hf.get("sliding_window")
+    if window is None or hf.get("use_sliding_window") is False:
+        return {}
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        refuse(hf, "sliding_window", window, "expected a positive integer or null")
+    types = hf.get("layer_types")
+    if types is None:
+        local = tuple(range(n_layers)) if all_layers else ()
+    else:
+        unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+        if unknown or len(types) != n_layers:
+            refuse(hf, "layer_types", types, f"expected {n_layers} entries of 'sliding_attention' / "
+                   "'full_attention'")
+        local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not local:
+        return {}
+    return {"sliding_window": window, "local_layers": None if len(local) == n_layers else local}

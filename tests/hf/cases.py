@@ -7,6 +7,7 @@ a wrong mapping of them), and saves it with ``save_pretrained`` as safetensors.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,15 @@ VOCAB = 96
 SMALL = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
 
 
+WINDOW = 4  # sliding window of the cases that have one: shorter than every test prompt
+_DEPLOYED = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+# Llama 3.1's RoPE scaled to a 16-token "trained" context, so that positions 0..63 fall in all
+# three frequency bands (divided by the factor, interpolated, kept).
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 16, "rope_theta": 500000.0}
+
+
 @dataclass(frozen=True)
 class HFCase:
     """One architecture: the transformers class and config fields of its tiny model."""
@@ -35,6 +45,9 @@ class HFCase:
     fields: dict = field(default_factory=dict)
     hf_position_ids: bool = True  # HF takes position_ids (we pass them counted from the mask)
     seed: int = 0
+    # Rewrite the saved config.json's transformers-5 ``rope_parameters`` as the ``rope_scaling`` +
+    # top-level ``rope_theta`` that Llama 3.1/3.2 checkpoints ship.
+    legacy_rope: bool = False
 
     @property
     def decoder(self) -> bool:
@@ -64,6 +77,27 @@ CASES = {case.name: case for case in [
         hidden_size=48, n_layer=2, n_head=6), hf_position_ids=False, seed=5),
     HFCase("mpt", "MptForCausalLM", "MptConfig", dict(
         d_model=32, n_layers=2, n_heads=4, max_seq_len=64), hf_position_ids=False, seed=6),
+    # ---- the decoders people deploy (issue #12). Head dimension 16 so that every export target,
+    # including ONNX Runtime's fused GroupQueryAttention, takes them; sliding windows of WINDOW
+    # tokens, shorter than the prompts, so that tests run past the window.
+    HFCase("llama3", "LlamaForCausalLM", "LlamaConfig", dict(**_DEPLOYED, rope_parameters=_LLAMA3), seed=7),
+    HFCase("llama3-rope-scaling", "LlamaForCausalLM", "LlamaConfig", dict(
+        **_DEPLOYED, rope_parameters=_LLAMA3), seed=8, legacy_rope=True),
+    HFCase("mistral-window", "MistralForCausalLM", "MistralConfig", dict(
+        **_DEPLOYED, sliding_window=WINDOW), seed=9),
+    HFCase("qwen2", "Qwen2ForCausalLM", "Qwen2Config", dict(**_DEPLOYED), seed=10),
+    HFCase("qwen2-window", "Qwen2ForCausalLM", "Qwen2Config", dict(
+        **_DEPLOYED, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), seed=11),
+    HFCase("qwen3", "Qwen3ForCausalLM", "Qwen3Config", dict(**_DEPLOYED, head_dim=16), seed=12),
+    HFCase("gemma", "GemmaForCausalLM", "GemmaConfig", dict(**_DEPLOYED, head_dim=16), seed=13),
+    HFCase("gemma2", "Gemma2ForCausalLM", "Gemma2Config", dict(
+        **_DEPLOYED, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0), seed=14),
+    HFCase("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        **_DEPLOYED, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}), seed=15),
 ]}
 
 
@@ -82,8 +116,15 @@ def build_hf(case: HFCase):
     return model
 
 
-def save_hf(model, directory: Path, **options) -> Path:
+def save_hf(model, directory: Path, case: HFCase | None = None, **options) -> Path:
     model.save_pretrained(directory, **options)
+    if case is not None and case.legacy_rope:
+        path = directory / "config.json"
+        config = json.loads(path.read_text())
+        rope = config.pop("rope_parameters")
+        config["rope_theta"] = rope.pop("rope_theta")
+        config["rope_scaling"] = rope
+        path.write_text(json.dumps(config))
     return directory
 
 

@@ -32,7 +32,7 @@ def imported(tmp_path_factory: pytest.TempPathFactory):
         if name not in cache:
             case = CASES[name]
             hf = build_hf(case)
-            directory = save_hf(hf, tmp_path_factory.mktemp(f"hf-{name}"))
+            directory = save_hf(hf, tmp_path_factory.mktemp(f"hf-{name}"), case)
             cache[name] = Imported(case, hf, directory, load_hf_model(directory))
         return cache[name]
 

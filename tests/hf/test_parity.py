@@ -24,7 +24,8 @@ transformers = pytest.importorskip("transformers", reason="compared against tran
 
 DECODERS = [name for name, case in CASES.items() if case.decoder]
 # One ONNX comparison per architecture (the tied/biased LLaMA variant adds nothing to the graph).
-ONNX_CASES = [name for name in CASES if name != "llama-mqa-bias-tied"]
+# The deployed decoders (issue #12) have their graph and runtime tests per target in test_decoders.
+ONNX_CASES = [name for name in CASES if name != "llama-mqa-bias-tied" and CASES[name].fields.get("hidden_size") != 64]
 
 
 @pytest.mark.parametrize("padding", ["left", "right"])
@@ -38,8 +39,12 @@ def test_decoder_prefill(imported, name, padding):
     assert_close(logits, hf_logits, real, f"{name} logits")
     for layer in range(it.model.config.n_decoder_layers):
         for part, ours, theirs in zip("kv", cache.layers[layer], hf_layer_kv(hf_cache, layer)):
+            # transformers keeps only the last window - 1 keys of a sliding-window layer; tfport
+            # keeps them all. Compare the slots both hold.
+            kept = theirs.shape[2]
             # [B, Hkv, T, D] -> [B, T, Hkv, D] so that the real-position mask [B, T] applies
-            assert_close(ours.transpose(1, 2), theirs.transpose(1, 2), real, f"{name} layer {layer} {part}")
+            assert_close(ours[:, :, -kept:].transpose(1, 2), theirs.transpose(1, 2), real[:, -kept:],
+                         f"{name} layer {layer} {part}")
 
 
 @pytest.mark.parametrize("name", DECODERS)
