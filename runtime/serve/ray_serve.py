@@ -9,8 +9,10 @@ node that runs a replica (a shared filesystem, or the same copy everywhere).
     ray start --address HEAD:6379                     # on each other node
     RAY_ADDRESS=HEAD:6379 tfport serve /models/dec --ray --replicas 4 --host 0.0.0.0
 
-Without ``RAY_ADDRESS`` a local Ray instance is started, bound to 127.0.0.1. Needs the
-``serve-ray`` extra (``ray[serve]``).
+Without ``RAY_ADDRESS`` a local Ray instance is started; Serve's HTTP proxy binds ``--host``
+(default 127.0.0.1), but Ray's own gRPC servers listen on every interface (Ray resolves 127.0.0.1
+to the node's reachable address), so firewall a single machine as you would a Ray node. Needs
+the ``serve-ray`` extra (``ray[serve]``).
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ def build_deployment(directories: Sequence[str | Path], options: ServeOptions,
 def deploy(directories: Sequence[str | Path], options: ServeOptions,
            names: Sequence[str] | None = None, host: str = "127.0.0.1", port: int = 8000,
            replicas: int = 1, cpus_per_replica: float = 1.0):
-    """Connect to Ray (``RAY_ADDRESS``, else a local instance on 127.0.0.1), start Serve's proxy
-    on ``host:port`` and deploy; returns once every replica is up."""
+    """Connect to Ray (``RAY_ADDRESS``, else start a local instance), start Serve's proxy on
+    ``host:port`` and deploy; returns once every replica is up."""
     ray, serve = _ray()
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):

@@ -47,14 +47,19 @@ def serve_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @contextlib.contextmanager
-def running_server(directories, **options):
-    """An app serving ``directories`` on 127.0.0.1:<free port> -> (base url, ServerState)."""
+def running_server(directories, idle: bool = False, **options):
+    """An app serving ``directories`` on 127.0.0.1:<free port> -> (base url, ServerState).
+
+    ``idle``: the schedulers never start, so every request waits in the queue."""
     import uvicorn
 
     from tfport.runtime.serve.app import ServerState, create_app
     from tfport.runtime.serve.served import ServeOptions
 
     state = ServerState.load([str(d) for d in directories], ServeOptions(threads=1, **options))
+    if idle:
+        for served in state.models.values():
+            served.start = lambda: None
     app = create_app(lambda: state)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)

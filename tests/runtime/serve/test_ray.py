@@ -1,13 +1,23 @@
 """``tfport serve --ray``: the app as a Ray Serve deployment with 2 replicas on a local Ray
-instance bound to 127.0.0.1, through Ray Serve's HTTP proxy and the openai client."""
+instance, through Ray Serve's HTTP proxy (bound to 127.0.0.1) and the openai client.
+
+Opt-in: Ray's own gRPC servers (GCS, raylet, workers) listen on every interface whatever
+``_node_ip_address`` says (Ray turns 127.0.0.1 into the node's reachable address), so this test
+does not run by default. Run it with ``pip install -e '.[serve-ray]'`` and ``TFPORT_TEST_RAY=1``
+(about 45 s on 2 cores).
+"""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import socket
 
 import pytest
 
+if os.environ.get("TFPORT_TEST_RAY") != "1":
+    pytest.skip("opt-in: Ray's gRPC servers listen on all interfaces; set TFPORT_TEST_RAY=1 (with "
+                "the 'serve-ray' extra) to run it", allow_module_level=True)
 pytest.importorskip("fastapi", reason="needs the 'serve' extra: pip install -e '.[serve]'")
 openai = pytest.importorskip("openai", reason="needs the 'dev' extra's openai client")
 httpx = pytest.importorskip("httpx", reason="needs the 'serve' extra (httpx)")
@@ -23,16 +33,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ray_server(serve_exports, monkeypatch_module=None):
-    import os
-
+def ray_server(serve_exports):
     import ray
     from ray import serve
 
     from tfport.runtime.serve.ray_serve import deploy
     from tfport.runtime.serve.served import ServeOptions
 
-    os.environ.pop("RAY_ADDRESS", None)  # a local instance, never a cluster from the environment
+    patch = pytest.MonkeyPatch()
+    patch.delenv("RAY_ADDRESS", raising=False)  # a local instance, never a cluster from the env
     ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=2,
              configure_logging=False, log_to_driver=False)
     port = _free_port()
@@ -43,6 +52,7 @@ def ray_server(serve_exports, monkeypatch_module=None):
     finally:
         serve.shutdown()
         ray.shutdown()
+        patch.undo()
 
 
 def test_two_replicas_answer_like_the_runtime(ray_server, serve_exports):
