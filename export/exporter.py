@@ -97,6 +97,27 @@ def _classifier(g: GraphBuilder, states: str, attention_mask: str, head: nn.Modu
     return g.tap("classifier", emit.linear(g, h, head.out, "classifier.out"))
 
 
+def _classifier(g: GraphBuilder, states: str, attention_mask: str, head: nn.Module, config: ModelConfig) -> str:
+    """Sequence classification logits [B, n_labels] (tfport.models.encoder.ClassifierHead)."""
+    if head.pooling == "cls":
+        pooled = g.op("Gather", states, g.const(0, name="first"), axis=1, name="classifier.first")  # [B, E]
+    else:  # mean over real tokens
+        weights = g.op("Unsqueeze", g.op("CastLike", attention_mask, states, name="classifier.mask"),
+                       g.const([2], name="axis2"), name="classifier.weights")  # [B, S, 1]
+        total = g.op("ReduceSum", g.op("Mul", states, weights), g.const([1], name="axis1"), keepdims=0)
+        count = g.op("ReduceSum", weights, g.const([1], name="axis1"), keepdims=0)  # [B, 1]
+        count = g.op("Max", count, g.const(1.0, g.dtype, "one_f"), name="classifier.count")
+        pooled = g.op("Div", total, count, name="classifier.mean")  # [B, E]
+    h = emit.linear(g, pooled, head.dense, "classifier.dense")
+    if config.classifier_activation == "tanh":
+        h = g.op("Tanh", h, name="classifier.act")
+    else:
+        h = emit.activation(g, h, config.classifier_activation, "classifier.act")
+    if head.norm is not None:
+        h = emit.norm(g, h, head.norm, "classifier.norm")
+    return g.tap("classifier", emit.linear(g, h, head.out, "classifier.out"))
+
+
 def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
                         progress=None, quantization: QuantScheme | None = None) -> GraphBuilder:
     """Encoder graph of an EncoderModel or of an EncoderDecoderLM (which adds cross K/V outputs)."""
@@ -125,6 +146,8 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
                                             transposed=True)
         else:
             values["logits"] = emit.linear(g, h, mlm.decoder, "mlm.decoder")
+    if getattr(model, "classifier", None) is not None:
+        values["class_logits"] = _classifier(g, states, inputs["attention_mask"], model.classifier, config)
     if getattr(model, "classifier", None) is not None:
         values["class_logits"] = _classifier(g, states, inputs["attention_mask"], model.classifier, config)
     if config.family == "encoder-decoder":

@@ -1,4 +1,5 @@
-"""Encoder-only family (BERT-like): per-token states, pooled output, masked-LM head."""
+"""Encoder-only family (BERT-like): per-token states, pooled output, masked-LM head, sequence
+classification head."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ class EncoderOutput:
     last_hidden_state: torch.Tensor  # [B, S, E]
     pooler_output: torch.Tensor | None = None  # [B, E]
     logits: torch.Tensor | None = None  # [B, S, V]
+    class_logits: torch.Tensor | None = None  # [B, n_labels]
 
 
 class MLMHead(nn.Module):
@@ -36,6 +38,39 @@ class MLMHead(nn.Module):
         return self.decoder(self.norm(self.act(self.dense(x))))
 
 
+CLASSIFIER_ACTIVATIONS = {"tanh": torch.tanh, **ACTIVATIONS}
+
+
+def pool_states(x: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """[B, S, E] -> [B, E]: the first token's state (``cls``; rows are right-padded) or the mean
+    over real tokens (``mean``)."""
+    if pooling == "cls":
+        return x[:, 0]
+    weights = attention_mask.to(x.dtype)[:, :, None]  # [B, S, 1]
+    return (x * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+
+
+class ClassifierHead(nn.Module):
+    """pool -> dense -> activation -> (LayerNorm) -> out [n_labels] (see ModelConfig's
+    ``n_labels``); dropout before ``out`` in train mode, as the Hugging Face heads have."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.pooling = config.classifier_pooling
+        self.dense = nn.Linear(config.d_model, config.d_model)
+        self.act = CLASSIFIER_ACTIVATIONS[config.classifier_activation]
+        self.norm = make_norm(config) if config.classifier_norm else None
+        self.dropout = nn.Dropout(config.residual_dropout)
+        self.out = nn.Linear(config.d_model, config.n_labels)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """States [B, S, E], attention_mask [B, S] -> logits [B, n_labels]."""
+        h = self.act(self.dense(pool_states(x, attention_mask, self.pooling)))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.out(self.dropout(h))
+
+
 class EncoderModel(nn.Module):
     """Bidirectional encoder. ``forward`` returns states, pooled [CLS] output and MLM logits."""
 
@@ -47,6 +82,7 @@ class EncoderModel(nn.Module):
                              token_types=config.type_vocab_size > 0)
         self.pooler = nn.Linear(config.d_model, config.d_model) if config.pooler else None
         self.mlm = MLMHead(config, tokens) if config.mlm_head else None
+        self.classifier = ClassifierHead(config) if config.n_labels else None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> EncoderOutput:
@@ -54,4 +90,8 @@ class EncoderModel(nn.Module):
         x, _ = self.encoder(input_ids, attention_mask, token_type_ids=token_type_ids)
         pooled = torch.tanh(self.pooler(x[:, 0])).float() if self.pooler is not None else None
         logits = self.mlm(x).float() if self.mlm is not None else None
-        return EncoderOutput(x.float(), pooled, logits)
+        class_logits = None
+        if self.classifier is not None:
+            mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+            class_logits = self.classifier(x, mask).float()
+        return EncoderOutput(x.float(), pooled, logits, class_logits)

@@ -14,13 +14,15 @@ class EncoderOutput:
     """Host arrays of one encoder call (rows right-padded).
 
     ``last_hidden_state`` float32 [B, S, E]; ``attention_mask`` int64 [B, S] (1 = real token);
-    ``pooler_output`` float32 [B, E] and ``logits`` float32 [B, S, V] when the export has them.
+    ``pooler_output`` float32 [B, E], ``logits`` float32 [B, S, V] and ``class_logits`` float32
+    [B, n_labels] when the export has them.
     """
 
     last_hidden_state: np.ndarray
     attention_mask: np.ndarray
     pooler_output: np.ndarray | None = None
     logits: np.ndarray | None = None
+    class_logits: np.ndarray | None = None  # [B, n_labels], with a sequence classification head
 
 
 def mean_pool(states: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:

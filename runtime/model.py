@@ -277,7 +277,7 @@ class Model:
         host = [t.name for t in runner.spec.outputs if not t.name.startswith("present.")]
         out = {name: value.numpy() for name, value in runner.run(feeds, host_outputs=host).items()}
         return EncoderOutput(out["last_hidden_state"], mask, out.get("pooler_output"),
-                             out.get("logits"))
+                             out.get("logits"), out.get("class_logits"))
 
     def _token_types(self, token_type_ids: Prompts | None, attention_mask: np.ndarray | None,
                      rows: list[np.ndarray]) -> np.ndarray:
@@ -358,6 +358,15 @@ class Model:
         encoded = tokenizer.encode(texts, pairs)
         report_truncation(encoded.truncated, tokenizer.max_length, self.text_limit()[1], method)
         return encoded
+
+    def classify(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None,
+                 **kwargs: Any) -> Any:
+        """Sequence classification of text(s), or of (text, pair) rows for rerankers and
+        cross-encoders -> ``Classification`` (logits [B, n_labels], label names from the
+        checkpoint's id2label, scores). Keyword arguments: ``batch_size``, ``progress``; see
+        ``tfport.runtime.classify``."""
+        from .classify import classify
+        return classify(self, texts, pairs, **kwargs)
 
     def embed_text(self, texts: str | Sequence[str], *, pooling: str | None = None,
                    normalize: bool | None = None, batch_size: int = BATCH_SIZE,

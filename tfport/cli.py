@@ -18,6 +18,7 @@ _COMMANDS = {
     "generate": "tfport.runtime.cli",
     "chat": "tfport.runtime.cli",
     "embed": "tfport.runtime.cli",
+    "classify": "tfport.runtime.classify",
     "parity": "tfport.export.parity.cli",
     "bench": "tfport.export.bench",
     "serve": "tfport.runtime.serve.cli",
@@ -27,6 +28,7 @@ _EXTRA_HINT = {
     "tfport.export.cli": "pip install 'tfport[export]'",
     "tfport.export.parity.cli": "pip install 'tfport[export,cpu]' (or 'tfport[export,gpu]')",
     "tfport.runtime.cli": "pip install 'tfport[gpu]' (or 'tfport[cpu]')",
+    "tfport.runtime.classify": "pip install 'tfport[gpu,text]' (or 'tfport[cpu,text]')",
     "tfport.export.bench": "pip install 'tfport[gpu,export]'",
     "tfport.runtime.serve.cli": "pip install 'tfport[serve,cpu]' (or 'tfport[serve,gpu]')",
 }

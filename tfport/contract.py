@@ -9,7 +9,8 @@ Graphs per family (dims are named as in the ONNX files):
 * ``encoder``  -- ``input_ids`` int64 [batch, sequence], ``attention_mask`` int64 [batch, sequence],
   ``token_type_ids`` int64 [batch, sequence] (if the config has token types) ->
   ``last_hidden_state`` float32 [batch, sequence, E], ``pooler_output`` float32 [batch, E] (if
-  pooler), ``logits`` float32 [batch, sequence, V] (if MLM head); for encoder-decoder models also
+  pooler), ``logits`` float32 [batch, sequence, V] (if MLM head), ``class_logits`` float32
+  [batch, n_labels] (if a sequence classification head); for encoder-decoder models also
   ``present.{i}.encoder.key|value`` [batch, Hkv, sequence, D]: the cross-attention K/V, computed
   once per request.
 * ``decoder``  -- ``input_ids`` int64 [batch, sequence], ``attention_mask`` int64
@@ -157,6 +158,8 @@ def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "conc
             outputs.append(TensorSpec("pooler_output", "float32", ("batch", config.d_model)))
         if config.mlm_head:
             outputs.append(TensorSpec("logits", "float32", ("batch", "sequence", config.vocab_size)))
+        if config.n_labels:  # sequence classification head
+            outputs.append(TensorSpec("class_logits", "float32", ("batch", config.n_labels)))
         if config.family == "encoder-decoder":
             outputs += _cache_specs(config, config.n_decoder_layers, "present", "encoder",
                                     "sequence", dtype)

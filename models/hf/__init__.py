@@ -26,6 +26,7 @@ from . import loader
 from .bert import BERT
 from .bloom import BLOOM
 from .configs import CONFIG_FILE, read_json
+from .distilbert import DISTILBERT
 from .gemma import GEMMA, GEMMA2
 from .gpt2 import GPT2
 from .llama import LLAMA
@@ -39,7 +40,7 @@ from .weights import WEIGHTS_FILE, SafetensorsTensors
 
 ARCHITECTURES: dict[str, Architecture] = {
     model_type: arch for arch in (LLAMA, QWEN, GEMMA, GEMMA2, GPT2, BERT, BLOOM, MPT, T5) for model_type in arch.model_types}
-ARCHITECTURES.update({t: arch for arch in (ROBERTA,) for t in arch.model_types})  # encoders (issue 13)
+ARCHITECTURES.update({t: arch for arch in (ROBERTA, DISTILBERT) for t in arch.model_types})  # encoders (issue 13)
 
 
 def _architecture(hf: dict) -> Architecture:

@@ -1,8 +1,10 @@
 """BERT (``model_type`` ``bert``) -> encoder.
 
-Post-norm LayerNorm, learned positions, token types, embedding LayerNorm; the pooler and the MLM
-head (``cls.predictions.*``, decoder tied to the word embeddings) when the file has them.
-``query/key/value`` are stacked into ``qkv``.
+Post-norm LayerNorm, learned positions, token types, embedding LayerNorm; the pooler, the MLM
+head (``cls.predictions.*``, decoder tied to the word embeddings) and the sequence classification
+head (pooler + ``classifier``: tfport's ClassifierHead with tanh) when the file has them.
+``query/key/value`` are stacked into ``qkv``. ``bert_layers`` are the encoder layers' rules that
+RoBERTa, XLM-R and their relatives share.
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ from __future__ import annotations
 from tfport.config import ModelConfig
 
 from .configs import hf_activation, hf_field, refuse, token_ids
+from .heads import CLASSIFIER, classifier_fields
 from .rules import QKV, Architecture, Rule, params
 
 BERT_POOLER_KEY = "bert.pooler.dense.weight"
 BERT_MLM_KEY = "cls.predictions.transform.dense.weight"
 # Which heads each BERT class has, when the checkpoint's keys are not at hand.
 BERT_HEADS = {"BertModel": (True, False), "BertForMaskedLM": (False, True),
-              "BertForPreTraining": (True, True)}
+              "BertForPreTraining": (True, True), "BertForSequenceClassification": (True, False)}
+BERT_CLASSIFIER_KEY = "classifier.weight"
 
 
 def _bert_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
@@ -28,8 +32,12 @@ def _bert_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         refuse(hf, "is_decoder", True, "a causal or cross-attending BERT is not tfport's encoder")
     if keys is not None:  # the heads the file holds (a BertModel may be saved without its pooler)
         pooler, mlm = BERT_POOLER_KEY in keys, BERT_MLM_KEY in keys
+        classifier = BERT_CLASSIFIER_KEY in keys
     else:
         pooler, mlm = BERT_HEADS[(hf.get("architectures") or ["BertModel"])[0]]
+        classifier = (hf.get("architectures") or [""])[0] == "BertForSequenceClassification"
+    if classifier:  # the pooler is the head's dense layer
+        pooler = False
     vocab_size = hf_field(hf, "vocab_size")
     return ModelConfig(
         family="encoder", vocab_size=vocab_size, d_model=hf_field(hf, "hidden_size"),
@@ -40,7 +48,21 @@ def _bert_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         position="learned", max_positions=hf_field(hf, "max_position_embeddings", default=512),
         embedding_norm=True, type_vocab_size=hf_field(hf, "type_vocab_size", default=2),
         pooler=pooler, mlm_head=mlm, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        **token_ids(hf, vocab_size))
+        **classifier_fields(hf, classifier), **token_ids(hf, vocab_size))
+
+
+def bert_layers(layer: str) -> list[Rule]:
+    """Rules of BERT-layout encoder layers: ``layer`` is the HF name of layer ``{i}``."""
+    return [
+        *params("encoder.layers.{i}.attn.qkv",
+                tuple(f"{layer}.attention.self.{p}" for p in ("query", "key", "value")),
+                weight=QKV, bias=QKV),
+        *params("encoder.layers.{i}.attn.out", f"{layer}.attention.output.dense"),
+        *params("encoder.layers.{i}.attn_norm", f"{layer}.attention.output.LayerNorm"),
+        *params("encoder.layers.{i}.ffn.up", f"{layer}.intermediate.dense"),
+        *params("encoder.layers.{i}.ffn.down", f"{layer}.output.dense"),
+        *params("encoder.layers.{i}.ffn_norm", f"{layer}.output.LayerNorm"),
+    ]
 
 
 BERT_LAYER = "bert.encoder.layer.{i}"
@@ -54,15 +76,10 @@ BERT = Architecture(
         Rule("encoder.embed.positions.weight", ("bert.embeddings.position_embeddings.weight",)),
         Rule("encoder.embed.token_types.weight", ("bert.embeddings.token_type_embeddings.weight",)),
         *params("encoder.embed.norm", "bert.embeddings.LayerNorm"),
-        *params("encoder.layers.{i}.attn.qkv",
-                tuple(f"{BERT_LAYER}.attention.self.{p}" for p in ("query", "key", "value")),
-                weight=QKV, bias=QKV),
-        *params("encoder.layers.{i}.attn.out", f"{BERT_LAYER}.attention.output.dense"),
-        *params("encoder.layers.{i}.attn_norm", f"{BERT_LAYER}.attention.output.LayerNorm"),
-        *params("encoder.layers.{i}.ffn.up", f"{BERT_LAYER}.intermediate.dense"),
-        *params("encoder.layers.{i}.ffn.down", f"{BERT_LAYER}.output.dense"),
-        *params("encoder.layers.{i}.ffn_norm", f"{BERT_LAYER}.output.LayerNorm"),
+        *bert_layers(BERT_LAYER),
         *params("pooler", "bert.pooler.dense"),
+        *params(f"{CLASSIFIER}.dense", "bert.pooler.dense"),
+        *params(f"{CLASSIFIER}.out", "classifier"),
         *params("mlm.dense", "cls.predictions.transform.dense"),
         *params("mlm.norm", "cls.predictions.transform.LayerNorm"),
         Rule("mlm.decoder.weight", ("cls.predictions.decoder.weight",)),

@@ -1,0 +1,128 @@
+"""Sequence classification with an export's classification head: classifiers, rerankers and
+cross-encoders (``*ForSequenceClassification`` checkpoints), and ``tfport classify``.
+
+    >>> model.classify(["I loved it", "Meh"]).labels                    # ['POSITIVE', 'NEGATIVE']
+    >>> model.classify("what is onnx?", pairs=["ONNX is ...", "A cat."]).scores[:, 0]   # relevance
+
+Texts (or text pairs: query and passage) are tokenized as the checkpoint's tokenizer.json does,
+truncated to the model's limit (a logged warning names truncated rows; pairs lose tokens from the
+longer side first), and run in batches, longest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .texts import BATCH_SIZE, batches
+
+if TYPE_CHECKING:
+    from .model import Model
+
+
+@dataclass
+class Classification:
+    """``logits`` float32 [B, n_labels]; ``labels`` the name of each row's highest logit
+    (``id2label``; ``LABEL_i`` when the checkpoint names none); ``scores`` float32 [B, n_labels]:
+    softmax over the labels, or the sigmoid of the logit for a single-output head (rerankers:
+    sentence-transformers' CrossEncoder gives that relevance score)."""
+
+    logits: np.ndarray
+    labels: list[str]
+    scores: np.ndarray
+
+    def to_rows(self) -> list[dict]:
+        return [{"label": label, "logits": [float(x) for x in logits], "scores": [float(x) for x in scores]}
+                for label, logits, scores in zip(self.labels, self.logits, self.scores)]
+
+
+def label_names(model: Model) -> list[str]:
+    config = model.config
+    return list(config.labels) if config.labels is not None else [f"LABEL_{i}" for i in range(config.n_labels)]
+
+
+def scores_of(logits: np.ndarray) -> np.ndarray:
+    """Softmax over labels, or the sigmoid of a single logit."""
+    if logits.shape[-1] == 1:
+        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return (shifted / shifted.sum(axis=-1, keepdims=True)).astype(np.float32)
+
+
+def result(model: Model, logits: np.ndarray) -> Classification:
+    names = label_names(model)
+    return Classification(logits, [names[i] for i in logits.argmax(axis=-1)], scores_of(logits))
+
+
+def _check_head(model: Model) -> None:
+    if not model.config.n_labels:
+        raise ValueError(f"classify: this export has no sequence classification head (config.n_labels=0, "
+                         f"family {model.config.family!r}); export a *ForSequenceClassification checkpoint")
+
+
+def classify_ids(model: Model, input_ids, attention_mask: np.ndarray | None = None,
+                 token_type_ids=None) -> Classification:
+    """Classification of token ids (arguments as ``Model.encode``)."""
+    _check_head(model)
+    return result(model, model.encode(input_ids, attention_mask, token_type_ids).class_logits)
+
+
+def classify(model: Model, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None, *,
+             batch_size: int = BATCH_SIZE, progress: bool | None = None) -> Classification:
+    """Classification of texts, or of (text, pair) rows when ``pairs`` is given (one str pairs
+    with every text; one text with every pair)."""
+    _check_head(model)
+    if pairs is not None:
+        if isinstance(texts, str) and not isinstance(pairs, str):
+            texts = [texts] * len(pairs)
+        elif isinstance(pairs, str) and not isinstance(texts, str):
+            pairs = [pairs] * len(texts)
+    encoded = model.encode_texts(texts, pairs, method="classify")
+    logits = np.zeros((len(encoded.ids), model.config.n_labels), np.float32)
+    types = model.config.type_vocab_size > 0
+    for rows in batches(len(encoded.ids), [len(i) for i in encoded.ids], batch_size, progress, "classify"):
+        out = model.encode([encoded.ids[r] for r in rows],
+                           token_type_ids=[encoded.type_ids[r] for r in rows] if types else None)
+        logits[rows] = out.class_logits
+    return result(model, logits)
+
+
+# ------------------------------------------------------------------------------------ command
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``classify``."""
+    from .session import PROVIDERS
+
+    p = subparsers.add_parser(
+        "classify", help="classify texts or score text pairs with a sequence classification export",
+        description="Logits, scores and the label of each text (or --text/--pair row: rerankers, "
+                    "cross-encoders), one JSON object per line.")
+    p.add_argument("model_dir", metavar="DIR", help="directory written by 'tfport export'")
+    p.add_argument("--text", action="append", required=True, help="a text (repeatable)")
+    p.add_argument("--pair", action="append",
+                   help="its pair (repeatable: one per --text, or one for all texts)")
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="rows per encoder call (default 32)")
+    p.add_argument("--provider", choices=PROVIDERS, default="cpu",
+                   help="execution provider (default: cpu; auto tries CUDA)")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (default: ONNX Runtime's choice)")
+    p.set_defaults(func=run_classify)
+
+
+def run_classify(args: argparse.Namespace) -> int:
+    from .model import load_model
+
+    model = load_model(args.model_dir, args.provider, intra_op_threads=args.threads)
+    pairs = args.pair
+    if pairs is not None and len(pairs) == 1:
+        pairs = pairs[0]
+    elif pairs is not None and len(pairs) != len(args.text):
+        raise ValueError(f"--pair: {len(pairs)} given for {len(args.text)} --text; expected one per "
+                         "--text, or one for all")
+    out = model.classify(args.text, pairs, batch_size=args.batch_size)
+    for row in out.to_rows():
+        print(json.dumps(row))
+    return 0
