@@ -36,7 +36,7 @@ def FusedGroupQueryAttention(query, key, value, past_key, past_value, seqlens_k,
     int32 [B] = index of each row's last real token (rows are right-padded); total_sequence_length
     int32 scalar = the longest row's P + S; cos_cache, sin_cache float [max_positions, D/2] =
     cos/sin(position * inv_freq), positions counted from 0 at each row's first token.
-    ``local_window_size`` W - 1 for sliding-window attention over W keys (query included), -1 for
+    ``local_window_size`` W for sliding-window attention over W keys (query included), -1 for
     none; ``softcap`` c > 0 soft-caps the scaled scores (c * tanh(s / c)), 0 for none.
     -> output [B, S, H*D], present_key, present_value [B, Hkv, M, D].
     """
@@ -85,7 +85,9 @@ class OrtTarget(PortableTarget):
         """[B, S, N*D] straight into ONNX Runtime's kernel; present is the past buffer, updated."""
         h, hkv, d = module.n_heads, module.kv_heads, module.head_dim
         f = ctx.extra
-        window = -1 if ctx.window is None else ctx.window - 1  # the kernel's window excludes the query
+        # ONNX Runtime's kernel keeps key j for query i when i - j < local_window_size, as tfport's
+        # window does (measured against the reference; its docs speak of a "left window").
+        window = -1 if ctx.window is None else ctx.window
         out, pk, pv = g.fn("FusedGroupQueryAttention", q, k, v, past[0], past[1], f["seqlens_k"],
                            f["total_sequence_length"], *ctx.rotary, num_heads=h,
                            kv_num_heads=hkv, scale=module.scale, local_window_size=window,
