@@ -26,6 +26,18 @@ def smollm2_path() -> Path:
 
 
 @functools.cache
+def _file(path: Path):
+    from tfport.models.gguf import GGUFFile
+
+    return GGUFFile(path)
+
+
+def smollm2_file():
+    """The GGUF file, read once (its metadata: 49152 tokens and 48900 merges take seconds)."""
+    return _file(smollm2_path())
+
+
+@functools.cache
 def _source(path: Path):
     from tfport.export.source import load_source
 

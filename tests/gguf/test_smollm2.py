@@ -9,18 +9,17 @@ import pytest
 import torch
 
 from tfport.models.generate import generate
-from tfport.models.gguf import GGUFFile, hf_config
+from tfport.models.gguf import hf_config
 from tfport.models.gguf.architectures import LLAMA
 
-from .smollm2 import smollm2_path
+from .smollm2 import smollm2_file
 
 # Chat-formatted and plain prompts (token ids from the GGUF tokenizer; see test_tokenizer.py).
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
     "The three primary colours are",
-    "def fibonacci(n):",
 ]
-NEW_TOKENS = 10
+NEW_TOKENS = 8
 EOS = 2  # <|im_end|>
 # fp32 logits of two float32 implementations of the same weights: summation order differs
 # (fused QKV and gate/up matmuls in tfport, separate ones in transformers); observed max |diff|
@@ -29,8 +28,7 @@ LOGITS_ATOL, LOGITS_RTOL = 5e-4, 1e-4
 
 
 def test_config_from_metadata():
-    file = GGUFFile(smollm2_path())
-    config = hf_config(file, LLAMA)
+    config = hf_config(smollm2_file(), LLAMA)
     expected = {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576,
                 "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
                 "rope_theta": 100000.0, "max_position_embeddings": 8192, "vocab_size": 49152,

@@ -116,7 +116,7 @@ def test_chat_needs_a_template(loaded):
 
 
 def test_cli_chat_without_torch(smollm2_model, tmp_path):
-    """Scripted stdin, two turns, then ``--message``; the replies equal ``Model.chat``'s."""
+    """Scripted stdin, two turns; the replies equal ``Model.chat``'s."""
     directory = str(smollm2_model.directory)
     command = [sys.executable, "-m", "tfport", "chat", directory,
                "--max-new-tokens", str(MAX_NEW_TOKENS)]
@@ -132,8 +132,12 @@ def test_cli_chat_without_torch(smollm2_model, tmp_path):
     assert proc.stdout == "".join(reply + "\n" for reply in expected)
     assert "Paris" in expected[0] and "Berlin" in expected[1]
 
-    one = subprocess.run([*command, "--message", TURNS[0], "--system", "Answer in one word."],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr
+
+def test_cli_chat_one_message(smollm2_model, capsys):
+    from tfport.cli import main
+
+    argv = ["chat", str(smollm2_model.directory), "--max-new-tokens", str(MAX_NEW_TOKENS),
+            "--message", TURNS[0], "--system", "Answer in one word."]
+    assert main(argv) == 0
     system = [{"role": "system", "content": "Answer in one word."}, MESSAGES[0]]
-    assert one.stdout == smollm2_model.chat(system, max_new_tokens=MAX_NEW_TOKENS) + "\n"
+    assert capsys.readouterr().out == smollm2_model.chat(system, max_new_tokens=MAX_NEW_TOKENS) + "\n"
