@@ -23,6 +23,7 @@ from tfport.config import ModelConfig
 from tfport.contract import (CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphSpec, Manifest,
                              cache_names, graph_specs)
 from tfport.embedding import EmbeddingSettings
+from tfport.generation import GenerationDefaults
 from tfport.files import atomic_directory, check_output_dir
 from tfport.integrity import graph_metadata, record_files
 
@@ -97,27 +98,6 @@ def _classifier(g: GraphBuilder, states: str, attention_mask: str, head: nn.Modu
     return g.tap("classifier", emit.linear(g, h, head.out, "classifier.out"))
 
 
-def _classifier(g: GraphBuilder, states: str, attention_mask: str, head: nn.Module, config: ModelConfig) -> str:
-    """Sequence classification logits [B, n_labels] (tfport.models.encoder.ClassifierHead)."""
-    if head.pooling == "cls":
-        pooled = g.op("Gather", states, g.const(0, name="first"), axis=1, name="classifier.first")  # [B, E]
-    else:  # mean over real tokens
-        weights = g.op("Unsqueeze", g.op("CastLike", attention_mask, states, name="classifier.mask"),
-                       g.const([2], name="axis2"), name="classifier.weights")  # [B, S, 1]
-        total = g.op("ReduceSum", g.op("Mul", states, weights), g.const([1], name="axis1"), keepdims=0)
-        count = g.op("ReduceSum", weights, g.const([1], name="axis1"), keepdims=0)  # [B, 1]
-        count = g.op("Max", count, g.const(1.0, g.dtype, "one_f"), name="classifier.count")
-        pooled = g.op("Div", total, count, name="classifier.mean")  # [B, E]
-    h = emit.linear(g, pooled, head.dense, "classifier.dense")
-    if config.classifier_activation == "tanh":
-        h = g.op("Tanh", h, name="classifier.act")
-    else:
-        h = emit.activation(g, h, config.classifier_activation, "classifier.act")
-    if head.norm is not None:
-        h = emit.norm(g, h, head.norm, "classifier.norm")
-    return g.tap("classifier", emit.linear(g, h, head.out, "classifier.out"))
-
-
 def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
                         progress=None, quantization: QuantScheme | None = None) -> GraphBuilder:
     """Encoder graph of an EncoderModel or of an EncoderDecoderLM (which adds cross K/V outputs)."""
@@ -148,8 +128,6 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
             values["logits"] = emit.linear(g, h, mlm.decoder, "mlm.decoder")
     if getattr(model, "classifier", None) is not None:
         values["class_logits"] = _classifier(g, states, inputs["attention_mask"], model.classifier, config)
-    if getattr(model, "classifier", None) is not None:
-        values["class_logits"] = _classifier(g, states, inputs["attention_mask"], model.classifier, config)
     if config.family == "encoder-decoder":
         memories = [emit.cross_memory(g, states, layer.cross_attn, f"decoder.layers.{i}.cross_attn")
                     for i, layer in enumerate(model.decoder.layers)]
@@ -176,6 +154,8 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
     states, presents = emit.stack(g, model.decoder, config, target, inputs, token_table=table,
                                   causal=True, pasts=pasts, memories=memories, progress=progress,
                                   name="decoder")
+    if spec.outputs[0].shape[1] == 1:  # logits="last": the head runs on one position per row
+        states = target.last_positions(g, states, inputs)
     values = {"logits": _lm_head(g, states, model, table)}
     values.update(_presents(presents, n, kind))
     _outputs(g, spec, values)
@@ -251,10 +231,10 @@ def _require_validator() -> None:
 def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "float32",
                  opset: int | None = None, target: str | Target = DEFAULT_TARGET, validate: bool = True,
                  tokenizer: str | os.PathLike | None = None, chat_template: str | None = None,
-                 embedding: EmbeddingSettings | None = None,
+                 embedding: EmbeddingSettings | None = None, generation: GenerationDefaults | None = None,
                  overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  show_progress: bool | None = None, quantize: str | QuantScheme | None = None,
-                 block_size: int = 32, symmetric: bool = False) -> Manifest:
+                 block_size: int = 32, symmetric: bool = False, logits: str = "all") -> Manifest:
     """Export ``model`` (a tfport reference module with ``.config``) to ``out_dir``.
 
     Writes ``manifest.json``, ``config.json``, one ``.onnx`` per graph of the family (and
@@ -274,6 +254,9 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     values per scale, zero points unless ``symmetric``), lowered by the target
     (``project_quantized``); validation then compares against the module with its weights
     replaced by the dequantised values (``quantize.fake_quantize``).
+
+    ``logits="last"`` makes the decoder return only the logits the next token is picked from
+    ([B, 1, V], ``tfport.contract.LOGITS``): a prefill skips the head for the rest of the prompt.
     """
     if validate:
         _require_validator()
@@ -291,12 +274,13 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
                          f"(family={config.family!r})")
     if tokenizer is not None:
         _check_tokenizer(Path(tokenizer))
-    specs = graph_specs(config, dtype, target.layout)
+    specs = graph_specs(config, dtype, target.layout, logits)
     manifest = Manifest(config=config, dtype=dtype, opset=opset, target=target.name, layout=target.layout,
                         device_refusals=target.device_refusals(dtype),
                         tokenizer=TOKENIZER_FILE if tokenizer is not None else None,
                         chat_template=CHAT_TEMPLATE_FILE if chat_template is not None else None,
-                        graphs=specs, quantization=None if scheme is None else scheme.to_dict())
+                        graphs=specs, quantization=None if scheme is None else scheme.to_dict(),
+                        logits=logits)
     model = model.eval()
     n_layers = config.n_encoder_layers * ("encoder" in specs) + config.n_decoder_layers * ("decoder" in specs)
     if show_progress is None:
@@ -315,6 +299,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
             (tmp / CHAT_TEMPLATE_FILE).write_text(chat_template)
         if embedding is not None:
             embedding.write(tmp)
+        if generation is not None:  # generation_config.json: stop ids, sampling defaults
+            generation.write(tmp)
         # Every file but the manifest itself, external data included, with its size and sha256.
         written = [p.name for p in tmp.iterdir() if p.name != MANIFEST_FILE]
         manifest = dataclasses.replace(manifest, files=record_files(tmp, written))
@@ -339,6 +325,8 @@ def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, seed: i
         options["chat_template"] = loaded.chat_template
     if options.get("embedding") is None:
         options["embedding"] = loaded.embedding
+    if options.get("generation") is None:
+        options["generation"] = loaded.generation
     return export_model(loaded.model, out_dir, **options)
 
 

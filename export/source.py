@@ -17,6 +17,7 @@ from torch import nn
 
 from tfport.contract import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 from tfport.embedding import EmbeddingSettings
+from tfport.generation import GENERATION_CONFIG_FILE, GenerationDefaults
 from tfport.presets import PRESETS
 
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -33,6 +34,7 @@ class Source:
     # Holds a tokenizer.json generated from GGUF metadata; removed with the Source.
     workdir: Any = None
     embedding: EmbeddingSettings | None = None
+    generation: GenerationDefaults | None = None  # stop ids and sampling defaults (HF checkpoints)
 
 
 def _chat_template(directory: Path) -> str | None:
@@ -67,6 +69,19 @@ def _gguf_source(path: Path) -> Source:
     return Source(checkpoint.model, tokenizer, checkpoint.chat_template, workdir)
 
 
+def _generation(directory: Path, model: nn.Module) -> GenerationDefaults | None:
+    """A Hugging Face checkpoint's stop ids and sampling defaults (``generation_config.json``,
+    else a list ``eos_token_id`` in ``config.json``); None for tfport checkpoints."""
+    from tfport.models.hf import is_hf_checkpoint
+    from tfport.models.hf.configs import CONFIG_FILE, read_json
+
+    if not is_hf_checkpoint(directory) or model.config.family == "encoder":
+        return None
+    generation = directory / GENERATION_CONFIG_FILE
+    return GenerationDefaults.from_hf(read_json(generation) if generation.is_file() else None,
+                                      read_json(directory / CONFIG_FILE), model.config.vocab_size)
+
+
 def load_source(source: str, seed: int = 0, argument: str = "source") -> Source:
     """``source``: a preset name (random weights from ``seed``), a tfport checkpoint directory, a
     Hugging Face model directory or a ``.gguf`` file. ``argument`` names the option in error
@@ -82,7 +97,7 @@ def load_source(source: str, seed: int = 0, argument: str = "source") -> Source:
 
         tokenizer = path / TOKENIZER_FILE
         return Source(model, tokenizer if tokenizer.is_file() else None, _chat_template(path),
-                      embedding=read_sentence_transformers(path))
+                      embedding=read_sentence_transformers(path), generation=_generation(path, model))
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _gguf_source(path)
     if source in PRESETS:

@@ -17,6 +17,8 @@ import json
 import logging
 import sys
 
+from tfport.integrity import VERIFY_MODES
+
 from .model import Model, cut_at_stop, load_model
 from .encoding import POOLINGS
 from .session import PROVIDERS
@@ -28,16 +30,28 @@ logger = logging.getLogger(__name__)
 PROGRESS_MIN_TOKENS = 32
 
 
-def parse_ids(text: str) -> list[int]:
-    """``"1,2,3"`` -> [1, 2, 3]."""
+def parse_stop_ids(text: str) -> list[int]:
+    """``--stop 128001,128009`` -> [128001, 128009] (as ``--ids``)."""
     try:
-        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+        return parse_ids(text)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(str(err).replace("--ids", "--stop")) from None
+
+
+def parse_ids(text: str) -> list[int]:
+    """``"1,2,3"`` (spaces around ids allowed) -> [1, 2, 3]; an empty entry (``1,,2``, a trailing
+    comma) or a space inside one (``1 2``) is refused, not skipped or joined."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--ids: expected at least one token id")
+    parts = text.split(",")
+    if any(not part.strip() for part in parts):
+        raise argparse.ArgumentTypeError(f"--ids {text!r}: an entry is empty; expected "
+                                         "comma-separated integers such as 1,2,3")
+    try:
+        return [int(part) for part in parts]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--ids {text!r}: expected comma-separated integers "
                                          "such as 1,2,3") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--ids: expected at least one token id")
-    return ids
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +65,13 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="execution provider (default: cpu; auto tries CUDA)")
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads (default: ONNX Runtime's choice)")
+    _add_verify(parser)
+
+
+def _add_verify(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verify", choices=VERIFY_MODES, default="full",
+                        help="check the export's files against the sha256 in its manifest: full "
+                             "(default), fast (files over 64 MiB by size only) or none")
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -60,10 +81,16 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                                 description="Greedy or sampled generation with ONNX Runtime.")
     _add_common(gen)
     gen.add_argument("--max-new-tokens", type=int, default=16)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: all)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1: all)")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="0 is greedy (default: the export's generation_config.json, else greedy)")
+    gen.add_argument("--top-k", type=int, default=None,
+                     help="keep the k most likely (0: all; default: generation_config.json, else 0)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="nucleus mass to keep (1: all; default: generation_config.json, else 1)")
     gen.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    gen.add_argument("--stop", type=parse_stop_ids, default=None, metavar="ID[,ID]",
+                     help="stop ids (default: every eos id of the export's generation_config.json, "
+                          "else the config's eos_token_id)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.set_defaults(func=run_generate)
 
@@ -83,6 +110,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                       help="execution provider (default: cpu; auto tries CUDA)")
     chat.add_argument("--threads", type=int, default=0,
                       help="intra-op threads (default: ONNX Runtime's choice)")
+    _add_verify(chat)
     chat.set_defaults(func=run_chat)
 
     emb = subparsers.add_parser("embed", help="sentence embeddings from an encoder export",
@@ -97,8 +125,13 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     emb.set_defaults(func=run_embed)
 
 
+def _load(args: argparse.Namespace) -> Model:
+    return load_model(args.model_dir, args.provider, intra_op_threads=args.threads,
+                      verify=args.verify)
+
+
 def _open(args: argparse.Namespace) -> tuple[Model, list[list[int]]]:
-    model = load_model(args.model_dir, args.provider, intra_op_threads=args.threads)
+    model = _load(args)
     logger.debug("%r: session providers %s", model, model.providers)
     if args.text is not None:
         tokenizer = model.tokenizer
@@ -111,7 +144,7 @@ def _open(args: argparse.Namespace) -> tuple[Model, list[list[int]]]:
 def run_generate(args: argparse.Namespace) -> int:
     model, prompts = _open(args)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=args.stop)
     text = args.text is not None
     if args.stream:
         if len(prompts) != 1:
@@ -120,7 +153,7 @@ def run_generate(args: argparse.Namespace) -> int:
         return 0
     progress = args.max_new_tokens >= PROGRESS_MIN_TOKENS
     tokens = model.generate(prompts, progress=progress, **options)
-    stops = model.stop_ids(None)
+    stops = model.stop_ids(args.stop)
     for row in tokens:
         kept = cut_at_stop(row, stops)
         if text:
@@ -131,7 +164,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _stream(model: Model, prompts: list[list[int]], options: dict, text: bool) -> None:
-    stops = model.stop_ids(None)
+    stops = model.stop_ids(options.get("stop_token_ids"))
     decoder = TextStream(model.tokenizer) if text else None
     count = 0
     for tokens in model.stream(prompts, **options):
@@ -166,7 +199,7 @@ def _reply(model: Model, messages: list[dict], options: dict) -> str:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    model = load_model(args.model_dir, args.provider, intra_op_threads=args.threads)
+    model = _load(args)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -189,7 +222,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
 def run_embed(args: argparse.Namespace) -> int:
     if args.text is not None:  # truncated as the checkpoint says, in batches
-        model = load_model(args.model_dir, args.provider, intra_op_threads=args.threads)
+        model = _load(args)
         if model.tokenizer is None:
             raise ValueError(f"--text: {args.model_dir} has no tokenizer.json; pass --ids")
         embeddings = model.embed_text(args.text, pooling=args.pooling, normalize=args.normalize,

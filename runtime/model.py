@@ -12,6 +12,8 @@ each row of a batch gets its unbatched result.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -23,6 +25,8 @@ from tqdm import tqdm
 from tfport.config import ModelConfig
 from tfport.contract import MANIFEST_FILE, TOKENIZER_FILE, Manifest
 from tfport.embedding import EmbeddingSettings
+from tfport.generation import GenerationDefaults
+from tfport.integrity import VERIFY_MODES, check_graph_metadata, verify_files
 
 from .binding import GraphRunner
 from .decoding import strategy_for
@@ -30,10 +34,12 @@ from .encoding import POOLINGS, EncoderOutput, pool
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .sampling import SamplingParams, make_rng
-from .session import SessionSettings, open_session
+from .session import SessionSettings, graph_metadata, open_session
 from .texts import BATCH_SIZE, EncodedTexts, TruncatingTokenizer, batches, check_texts, report_truncation, \
     tokenizer_truncation
 from .tokenizer import TextTokenizer
+
+logger = logging.getLogger(__name__)
 
 # callback(step, tokens int64 [B]) after each generated step.
 StepCallback = Callable[[int, np.ndarray], None]
@@ -49,19 +55,32 @@ class Model:
         self.runners = runners
         self.settings = settings
         self._tokenizer: TextTokenizer | None = None
+        # The checkpoint's stop ids and sampling defaults (generation_config.json), or None.
+        self.generation: GenerationDefaults | None = GenerationDefaults.read(directory)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
     def load(cls, model_dir: str | Path, provider: str = "cpu", *,
-             settings: SessionSettings | None = None) -> "Model":
+             settings: SessionSettings | None = None, verify: str = "full") -> "Model":
         """Open ``model_dir`` (made by ``tfport export``) on ``provider`` (cpu, cuda, auto).
 
         ``settings`` overrides the session options (threads, graph optimisation level); its
-        provider wins over ``provider``. Raises ``ValueError`` for a directory that is not an
-        export or a graph that cannot be loaded, ``RuntimeError`` if ``cuda`` is not usable.
+        provider wins over ``provider``. ``verify`` checks the files against the sizes and sha256
+        the manifest records before any session is opened: ``"full"`` hashes every file,
+        ``"fast"`` only those up to 64 MiB (larger ones, the weights of a big model, are checked
+        by size), ``"none"`` skips the check; what is skipped is logged as a warning. Each
+        graph's settings fingerprint is checked against the manifest whatever ``verify`` says.
+        Raises ``ValueError`` for a directory that is not an export, a file that does not match
+        the manifest or a graph that cannot be loaded, ``RuntimeError`` if ``cuda`` is not usable.
         """
-        if not isinstance(model_dir, (str, Path)):
-            raise TypeError(f"model_dir: expected a path, got {type(model_dir).__name__}")
+        if not isinstance(model_dir, (str, os.PathLike)) or isinstance(os.fspath(model_dir), bytes):
+            raise TypeError(f"model_dir: expected a path, got {type(model_dir).__name__} (pass a "
+                            "str or os.PathLike)")
+        if not isinstance(verify, str) or verify not in VERIFY_MODES:
+            raise ValueError(f"verify={verify!r}: expected one of {list(VERIFY_MODES)}")
+        if settings is not None and not isinstance(settings, SessionSettings):
+            raise TypeError(f"settings: expected a SessionSettings or None, got "
+                            f"{type(settings).__name__}")
         settings = settings if settings is not None else SessionSettings(provider=provider)
         directory = Path(model_dir)
         try:
@@ -69,9 +88,18 @@ class Model:
         except (KeyError, TypeError) as err:
             raise ValueError(f"model_dir={str(directory)!r}: {MANIFEST_FILE} is incomplete or "
                              f"malformed ({type(err).__name__}: {err}); re-export it") from None
+        if manifest.files is None:
+            logger.warning("model_dir=%r: written by an older tfport (manifest format 2), which "
+                           "records no file hashes or settings fingerprints: nothing is verified; "
+                           "re-export to get the checks", str(directory))
+        else:
+            verify_files(directory, manifest.files, verify)
         runners = {}
         for name, spec in manifest.graphs.items():
             session = open_session(directory / spec.file, spec, settings)
+            if manifest.files is not None:
+                check_graph_metadata(graph_metadata(session, spec.file), manifest.settings,
+                                     spec.file, f"model_dir={str(directory)!r}")
             runners[name] = GraphRunner(session, spec, settings.device_id)
             if settings.provider == "auto":  # the other graphs follow the first one's device
                 chosen = "cuda" if runners[name].device == "cuda" else "cpu"
@@ -125,7 +153,7 @@ class Model:
     # -------------------------------------------------------------------------------- generation
     def stream(self, input_ids: Prompts, attention_mask: np.ndarray | None = None, *,
                max_new_tokens: int = 16, stop_token_ids: Sequence[int] | None = None,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                seed: int | np.random.Generator | None = None) -> Iterator[np.ndarray]:
         """Tokens int64 [B] per step, as they are produced (see ``generate`` for arguments).
 
@@ -136,7 +164,7 @@ class Model:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
-        params = SamplingParams(temperature, top_k, top_p)
+        params = SamplingParams(**self.sampling(temperature, top_k, top_p))
         rng = None if params.greedy and seed is None else make_rng(seed)
         stops = self.stop_ids(stop_token_ids)
         rows = split_prompts(input_ids, attention_mask)
@@ -170,7 +198,7 @@ class Model:
 
     def generate(self, input_ids: Prompts, attention_mask: np.ndarray | None = None, *,
                  max_new_tokens: int = 16, stop_token_ids: Sequence[int] | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | np.random.Generator | None = None,
                  callback: StepCallback | None = None, progress: bool = False) -> np.ndarray:
         """Continue prompts -> generated tokens int64 [B, N], N <= max_new_tokens.
@@ -178,12 +206,19 @@ class Model:
         ``input_ids``: ragged id lists, or int array [B, S] with an optional 0/1
         ``attention_mask`` [B, S] (padding on either side). For encoder-decoder models the
         prompts are the encoder input and decoding starts from ``decoder_start_token_id``.
-        ``stop_token_ids`` default to the config's ``eos_token_id`` (``()`` never stops early);
+        ``stop_token_ids`` default to the export's generation_config.json eos ids (all of them),
+        else the config's ``eos_token_id`` (``()`` never stops early);
         generation ends when every row has produced one, and finished rows continue with
         ``pad_token_id``. ``temperature`` 0 is greedy; otherwise sampling with ``top_k`` /
-        ``top_p`` from ``seed`` (an int or a ``numpy.random.Generator``). ``callback(step,
+        ``top_p`` from ``seed``; each left at None takes the export's generation_config.json
+        default (greedy when it has none or says ``do_sample: false``) (an int or a ``numpy.random.Generator``). ``callback(step,
         tokens [B])`` runs after each step; ``progress`` shows a tqdm bar on stderr.
         """
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback={callback!r}: expected a function callback(step, tokens) "
+                            "or None")
+        if not isinstance(progress, (bool, np.bool_)):
+            raise TypeError(f"progress={progress!r}: expected true or false")
         steps = self.stream(input_ids, attention_mask, max_new_tokens=max_new_tokens,
                             stop_token_ids=stop_token_ids, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed)
@@ -204,14 +239,26 @@ class Model:
         """
         tokenizer = self._text_tokenizer("prompts")
         single = isinstance(prompts, str)
-        tokens = self.generate(tokenizer.encode_batch(prompts), **kwargs)
+        tokens = self.generate(tokenizer.encode_batch(prompts, "prompts"), **kwargs)
         stops = self.stop_ids(kwargs.get("stop_token_ids"))
         texts = [tokenizer.decode(cut_at_stop(row, stops)) for row in tokens]
         return texts[0] if single else texts
 
+    def sampling(self, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None) -> dict:
+        """The sampling arguments ``generate`` uses: those given, the rest from the export's
+        generation defaults (greedy: temperature 0, top_k 0, top_p 1 without any)."""
+        defaults = self.generation.sampling if self.generation is not None else \
+            {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        return {k: defaults[k] if v is None else v for k, v in given.items()}
+
     def stop_ids(self, stop_token_ids: Sequence[int] | None = None) -> tuple[int, ...]:
-        """The stop ids ``generate`` uses: ``stop_token_ids`` checked, or the config's eos."""
+        """The stop ids ``generate`` uses: ``stop_token_ids`` checked, else every eos id of the
+        export's generation_config.json, else the config's eos."""
         if stop_token_ids is None:
+            if self.generation is not None and self.generation.eos_token_ids:
+                return self.generation.eos_token_ids
             eos = self.config.eos_token_id
             return () if eos is None else (eos,)
         if isinstance(stop_token_ids, np.ndarray):
@@ -398,10 +445,10 @@ def cut_at_stop(tokens: Sequence[int], stop_token_ids: Sequence[int]) -> list[in
 
 def load_model(model_dir: str | Path, provider: str = "cpu", *, intra_op_threads: int = 0,
                inter_op_threads: int = 0, graph_optimization: str = "all",
-               device_id: int = 0) -> Model:
-    """Open an export directory; see ``Model.load`` and ``SessionSettings``."""
+               device_id: int = 0, verify: str = "full") -> Model:
+    """Open an export directory; see ``Model.load`` (``verify``) and ``SessionSettings``."""
     settings = SessionSettings(provider=provider, device_id=device_id,
                                intra_op_threads=intra_op_threads,
                                inter_op_threads=inter_op_threads,
                                graph_optimization=graph_optimization)
-    return Model.load(model_dir, settings=settings)
+    return Model.load(model_dir, settings=settings, verify=verify)

@@ -138,3 +138,43 @@ def test_runtime_greedy(exported, name, target):
     steps = WINDOW + 2
     tokens = load_model(out).generate(prompts, max_new_tokens=steps, stop_token_ids=())
     np.testing.assert_array_equal(tokens, _hf_greedy(it, prompts, steps), err_msg=f"{name} {target}")
+
+
+def test_generation_config_eos_list_and_defaults(imported, tmp_path):
+    """A checkpoint whose generation_config.json lists several eos ids (as Llama 3 Instruct's
+    does) and sampling defaults: the export keeps them all, generation stops on any of them
+    unless the caller overrides, and the sampling defaults apply when none are given."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from tfport.export import export_checkpoint_or_preset
+    from tfport.generation import GENERATION_CONFIG_FILE
+
+    it = imported("llama3")
+    prompts = [list(range(5, 5 + PROMPT))]
+    first = int(_hf_greedy(it, prompts, 1)[0, 0])  # row 0's first greedy token becomes an eos id
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(it.directory, checkpoint)
+    (checkpoint / GENERATION_CONFIG_FILE).write_text(json.dumps(
+        {"eos_token_id": [2, first, 9], "do_sample": False, "temperature": 0.6, "top_p": 0.9}))
+    out = tmp_path / "export"
+    export_checkpoint_or_preset(str(checkpoint), out, validate=False)
+    model = load_model(out)
+    assert model.stop_ids() == (2, first, 9)
+    assert model.sampling() == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}  # do_sample false
+    tokens = model.generate(prompts, max_new_tokens=3)
+    assert tokens.shape == (1, 1) and tokens[0, 0] == first  # stopped on the second eos id
+    assert model.generate(prompts, max_new_tokens=3, stop_token_ids=()).shape == (1, 3)
+    # tfport generate --stop overrides the export's stop ids
+    cli = [sys.executable, "-m", "tfport", "generate", str(out), "--ids", ",".join(map(str, prompts[0])),
+           "--max-new-tokens", "3"]
+    default = subprocess.run(cli, capture_output=True, text=True, check=True).stdout.split()
+    assert default == [str(first)]
+    overridden = subprocess.run(cli + ["--stop", "2"], capture_output=True, text=True, check=True).stdout.split()
+    assert len(overridden[0].split(",")) == 3
+    sampled = json.loads((checkpoint / GENERATION_CONFIG_FILE).read_text())
+    (checkpoint / GENERATION_CONFIG_FILE).write_text(json.dumps({**sampled, "do_sample": True}))
+    export_checkpoint_or_preset(str(checkpoint), tmp_path / "sampled", validate=False)
+    assert load_model(tmp_path / "sampled").sampling() == {"temperature": 0.6, "top_k": 50, "top_p": 0.9}
