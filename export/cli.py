@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from tfport.contract import DTYPES
+from tfport.contract import DTYPES, LOGITS
 
 from .exporter import MAX_OPSET, MIN_OPSET, export_checkpoint_or_preset
 from .quantize import BITS as QUANTIZE_FORMATS
@@ -20,7 +20,7 @@ def run_export(args: argparse.Namespace) -> int:
         args.source, args.out, seed=args.seed, dtype=args.dtype, opset=args.opset, target=args.target,
         validate=not args.no_validate, tokenizer=args.tokenizer, overwrite=args.force,
         show_progress=None if not args.progress else True, quantize=args.quantize,
-        block_size=args.block_size, symmetric=args.symmetric)
+        block_size=args.block_size, symmetric=args.symmetric, logits=args.logits)
     graphs = ", ".join(g.file for g in manifest.graphs.values())
     print(f"exported {manifest.config.family} model to {args.out}: {graphs} "
           f"({manifest.dtype}, opset {manifest.opset})")
@@ -51,6 +51,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                         "MatMul for portable/onnx23, MatMulNBits for ort)")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=32,
                    help="values per scale along each weight row (default 32)")
+    p.add_argument("--logits", choices=LOGITS, default="all",
+                   help="decoder logits for every position (all, default) or only the one the next "
+                        "token is picked from (last: [B, 1, V]; a prefill skips the head for the rest)")
     p.add_argument("--symmetric", action="store_true",
                    help="no zero points (codes centred on 0); default: a zero point per block")
     p.set_defaults(func=run_export)

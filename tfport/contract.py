@@ -142,8 +142,18 @@ def _inplace_decoder(config: ModelConfig, dtype: str) -> tuple[list[TensorSpec],
 LAYOUTS = {"concat": _concat_decoder, "inplace": _inplace_decoder}
 
 
-def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "concat") -> dict[str, GraphSpec]:
-    """The graphs an export of ``config`` contains, keyed ``"encoder"`` / ``"decoder"``."""
+# Which positions' logits a decoder graph returns: "all" [B, S, V], or "last" [B, 1, V], the
+# position the next token is picked from (concat layout: S - 1, prompts being left-padded;
+# inplace: each row's last new token). "last" skips the head for the rest of a prompt.
+LOGITS = ("all", "last")
+
+
+def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "concat",
+                logits: str = "all") -> dict[str, GraphSpec]:
+    """The graphs an export of ``config`` contains, keyed ``"encoder"`` / ``"decoder"``;
+    ``logits`` (``LOGITS``) says which positions the decoder's logits cover."""
+    if logits not in LOGITS:
+        raise ValueError(f"logits={logits!r}: expected one of {list(LOGITS)}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {list(DTYPES)}")
     if layout not in LAYOUTS:
@@ -166,6 +176,8 @@ def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "conc
         graphs["encoder"] = GraphSpec("encoder", "encoder.onnx", tuple(inputs), tuple(outputs))
     if config.has_decoder:
         inputs, outputs = LAYOUTS[layout](config, dtype)
+        if logits == "last":
+            outputs[0] = TensorSpec("logits", "float32", ("batch", 1, config.vocab_size))
         graphs["decoder"] = GraphSpec("decoder", "decoder.onnx", tuple(inputs), tuple(outputs))
     return graphs
 
@@ -188,10 +200,12 @@ class Manifest:
     # Weight-only quantisation of the graphs' weight products (export/quantize.QuantScheme's
     # to_dict: format, bits, block_size, symmetric, embeddings), None for float weights.
     quantization: dict[str, Any] | None = None
+    logits: str = "all"  # LOGITS: the decoder returns every position's logits or the last one's
 
     def __post_init__(self) -> None:
         if not self.graphs:
-            object.__setattr__(self, "graphs", graph_specs(self.config, self.dtype, self.layout))
+            object.__setattr__(self, "graphs", graph_specs(self.config, self.dtype, self.layout,
+                                                           self.logits))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -202,6 +216,7 @@ class Manifest:
             "config": self.config.to_dict(),
             "graphs": {name: g.to_dict() for name, g in self.graphs.items()},
             **({"quantization": dict(self.quantization)} if self.quantization else {}),
+            **({"logits": self.logits} if self.logits != "all" else {}),
         }
 
     def write(self, directory: str | Path) -> Path:
@@ -237,7 +252,7 @@ class Manifest:
                        target=data["target"], layout=data["layout"], device_refusals=refusals,
                        tokenizer=data.get("tokenizer"),
                        chat_template=data.get("chat_template"),
-                       quantization=data.get("quantization"))
+                       quantization=data.get("quantization"), logits=data.get("logits", "all"))
         for name, graph in manifest.graphs.items():
             recorded = data.get("graphs", {}).get(name)
             if recorded != graph.to_dict():

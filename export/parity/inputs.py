@@ -167,6 +167,11 @@ class ConcatInputs:
     def relayout(self, prepared: Prepared, case: Case, rng: np.random.Generator, maker: CaseInputs) -> Prepared:
         return prepared
 
+    def last_positions(self, prepared: Prepared) -> np.ndarray:
+        """int [B]: the reference position a ``logits="last"`` graph returns per row (S - 1)."""
+        batch, new = prepared.query_mask.shape
+        return np.full(batch, new - 1)
+
 
 class InplaceInputs:
     """Layout "inplace": the concat case re-laid out as ONNX Runtime's GroupQueryAttention wants
@@ -215,6 +220,11 @@ class InplaceInputs:
 
         return dataclasses.replace(portable, feeds=feeds, inplace=buffers,
                                    to_reference_layout=to_reference_layout, case=case)
+
+    def last_positions(self, prepared: Prepared) -> np.ndarray:
+        """int [B]: each row's last real new token in the reference layout."""
+        real = prepared.query_mask
+        return real.shape[1] - 1 - np.argmax(real[:, ::-1], axis=1)
 
 
 # Cache layout (tfport.contract.LAYOUTS) -> how a decoder case is laid out for it.

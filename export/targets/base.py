@@ -112,6 +112,12 @@ class PortableTarget:
                            scale=module.scale, **capped, outputs=3, name=f"{name}.gqa")
         return out, (pk, pv)
 
+    def last_positions(self, g: GraphBuilder, states: str, inputs: dict[str, str]) -> str:
+        """states [B, S, E] -> [B, 1, E] at the position the next token is picked from
+        (``logits="last"``): S - 1 in layout "concat", whose prompts are left-padded."""
+        return g.op("Slice", states, g.const([-1], name="last_start"), g.const([2**62], name="last_end"),
+                    g.const([1], name="last_axis"), name="last_position")
+
     # ------------------------------------------------------------------- quantised weights
     def project_quantized(self, g: GraphBuilder, x: str, weight: BlockQuantized, name: str,
                           bias=None) -> str:

@@ -97,6 +97,16 @@ class OrtTarget(PortableTarget):
             g.declare(value, g.dtype, ["batch", hkv, "max_sequence", d])
         return out, (pk, pv)
 
+    def last_positions(self, g, states, inputs):
+        """Rows are right-padded: row b's last new token is at min(seqlens_k[b], S - 1) (a
+        prefill: its length - 1; a decode step or a batch-1 chunk on a past: S - 1)."""
+        last = g.op("Sub", g.op("Shape", inputs["input_ids"], start=1, end=2), g.const([1], name="one"))  # [1]
+        index = g.op("Min", g.op("Cast", inputs["seqlens_k"], to=7), last, name="last_index")  # [B] int64
+        shape = g.op("Concat", g.op("Shape", states, start=0, end=1), g.const([1], name="one"),
+                     g.op("Shape", states, start=2, end=3), axis=0)  # [B, 1, E]
+        index = g.op("Expand", g.op("Reshape", index, g.const([-1, 1, 1], name="index_shape")), shape)
+        return g.op("GatherElements", states, index, axis=1, name="last_position")  # [B, 1, E]
+
     # ------------------------------------------------------------------- quantised weights
     def check_quantized(self, scheme, opset):
         """MatMulNBits and GatherBlockQuantized are contrib operators: any opset."""

@@ -44,7 +44,8 @@ class InplaceDecoder:
                 self.binding.bind_ortvalue_output(PRESENT + spec.name[len(PAST):], buffer)
 
     def __call__(self, input_ids: np.ndarray, seqlens_k: np.ndarray) -> np.ndarray:
-        """input_ids [B, S] (right-padded), seqlens_k [B] -> logits float32 [B, S, V].
+        """input_ids [B, S] (right-padded), seqlens_k [B] -> logits float32 [B, S, V], or [B, 1, V]
+        (each row's last new token) from an export with ``logits="last"``.
 
         ``seqlens_k[b]`` is the index of row b's last real token counting its cache: a prefill passes
         each prompt's length - 1 (its padded slots are ignored), a decode step the cached length.
@@ -58,7 +59,7 @@ class InplaceDecoder:
         self.binding.bind_output("logits", "cpu")  # its shape [B, S, V] changes with S
         self.runner.session.run_with_iobinding(self.binding)
         logits = self.binding.get_outputs()[0].numpy()
-        assert logits.shape == (*input_ids.shape, self.runner.spec.outputs[0].shape[-1]), logits.shape
+        assert logits.shape[::2] == (input_ids.shape[0], self.runner.spec.outputs[0].shape[-1]), logits.shape
         if not np.isfinite(logits).all():
             raise RuntimeError("the decoder produced non-finite logits; the export or its dtype may be broken")
         return logits
@@ -74,6 +75,7 @@ class InplaceBuffer:
         lengths = mask.sum(axis=1)  # real prompt tokens per row
         batch = len(rows)
         decoder = InplaceDecoder(runner, batch, ids.shape[1] + max_new_tokens)
-        logits = decoder(ids, lengths - 1)[np.arange(batch), lengths - 1]  # [B, V]
+        logits = decoder(ids, lengths - 1)  # [B, S, V], or [B, 1, V]: each row's last token
+        logits = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(batch), lengths - 1]  # [B, V]
         # Step k's token is row b's token number lengths[b] + k: seqlens_k = its index.
         return logits, lambda token, step: decoder(token[:, None], lengths + step)[:, -1]
