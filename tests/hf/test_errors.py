@@ -206,18 +206,34 @@ def test_llama_config_legacy_rope_fields():
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
-                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                                  {"rope_type": "yarn", "factor": 4.0}])
+                                  {"rope_type": "yarn", "factor": 4.0},
+                                  {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}])
 def test_other_rope_types_are_refused(rope):
     with pytest.raises(ValueError, match=rf"rope_type='{rope['rope_type']}' is not supported"):
         hf_config_to_tfport({**LLAMA, "rope_parameters": rope})
 
 
-def test_mistral_sliding_window_caps_max_positions():
+def test_mistral_sliding_window_is_kept_in_the_graph():
+    """The window is the attention's (every layer), not a cap on max_positions."""
     config = hf_config_to_tfport({**LLAMA, "model_type": "mistral", "max_position_embeddings": 32768,
                                   "sliding_window": 4096})
-    assert config.max_positions == 4096
+    assert (config.max_positions, config.sliding_window, config.local_layers) == (32768, 4096, None)
+
+
+def test_llama3_rope_both_config_generations():
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    new = hf_config_to_tfport({**LLAMA, "rope_parameters": {**llama3, "rope_theta": 5e5}})
+    old = hf_config_to_tfport({**LLAMA, "rope_theta": 5e5, "rope_scaling": llama3})
+    assert new == old
+    assert (new.rope_scaling, new.rope_scaling_factor, new.rope_original_max_positions, new.rope_theta) == \
+        ("llama3", 8.0, 8192, 5e5)
+
+
+def test_llama3_rope_without_its_fields_is_refused():
+    with pytest.raises(ValueError, match=r"rope_type 'llama3' needs \['original_max_position_embeddings'\]"):
+        hf_config_to_tfport({**LLAMA, "rope_parameters": {"rope_type": "llama3", "factor": 8.0,
+                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0}})
 
 
 def test_token_ids_fit_tfport():
