@@ -70,12 +70,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
-def alibi_slopes(n_heads: int) -> torch.Tensor:
+def alibi_slopes(n_heads: int, order: str = "press") -> torch.Tensor:
     """Head slopes from Press et al. (2022) [H].
 
-    For n a power of two: 2^(-8i/n), i = 1..n. Otherwise the slopes of the closest smaller power
-    of two, then every other slope of the next power of two.
+    For n a power of two: 2^(-8i/n), i = 1..n. Otherwise (``press``, BLOOM) the slopes of the
+    closest smaller power of two, then every other slope of the next power of two; ``mpt`` takes
+    the slopes of the next power of two P, those at odd indices (2^(-8*2/P), 2^(-8*4/P), ...) then
+    those at even ones, and keeps the first n (MPT's ``build_mpt_alibi_tensor``).
     """
+    if order == "mpt" and not math.log2(n_heads).is_integer():
+        p = 2 ** math.ceil(math.log2(n_heads))
+        slopes = [2 ** (-8.0 * (i + 1) / p) for i in range(p)]
+        return torch.tensor((slopes[1::2] + slopes[0::2])[:n_heads], dtype=torch.float32)
     def power_of_two(n: int) -> list[float]:
         start = 2 ** (-8.0 / n)
         return [start ** (i + 1) for i in range(n)]
@@ -203,7 +209,7 @@ class Rotary(PositionScheme):
 
 class Alibi(PositionScheme):
     def init_stack(self, stack, config):
-        stack.register_buffer("alibi_slopes", alibi_slopes(config.n_heads), persistent=False)  # [H]
+        stack.register_buffer("alibi_slopes", alibi_slopes(config.n_heads, config.alibi_slopes), persistent=False)  # [H]
 
     def bias(self, stack, attention_mask, length):
         return alibi_bias(attention_mask, length, stack.alibi_slopes)

@@ -25,6 +25,7 @@ POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 CLASSIFIER_POOLINGS = ("cls", "mean")
 CLASSIFIER_ACTIVATIONS = ("tanh", "gelu", "gelu_tanh", "relu", "silu")
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3")
+ALIBI_SLOPES = ("press", "mpt")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class ModelConfig:
     ``rope_original_max_positions / rope_low_freq_factor``) by the factor, keeps the high ones
     (wavelength below ``... / rope_high_freq_factor``) and interpolates smoothly between.
     ``rope_local_theta`` gives the sliding-window layers their own base, unscaled (Gemma 3).
+
+    ``alibi_slopes`` orders ALiBi's head slopes when H is not a power of two: ``press`` (Press et
+    al., BLOOM) or ``mpt`` (MPT: the 2^ceil(log2 H) slopes, odd-indexed first, cut to H).
 
     ``sliding_window`` W restricts the layers listed in ``local_layers`` (all layers when null)
     to keys at most W - 1 positions before the query (the query itself included: W keys), as
@@ -83,6 +87,7 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_local_theta: float | None = None
+    alibi_slopes: str = "press"
     sliding_window: int | None = None
     local_layers: tuple[int, ...] | None = None
     relative_buckets: int = 32
@@ -222,6 +227,7 @@ class ModelConfig:
         choice("activation", ACTIVATIONS)
         choice("position", POSITIONS)
         choice("rope_scaling", ROPE_SCALINGS)
+        choice("alibi_slopes", ALIBI_SLOPES)
         for field in ("vocab_size", "d_model", "n_heads", "d_ff", "max_positions"):
             if not is_int(getattr(self, field)) or getattr(self, field) <= 0:
                 fail(field, "a positive integer")

@@ -1,6 +1,6 @@
 """MPT (``model_type`` ``mpt``) -> decoder.
 
-ALiBi (power-of-two head counts), exact GELU, no biases (its LayerNorms' zero biases are filled
+ALiBi (MPT's slope order, which differs from BLOOM's when the head count is not a power of two), exact GELU, no biases (its LayerNorms' zero biases are filled
 in); ``Wqkv`` is already [q | k | v].
 """
 
@@ -16,9 +16,6 @@ def _mpt_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     """MPT: pre-norm LayerNorm without bias, ALiBi, exact GELU, no biases."""
     attn = hf.get("attn_config") or {}
     n_heads = hf_field(hf, "n_heads")
-    if isinstance(n_heads, int) and n_heads > 0 and n_heads & (n_heads - 1):
-        refuse(hf, "n_heads", n_heads, "MPT orders its ALiBi slopes differently from the Press "
-               "et al. scheme tfport (and BLOOM) use when the head count is not a power of two")
     checks = [  # (field, value, the value tfport computes, why)
         ("attn_config.alibi", attn.get("alibi", True), True, "tfport maps MPT with ALiBi only"),
         ("attn_config.alibi_bias_max", attn.get("alibi_bias_max", 8), 8,
@@ -42,7 +39,7 @@ def _mpt_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         d_ff=int(hf_field(hf, "expansion_ratio", default=4) * d_model),
         n_decoder_layers=hf_field(hf, "n_layers"), norm="layernorm", norm_position="pre",
         norm_eps=float(hf_field(hf, "layer_norm_epsilon", default=1e-5)), activation="gelu",
-        position="alibi", max_positions=hf_field(hf, "max_seq_len", default=2048),
+        position="alibi", alibi_slopes="mpt", max_positions=hf_field(hf, "max_seq_len", default=2048),
         attention_bias=False, mlp_bias=False, attention_scale=attn.get("softmax_scale"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)), **token_ids(hf, vocab_size))
 

@@ -77,6 +77,9 @@ CASES = {case.name: case for case in [
         hidden_size=48, n_layer=2, n_head=6), hf_position_ids=False, seed=5),
     HFCase("mpt", "MptForCausalLM", "MptConfig", dict(
         d_model=32, n_layers=2, n_heads=4, max_seq_len=64), hf_position_ids=False, seed=6),
+    # 6 heads: MPT's own slope order (MPT-30B has 56 heads).
+    HFCase("mpt-6-heads", "MptForCausalLM", "MptConfig", dict(
+        d_model=48, n_layers=2, n_heads=6, max_seq_len=64), hf_position_ids=False, seed=16),
     # ---- the decoders people deploy (issue #12). Head dimension 16 so that every export target,
     # including ONNX Runtime's fused GroupQueryAttention, takes them; sliding windows of WINDOW
     # tokens, shorter than the prompts, so that tests run past the window.

@@ -242,7 +242,6 @@ def test_token_ids_fit_tfport():
 
 
 @pytest.mark.parametrize("hf,message", [
-    (dict(model_type="mpt", d_model=48, n_heads=6, n_layers=1, vocab_size=10), r"n_heads=6 .*power of two"),
     (dict(model_type="mpt", d_model=32, n_heads=4, n_layers=1, vocab_size=10, attn_config={"clip_qkv": 6.0}),
      r"attn_config\.clip_qkv=6\.0"),
     (dict(model_type="mpt", d_model=32, n_heads=4, n_layers=1, vocab_size=10, no_bias=False), r"no_bias=False"),
