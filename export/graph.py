@@ -104,9 +104,12 @@ class GraphBuilder:
             self.op("Identity", value, outputs=[spec.name], name=f"out_{spec.name}")
         self.outputs.append(helper.make_tensor_value_info(spec.name, ONNX_DTYPES[spec.dtype], list(spec.shape)))
 
-    def build(self, opset: int, bodies: Mapping[str, OnnxFunction] | None = None) -> onnx.ModelProto:
+    def build(self, opset: int, bodies: Mapping[str, OnnxFunction] | None = None,
+              metadata: Mapping[str, str] | None = None) -> onnx.ModelProto:
         """The model, carrying the library functions it calls; ``bodies`` are the export
-        target's functions (added, or replacing a library function's body under its name)."""
+        target's functions (added, or replacing a library function's body under its name).
+        ``metadata`` is added to the model's metadata props beside the taps (the exporter puts the
+        settings fingerprint there, ``tfport.integrity.graph_metadata``)."""
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers,
                                   value_info=self.value_info)
         functions = self._used_functions(function_protos(opset, bodies or {}))
@@ -116,7 +119,7 @@ class GraphBuilder:
         model = helper.make_model(
             graph, producer_name="tfport", ir_version=ir_version_for(opset),
             opset_imports=[helper.make_opsetid(d, v) for d, v in imports.items()], functions=functions)
-        helper.set_model_props(model, {TAPS_KEY: json.dumps(self.taps)})
+        helper.set_model_props(model, {TAPS_KEY: json.dumps(self.taps), **(metadata or {})})
         return model
 
     def _used_functions(self, library: list[onnx.FunctionProto]) -> list[onnx.FunctionProto]:

@@ -23,6 +23,10 @@ def _as_int_array(value: object, argument: str) -> np.ndarray:
     if not isinstance(value, np.ndarray):
         raise TypeError(f"{argument}: expected an integer numpy array [B, S], got "
                         f"{type(value).__name__}")
+    if isinstance(value, np.ma.MaskedArray):
+        raise TypeError(f"{argument}: a masked array's mask would be ignored; pass its data and "
+                        "attention_mask (1 = token, 0 = padding) instead")
+    value = np.asarray(value)  # np.matrix and other subclasses: a plain array (rows are 1-D)
     if value.dtype == np.bool_ or not np.issubdtype(value.dtype, np.integer):
         raise TypeError(f"{argument}: expected an integer dtype (int64), got {value.dtype}")
     if value.ndim != 2:
@@ -55,8 +59,8 @@ def split_prompts(input_ids: Prompts, attention_mask: np.ndarray | None = None,
             rows = [row[keep == 1] for row, keep in zip(ids, mask)]
     else:
         if attention_mask is not None:
-            raise ValueError("attention_mask: only accepted with an array input_ids [B, S]; "
-                             "pass ragged prompts without a mask")
+            raise ValueError(f"attention_mask: only accepted with an array {argument} [B, S]; "
+                             f"pass ragged {argument} without a mask")
         if isinstance(input_ids, (str, bytes)) or not isinstance(input_ids, Sequence):
             raise TypeError(f"{argument}: expected an integer array [B, S] or a list of id "
                             f"lists, got {type(input_ids).__name__}")

@@ -9,6 +9,7 @@ external-data file) are re-raised as ``ValueError`` naming the file.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,15 @@ GRAPH_OPTIMIZATIONS = {
 # contract dtype -> the type string ONNX Runtime reports for a graph input or output.
 ORT_TYPES = {"int64": "tensor(int64)", "int32": "tensor(int32)", "float32": "tensor(float)",
              "float16": "tensor(float16)"}
+
+
+THREADS_PER_CPU = 8  # more threads than this per CPU only slows session creation (minutes at 2048/CPU)
+MAX_DEVICE_ID = 2**31 - 1  # ONNX Runtime's int
+
+
+def max_threads() -> int:
+    """The most intra/inter-op threads ``SessionSettings`` accepts on this machine."""
+    return THREADS_PER_CPU * (os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,14 @@ class SessionSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}={value!r}: expected a non-negative integer")
+        if self.device_id > MAX_DEVICE_ID:
+            raise ValueError(f"device_id={self.device_id!r}: expected at most {MAX_DEVICE_ID}")
+        limit = max_threads()
+        for name in ("intra_op_threads", "inter_op_threads"):
+            if getattr(self, name) > limit:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected 0 (ONNX Runtime's "
+                                 f"choice) to {limit} ({THREADS_PER_CPU} per CPU of this machine); "
+                                 "each thread is created when the session opens")
 
     def session_options(self) -> ort.SessionOptions:
         options = ort.SessionOptions()
@@ -140,9 +158,9 @@ def open_session(path: str | Path, spec: GraphSpec, settings: SessionSettings,
     providers = settings.provider_list()
     if settings.provider == "auto" and CUDA not in available:
         providers = [CPU]
+    options = settings.session_options()  # outside the try: a bad setting is not the file's fault
     try:
-        session = ort.InferenceSession(str(path), sess_options=settings.session_options(),
-                                       providers=providers)
+        session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as err:  # onnxruntime raises its own pybind exception types
         raise _load_error(path, argument, err) from None
     got = session.get_providers()
@@ -161,22 +179,47 @@ def open_session(path: str | Path, spec: GraphSpec, settings: SessionSettings,
     return session
 
 
+def _unreadable(path: Path, argument: str, what: str, err: Exception) -> ValueError:
+    return ValueError(f"{argument}: graph {path.name!r} has unreadable {what} ({err}); the file "
+                      "is damaged, re-export it or copy it again")
+
+
+def graph_metadata(session: ort.InferenceSession, file: str,
+                   argument: str = "model_dir") -> dict[str, str]:
+    """The graph's metadata props (``custom_metadata_map``); ``ValueError`` naming ``file`` if
+    they cannot be decoded (a damaged file)."""
+    try:
+        return dict(session.get_modelmeta().custom_metadata_map)
+    except UnicodeDecodeError as err:
+        raise _unreadable(Path(file), argument, "metadata", err) from None
+
+
+def _arguments(session: ort.InferenceSession, path: Path, argument: str
+               ) -> dict[str, dict[str, tuple[str, list]]]:
+    """{"input"|"output": {name: (type, shape)}}; ``ValueError`` naming the file if ONNX Runtime
+    cannot decode them (names are UTF-8: a flipped byte in a name fails here)."""
+    try:
+        return {kind: {arg.name: (arg.type, list(arg.shape)) for arg in args}
+                for kind, args in (("input", session.get_inputs()), ("output", session.get_outputs()))}
+    except UnicodeDecodeError as err:
+        raise _unreadable(path, argument, "input/output names", err) from None
+
+
 def check_session(session: ort.InferenceSession, spec: GraphSpec, path: Path,
                   argument: str = "model_dir") -> None:
     """``ValueError`` unless the session's inputs and outputs are those of ``spec``."""
-    for kind, actual, expected in (("input", session.get_inputs(), spec.inputs),
-                                   ("output", session.get_outputs(), spec.outputs)):
-        got = {arg.name: arg for arg in actual}
+    arguments = _arguments(session, path, argument)
+    for kind, expected in (("input", spec.inputs), ("output", spec.outputs)):
+        got = arguments[kind]
         if set(got) != {t.name for t in expected}:
             raise ValueError(f"{argument}: graph {path.name!r} has {kind}s {sorted(got)}, the "
                              f"manifest expects {sorted(t.name for t in expected)}; re-export it")
         for tensor in expected:
-            arg = got[tensor.name]
-            if arg.type != ORT_TYPES[tensor.dtype]:
+            type_, shape = got[tensor.name]
+            if type_ != ORT_TYPES[tensor.dtype]:
                 raise ValueError(f"{argument}: graph {path.name!r} {kind} {tensor.name!r} has type "
-                                 f"{arg.type}, the manifest expects {ORT_TYPES[tensor.dtype]}")
+                                 f"{type_}, the manifest expects {ORT_TYPES[tensor.dtype]}")
             fixed = [(i, d) for i, d in enumerate(tensor.shape) if isinstance(d, int)]
-            shape = list(arg.shape)
             if len(shape) != len(tensor.shape) or any(shape[i] != d for i, d in fixed):
                 raise ValueError(f"{argument}: graph {path.name!r} {kind} {tensor.name!r} has "
                                  f"shape {shape}, the manifest expects {list(tensor.shape)}")

@@ -37,10 +37,19 @@ class TextTokenizer:
             raise TypeError(f"text: expected a str, got {type(text).__name__}")
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text (unpadded)."""
+    def encode_batch(self, texts: str | Sequence[str], argument: str = "texts") -> list[list[int]]:
+        """Token ids of each text (unpadded); ``TypeError``/``ValueError`` naming ``argument``
+        unless ``texts`` is a str or a non-empty sequence of str."""
         if isinstance(texts, str):
             texts = [texts]
+        if not isinstance(texts, Sequence) or isinstance(texts, (bytes, bytearray)):
+            raise TypeError(f"{argument}: expected a str or a sequence of str, got "
+                            f"{type(texts).__name__}")
+        if not texts:
+            raise ValueError(f"{argument}: expected at least one text, got an empty sequence")
+        odd = sorted({type(t).__name__ for t in texts if not isinstance(t, str)})
+        if odd:
+            raise TypeError(f"{argument}: expected str items, got {odd}")
         return [self.encode(text) for text in texts]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
