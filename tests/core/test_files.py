@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tfport.files import atomic_directory, write_text_atomic
+from tfport.files import atomic_directory, remove_stale_outputs, write_text_atomic
 
 
 def mode(path) -> int:
@@ -41,3 +45,79 @@ def test_permissions_follow_the_umask(tmp_path):
     assert mode(tmp_path / "d") == 0o755
     assert mode(tmp_path / "f.json") == 0o644
     assert (tmp_path / "f.json").read_text() == "{}"
+
+
+def test_files_written_0600_inside_get_umask_permissions(tmp_path):
+    # onnx writes external data with mode 0600, which locked other users out of an export
+    umask = os.umask(0o022)
+    try:
+        with atomic_directory(tmp_path / "d") as tmp:
+            (tmp / "sub").mkdir(mode=0o700)
+            for path in (tmp / "w.data", tmp / "sub" / "x"):
+                path.write_bytes(b"x")
+                os.chmod(path, 0o600)
+    finally:
+        os.umask(umask)
+    assert mode(tmp_path / "d" / "w.data") == mode(tmp_path / "d" / "sub" / "x") == 0o644
+    assert mode(tmp_path / "d" / "sub") == 0o755
+
+
+# A writer in another process: fills its temporary directory, says so, then waits to be killed.
+WRITER = """
+import sys, time
+from tfport.files import atomic_directory
+with atomic_directory(sys.argv[1]) as tmp:
+    (tmp / "weights.bin").write_bytes(bytes(1 << 20))
+    print("writing", flush=True)
+    time.sleep(60)
+"""
+
+
+def start_writer(target: Path) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", WRITER, str(target)], stdout=subprocess.PIPE,
+                               text=True)
+    assert process.stdout.readline().strip() == "writing"
+    return process
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(name for name in os.listdir(parent) if name.startswith("."))
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        writer = start_writer(tmp_path / "out")
+        assert len(leftovers(tmp_path)) == 2  # .out.tmpXXXX and its lock
+        writer.send_signal(signum)
+        code = writer.wait(timeout=30)
+        assert code != 0 and (signum == signal.SIGINT or code == 128 + signal.SIGTERM)
+        assert os.listdir(tmp_path) == [], signum  # nothing written, nothing left behind
+
+
+def test_a_killed_writers_leftovers_go_with_the_next_write(tmp_path):
+    killed = start_writer(tmp_path / "a")
+    killed.kill()  # SIGKILL: no cleanup can run
+    killed.wait(timeout=30)
+    stale = leftovers(tmp_path)
+    assert len(stale) == 2 and any(name.endswith(".lock") for name in stale)
+    alive = start_writer(tmp_path / "b")  # still writing: its directory must stay
+    try:
+        with atomic_directory(tmp_path / "c") as tmp:
+            (tmp / "x").write_text("x")
+        names = leftovers(tmp_path)
+        assert not any(name.startswith(".a.") for name in names)  # the dead writer's: removed
+        assert sum(name.startswith(".b.") for name in names) == 2  # the live writer's: kept
+        assert sorted(os.listdir(tmp_path / "c")) == ["x"]
+    finally:
+        alive.kill()
+        alive.wait(timeout=30)
+    assert remove_stale_outputs(tmp_path) == [tmp_path / next(n for n in names if n.startswith(".b.")
+                                                               and not n.endswith(".lock"))]
+    assert leftovers(tmp_path) == []
+
+
+def test_only_marked_directories_are_removed(tmp_path):
+    (tmp_path / ".model.tmp1234").mkdir()  # looks like a temporary output, but has no lock file
+    (tmp_path / ".notes.tmp.lock").write_text("")  # a lock without its directory: just the lock goes
+    assert remove_stale_outputs(tmp_path) == []
+    assert leftovers(tmp_path) == [".model.tmp1234"]
