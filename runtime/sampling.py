@@ -15,29 +15,43 @@ import numpy as np
 NUMBERS = (int, float, np.integer, np.floating)
 
 
+def _finite(value: object) -> float | None:
+    """``value`` as a finite float64, or None (not a real number, or not finite as a float64:
+    NaN, inf, ``10**400``, a numpy long double beyond float64's range)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, NUMBERS):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if np.isfinite(number) else None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1.0 switch those filters off."""
+    """``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1.0 switch those filters off.
+    Any positive temperature samples; tiny ones (below float32's smallest normal, 1.2e-38,
+    included) pick the most likely token, as the limit says (``apply_temperature``)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, NUMBERS) \
-                or not np.isfinite(self.temperature) or self.temperature < 0:
+        temperature, top_p = _finite(self.temperature), _finite(self.top_p)
+        if temperature is None or temperature < 0:
             raise ValueError(f"temperature={self.temperature!r}: expected a finite number >= 0 "
                              "(0 is greedy)")
         if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool) \
                 or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 keeps all)")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, NUMBERS) \
-                or not 0.0 < self.top_p <= 1.0:
+        if top_p is None or not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1] (1 keeps all)")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small that it is 0 in float64 (a numpy longdouble)."""
+        return float(self.temperature) == 0
 
 
 def make_rng(seed: int | np.random.Generator | None) -> np.random.Generator:
@@ -52,8 +66,15 @@ def make_rng(seed: int | np.random.Generator | None) -> np.random.Generator:
 
 
 def apply_temperature(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """logits [B, V] / temperature, in float32."""
-    return logits.astype(np.float32) / np.float32(temperature)
+    """(logits [B, V] - each row's maximum) / temperature, in float64.
+
+    Shifting first leaves the softmax unchanged and keeps every entry <= 0, so a tiny
+    temperature (down to the smallest float64) gives -inf for all but the maximum, never inf - inf
+    = NaN: sampling tends to greedy as the temperature tends to 0.
+    """
+    x = logits.astype(np.float64)
+    with np.errstate(over="ignore"):  # -large / tiny -> -inf is the intended limit
+        return (x - x.max(axis=-1, keepdims=True)) / np.float64(temperature)
 
 
 def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
@@ -94,9 +115,26 @@ def sample(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.argmax(probs / race, axis=-1).astype(np.int64)
 
 
+def check_logits(logits: np.ndarray) -> np.ndarray:
+    """``logits`` [B, V] with +-inf clipped to the float32 range (ordering kept); ``RuntimeError``
+    if any is NaN, which no token choice can be made from (a damaged export, or float16
+    overflow): argmax would silently pick the first NaN."""
+    if np.isfinite(logits).all():
+        return logits
+    nan_rows = np.isnan(logits).any(axis=-1).nonzero()[0]
+    if nan_rows.size:
+        raise RuntimeError(f"the model produced NaN logits (rows {nan_rows[:8].tolist()}); no "
+                           "token can be chosen. The export may be damaged (load it with "
+                           "verify='full') or overflow in its dtype")
+    limit = np.finfo(np.float32).max
+    return np.clip(logits, -limit, limit)
+
+
 def next_token(logits: np.ndarray, params: SamplingParams,
                rng: np.random.Generator | None = None) -> np.ndarray:
-    """Pick one token per row of ``logits`` [B, V] -> int64 [B]: argmax when greedy."""
+    """Pick one token per row of ``logits`` [B, V] -> int64 [B]: argmax when greedy.
+    ``RuntimeError`` for NaN logits (``check_logits``)."""
+    logits = check_logits(logits)
     if params.greedy:
         return np.argmax(logits, axis=-1).astype(np.int64)
     if rng is None:

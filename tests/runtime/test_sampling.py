@@ -11,9 +11,34 @@ from tfport.runtime.sampling import (SamplingParams, apply_temperature, make_rng
 NEG = -np.inf
 
 
-def test_temperature_divides():
+def test_temperature_shifts_then_divides():
     logits = np.array([[2.0, -4.0, 0.0]], dtype=np.float32)
-    np.testing.assert_array_equal(apply_temperature(logits, 2.0), [[1.0, -2.0, 0.0]])
+    np.testing.assert_array_equal(apply_temperature(logits, 2.0), [[0.0, -3.0, -1.0]])
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-38, 1e-40, 5e-324, np.float32(1e-45)])
+def test_tiny_temperatures_pick_the_most_likely_token(temperature):
+    # Below float32's smallest normal (1.2e-38), logits / temperature used to overflow to inf,
+    # inf - inf gave NaN and argmax picked token 0.
+    logits = np.array([[100.0, 300.0, -50.0, 299.0], [-1.0, -3.0, -2.0, 5.0]], dtype=np.float32)
+    scaled = apply_temperature(logits, temperature)
+    assert not np.isnan(scaled).any()
+    params = SamplingParams(temperature=temperature, top_k=3, top_p=0.9)
+    np.testing.assert_array_equal(next_token(logits, params, make_rng(0)), [1, 3])
+
+
+def test_temperature_zero_in_float64_is_greedy():
+    assert SamplingParams(temperature=np.longdouble("1e-4000")).greedy  # x87 long double: > 0
+
+
+def test_nan_logits_are_refused_and_inf_is_the_maximum():
+    with pytest.raises(RuntimeError, match="NaN logits"):
+        next_token(np.array([[0.0, np.nan, 1.0]], np.float32), SamplingParams())
+    with pytest.raises(RuntimeError, match="NaN logits"):
+        next_token(np.array([[0.0, np.nan, 1.0]], np.float32), SamplingParams(1.0), make_rng(0))
+    logits = np.array([[0.0, np.inf, 1.0, -np.inf]], np.float32)
+    assert next_token(logits, SamplingParams()).tolist() == [1]
+    assert next_token(logits, SamplingParams(0.5), make_rng(0)).tolist() == [1]
 
 
 @pytest.mark.parametrize("k, expected", [
