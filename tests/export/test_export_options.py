@@ -60,6 +60,22 @@ def test_bad_options_are_refused_and_leave_nothing(tmp_path, kwargs, needle):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("content, needle", [
+    ("root:x:0:0:root:/root:/bin/bash\n", "not a tokenizer.json (not JSON"),  # tfport export --tokenizer /etc/passwd
+    ('{"version": "1.0"}', "no 'model' object"),
+    ('{"model": {"type": "Nonsense"}}', "the 'tokenizers' library cannot read it"),
+])
+def test_tokenizer_must_be_a_tokenizer_json(tmp_path, content, needle):
+    if "library" in needle:
+        pytest.importorskip("tokenizers")
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "t.json").write_text(content)
+    with pytest.raises(ValueError, match=f"tokenizer=.*t.json.*{needle}".replace("(", r"\(")):
+        export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "out",
+                     tokenizer=tmp_path / "in" / "t.json", validate=False)
+    assert os.listdir(tmp_path) == ["in"]
+
+
 def test_failed_export_leaves_no_partial_directory(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
