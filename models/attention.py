@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from tfport.config import ModelConfig
 
@@ -17,7 +18,7 @@ class Tap(nn.Identity):
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                      scale: float, softcap: float | None = None) -> torch.Tensor:
+                      scale: float, softcap: float | None = None, dropout: float = 0.0) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v with H query heads sharing Hkv key/value heads.
 
     q [B, H, S, D], k and v [B, Hkv, T, D], bias float32 [B, 1 or H, S, T] -> [B, S, H*D].
@@ -33,7 +34,10 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores + bias
-    probs = scores.softmax(dim=-1).to(v.dtype).reshape(b, hkv, h // hkv, s, -1)
+    probs = scores.softmax(dim=-1)
+    if dropout:  # training only: the module passes 0 in eval mode
+        probs = F.dropout(probs, dropout)
+    probs = probs.to(v.dtype).reshape(b, hkv, h // hkv, s, -1)
     out = torch.matmul(probs, v.unsqueeze(2))  # [B, Hkv, G, S, D]
     return out.reshape(b, h, s, d).transpose(1, 2).reshape(b, s, h * d)  # [B, S, H*D]
 
@@ -52,6 +56,7 @@ class Attention(nn.Module):
         self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.dim_per_head
         self.scale = config.softmax_scale
         self.softcap = config.attn_logit_softcap
+        self.dropout = config.attention_dropout  # on the attention probabilities, train() only
         self.cross = cross
         q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
         bias = config.attention_bias
@@ -100,5 +105,6 @@ class Attention(nn.Module):
             if past is not None:
                 k = torch.cat([past[0], k], dim=2)  # [B, Hkv, P+S, D]
                 v = torch.cat([past[1], v], dim=2)
-        out = self.context(grouped_attention(q, k, v, bias, self.scale, self.softcap))
+        dropout = self.dropout if self.training else 0.0
+        out = self.context(grouped_attention(q, k, v, bias, self.scale, self.softcap, dropout))
         return self.out(out), (k, v)

@@ -31,10 +31,11 @@ class FeedForward(nn.Module):
         self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.mlp_bias) if config.gated_ffn else None
         self.up = nn.Linear(config.d_model, config.d_ff, bias=config.mlp_bias)
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.mlp_bias)
+        self.dropout = nn.Dropout(config.ffn_dropout)  # on the hidden activations, train() only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.act(self.gate(x)) * self.up(x) if self.gate is not None else self.act(self.up(x))
-        return self.down(hidden)
+        return self.down(self.dropout(hidden))
 
 
 class Block(nn.Module):
@@ -48,6 +49,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, cross: bool = False):
         super().__init__()
         self.pre = config.norm_position == "pre"
+        self.dropout = nn.Dropout(config.residual_dropout)  # sublayer outputs, train() only
         self.attn_norm, self.attn = make_norm(config), Attention(config)
         self.cross_norm = make_norm(config) if cross else None
         self.cross_attn = Attention(config, cross=True) if cross else None
@@ -60,10 +62,12 @@ class Block(nn.Module):
                   ) -> tuple[torch.Tensor, object]:
         if self.pre:
             out, extra = f(norm(x))
+            out = self.dropout(out)
             if post is not None:
                 out = post(out)
             return x + out, extra
         out, extra = f(x)
+        out = self.dropout(out)
         return norm(x + out), extra
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor,

@@ -24,6 +24,7 @@ class Embeddings(nn.Module):
         self.scheme.init_embeddings(self, config)
         self.token_types = nn.Embedding(config.type_vocab_size, config.d_model) if token_types else None
         self.norm = make_norm(config) if config.embedding_norm else None
+        self.dropout = nn.Dropout(config.embedding_dropout)  # train() only
         self.scale = config.embedding_scale  # Gemma: sqrt(E), rounded to the model dtype
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -38,7 +39,8 @@ class Embeddings(nn.Module):
         if self.token_types is not None:
             types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
             x = x + self.token_types(types)
-        return self.norm(x) if self.norm is not None else x
+        x = self.norm(x) if self.norm is not None else x
+        return self.dropout(x)
 
 
 class Stack(nn.Module):

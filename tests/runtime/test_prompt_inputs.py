@@ -85,5 +85,10 @@ def test_pooling_literals():
                                [[0.6, 0.8], [0, 0]])
     unit = pool(states, mask, "mean", normalize=True)
     np.testing.assert_allclose(np.linalg.norm(unit, axis=1), 1.0, rtol=1e-6)
-    with pytest.raises(ValueError, match="pooling='max'"):
-        pool(states, mask, "max")
+    # sentence-transformers' other modes: per-channel max, sum / sqrt(count), last real token
+    np.testing.assert_allclose(pool(states, mask, "max"), [[2.0, 3.0], [10.0, 11.0]])
+    np.testing.assert_allclose(pool(states, mask, "mean_sqrt_len_tokens"),
+                               [[2.0 / np.sqrt(2), 4.0 / np.sqrt(2)], [24.0 / np.sqrt(3), 27.0 / np.sqrt(3)]])
+    np.testing.assert_allclose(pool(states, mask, "lasttoken"), [[2.0, 3.0], [10.0, 11.0]])
+    with pytest.raises(ValueError, match="pooling='median'"):
+        pool(states, mask, "median")
