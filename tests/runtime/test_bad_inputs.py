@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+
 
 @dataclass(frozen=True)
 class BadCase:
@@ -91,7 +93,37 @@ CASES = [
             fragments=("encode", "no encoder graph")),
     BadCase("text without tokenizer", DEC, "generate_text", ("hi",),
             fragments=("prompts", "tokenizer.json")),
+    # Found by hand-fuzzing (issue #11): each used to fail late, with another argument's name or none.
+    BadCase("callback not callable", DEC, "generate", ([[1, 2]],), {"callback": 5}, error=TypeError,
+            fragments=("callback=5", "callback(step, tokens)")),
+    BadCase("progress not a bool", DEC, "generate", ([[1, 2]],), {"progress": "no"}, error=TypeError,
+            fragments=("progress='no'",)),
+    BadCase("normalize not a bool", ENC, "embed", ([[1, 2]],), {"normalize": "no"}, error=TypeError,
+            fragments=("normalize='no'",)),
+    BadCase("masked array", DEC, "generate", (np.ma.masked_array([[1, 2]], mask=[[0, 1]]),),
+            error=TypeError, fragments=("input_ids", "masked array", "attention_mask")),
+    BadCase("temperature beyond float64", DEC, "generate", ([[1, 2]],), {"temperature": 10**400},
+            fragments=("temperature=",)),
+    BadCase("texts None", "encoder-text", "embed_text", (None,), error=TypeError,
+            fragments=("texts", "NoneType")),
+    BadCase("texts dict", "encoder-text", "embed_text", ({"w": 1},), error=TypeError,
+            fragments=("texts", "dict")),
+    BadCase("prompts None", "decoder-text", "generate_text", (None,), error=TypeError,
+            fragments=("prompts", "NoneType")),
 ]
+
+
+def test_matrix_prompts_are_plain_arrays(loaded):
+    _, model = loaded(DEC)
+    ids = np.array([[1, 5, 7], [1, 9, 9]])
+    np.testing.assert_array_equal(model.generate(np.matrix(ids), max_new_tokens=4),
+                                  model.generate(ids, max_new_tokens=4))
+
+
+def test_thread_counts_are_the_settings_fault(exports):
+    from tfport.runtime import load_model
+    with pytest.raises(ValueError, match=r"intra_op_threads=1099511627776: expected 0 .* to \d+"):
+        load_model(exports(DEC).path, intra_op_threads=2**40)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
 import pytest
 
 from tfport.cli import build_parser, main
+from tfport.runtime.cli import parse_ids
 from tfport.runtime.model import cut_at_stop
 
 pytest.importorskip("tokenizers", reason="text tests need the 'tokenizers' package (extra 'text')")
@@ -36,6 +38,18 @@ def test_embed_text(loaded):
     _, model = loaded("encoder-text")
     np.testing.assert_allclose(model.embed_text(["w5 w7", "w9"], normalize=True),
                                model.embed([[1, 5, 7], [1, 9]], normalize=True), rtol=1e-6)
+
+
+@pytest.mark.parametrize("text, expected", [("1,2,3", [1, 2, 3]), (" 1, 5 ", [1, 5]), ("7", [7])])
+def test_ids_parse(text, expected):
+    assert parse_ids(text) == expected
+
+
+@pytest.mark.parametrize("text", ["1,,2", "1,2,", ",", "", " ", "1 2", "1;2", "a"])
+def test_ids_refused(text):
+    # "1,,2" and "1 2" used to give [1, 2] and [12]
+    with pytest.raises(argparse.ArgumentTypeError, match="--ids"):
+        parse_ids(text)
 
 
 def test_parsers_are_registered():
