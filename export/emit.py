@@ -206,6 +206,12 @@ def block(g: GraphBuilder, x: str, module: Block, config: ModelConfig, ctx: Stac
         out, present = self_attention(g, h, module.attn, ctx, past, f"{name}.attn")
         return out
 
+    if module.parallel:  # x + attn(attn_norm(x)) + ffn(ffn_norm(x)), as the reference adds them
+        attn_in = g.tap(f"{name}.attn_norm", norm(g, x, module.attn_norm, f"{name}.attn_norm"))
+        ffn_in = g.tap(f"{name}.ffn_norm", norm(g, x, module.ffn_norm, f"{name}.ffn_norm"))
+        x = g.op("Add", x, attend(attn_in), name=f"{name}.attn_residual")
+        ffn = g.tap(f"{name}.ffn", feed_forward(g, ffn_in, module.ffn, config.activation, f"{name}.ffn"))
+        return g.tap(name, g.op("Add", x, ffn, name=f"{name}.ffn_residual")), present
     x = residual(x, module.attn_norm, attend, "attn")
     if module.cross_attn is not None:
         x = residual(x, module.cross_norm,

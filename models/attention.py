@@ -56,6 +56,7 @@ class Attention(nn.Module):
         self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.dim_per_head
         self.scale = config.softmax_scale
         self.softcap = config.attn_logit_softcap
+        self.rotary_dim = config.rotary_channels  # channels RoPE rotates (partial rotary: < D)
         self.dropout = config.attention_dropout  # on the attention probabilities, train() only
         self.cross = cross
         q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim

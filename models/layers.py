@@ -43,7 +43,8 @@ class Block(nn.Module):
 
     Pre-norm: ``x + f(norm(x))``; post-norm: ``norm(x + f(x))``. With ``post_sublayer_norm``
     (pre-norm only, Gemma 2/3) the output is normalised too: ``x + post_norm(f(norm(x)))``
-    (``attn_post_norm``, ``ffn_post_norm``).
+    (``attn_post_norm``, ``ffn_post_norm``). With ``parallel_residual`` both sublayers read the
+    block's input: ``x + attn(attn_norm(x)) + ffn(ffn_norm(x))``.
     """
 
     def __init__(self, config: ModelConfig, cross: bool = False):
@@ -54,6 +55,7 @@ class Block(nn.Module):
         self.cross_norm = make_norm(config) if cross else None
         self.cross_attn = Attention(config, cross=True) if cross else None
         self.ffn_norm, self.ffn = make_norm(config), FeedForward(config)
+        self.parallel = config.parallel_residual
         self.attn_post_norm = self.ffn_post_norm = None
         if config.post_sublayer_norm:
             self.attn_post_norm, self.ffn_post_norm = make_norm(config), make_norm(config)
@@ -77,6 +79,9 @@ class Block(nn.Module):
                 memory_bias: torch.Tensor | None = None,
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x [B, S, E] -> ([B, S, E], present self-attention (k, v) [B, Hkv, P+S, D])."""
+        if self.parallel:
+            out, present = self.attn(self.attn_norm(x), bias, rope, past)
+            return x + self.dropout(out) + self.dropout(self.ffn(self.ffn_norm(x))), present
         x, present = self._residual(x, self.attn_norm, lambda h: self.attn(h, bias, rope, past),
                                     self.attn_post_norm)
         if self.cross_attn is not None:

@@ -35,7 +35,7 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     f / factor and f with weight s = (L / wavelength - low) / (high - low) on f. ``local`` gives
     the sliding-window layers' frequencies: base ``rope_local_theta``, unscaled.
     """
-    dim = config.dim_per_head
+    dim = config.rotary_channels
     theta = config.rope_theta
     if local and config.rope_local_theta is not None:
         return (1.0 / config.rope_local_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
@@ -63,11 +63,13 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[to
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, N, S, D]: channel i pairs with channel i + D/2 ("rotate half")."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
+    """Rotate ``x`` [B, N, S, D] by (cos, sin) [B, 1, S, R/2]: channel i pairs with channel
+    i + R/2 ("rotate half") among the first R channels; channels R..D-1 pass unrotated (partial
+    rotary, R < D)."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return out if 2 * half == x.shape[-1] else torch.cat([out, x[..., 2 * half:]], dim=-1)
 
 
 def alibi_slopes(n_heads: int, order: str = "press") -> torch.Tensor:

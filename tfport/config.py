@@ -47,6 +47,11 @@ class ModelConfig:
     (wavelength below ``... / rope_high_freq_factor``) and interpolates smoothly between.
     ``rope_local_theta`` gives the sliding-window layers their own base, unscaled (Gemma 3).
 
+    ``rotary_dim`` rotates only the first that many channels of each head (GPT-NeoX's
+    ``rotary_pct``, ``partial_rotary_factor``); the rest pass unrotated.
+    ``parallel_residual`` computes attention and FFN from the same input:
+    ``x + attn(attn_norm(x)) + ffn(ffn_norm(x))`` (GPT-NeoX, GPT-J, Falcon).
+
     ``alibi_slopes`` orders ALiBi's head slopes when H is not a power of two: ``press`` (Press et
     al., BLOOM) or ``mpt`` (MPT: the 2^ceil(log2 H) slopes, odd-indexed first, cut to H).
 
@@ -87,6 +92,7 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_local_theta: float | None = None
+    rotary_dim: int | None = None
     alibi_slopes: str = "press"
     sliding_window: int | None = None
     local_layers: tuple[int, ...] | None = None
@@ -102,6 +108,7 @@ class ModelConfig:
     norm_weight_offset: float = 0.0
     embedding_scale: float = 1.0
     post_sublayer_norm: bool = False
+    parallel_residual: bool = False
     tie_embeddings: bool = True
     lm_head_scale: float = 1.0
     embedding_norm: bool = False
@@ -149,6 +156,11 @@ class ModelConfig:
     @property
     def softmax_scale(self) -> float:
         return self.attention_scale if self.attention_scale is not None else self.dim_per_head**-0.5
+
+    @property
+    def rotary_channels(self) -> int:
+        """Channels of each head that RoPE rotates (all unless ``rotary_dim``)."""
+        return self.dim_per_head if self.rotary_dim is None else self.rotary_dim
 
     @property
     def out_bias(self) -> bool:
@@ -235,7 +247,7 @@ class ModelConfig:
             if not is_int(getattr(self, field)) or getattr(self, field) < 0:
                 fail(field, "a non-negative integer")
         for field in ("gated_ffn", "attention_bias", "mlp_bias", "tie_embeddings", "embedding_norm",
-                      "pooler", "mlm_head", "qk_norm", "post_sublayer_norm"):
+                      "pooler", "mlm_head", "qk_norm", "post_sublayer_norm", "parallel_residual"):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "true or false")
         for field in ("rope_theta", "norm_eps", "lm_head_scale", "embedding_scale", "rope_low_freq_factor",
@@ -250,7 +262,7 @@ class ModelConfig:
             fail("norm_weight_offset", "a finite number")
         if self.attention_out_bias is not None and not isinstance(self.attention_out_bias, bool):
             fail("attention_out_bias", "true, false or null (= attention_bias)")
-        for field in ("head_dim", "n_kv_heads", "rope_original_max_positions", "sliding_window"):
+        for field in ("head_dim", "n_kv_heads", "rope_original_max_positions", "sliding_window", "rotary_dim"):
             value = getattr(self, field)
             if value is not None and (not is_int(value) or value <= 0):
                 fail(field, "a positive integer or null")
@@ -312,6 +324,14 @@ class ModelConfig:
                 fail("local_layers", "null unless sliding_window is set")
         if self.sliding_window is not None and self.family != "decoder":
             fail("sliding_window", f"null unless family='decoder' (family={self.family!r})")
+        if self.rotary_dim is not None:
+            if self.position != "rope":
+                fail("rotary_dim", f"null unless position='rope' (position={self.position!r})")
+            if self.rotary_dim % 2 or self.rotary_dim > self.dim_per_head:
+                fail("rotary_dim", f"an even number of channels up to the head dimension {self.dim_per_head}")
+        if self.parallel_residual and (self.norm_position != "pre" or self.post_sublayer_norm
+                                       or self.family != "decoder"):
+            fail("parallel_residual", "false unless a pre-norm decoder without post-sublayer norms")
         if self.norm_weight_offset != 0.0 and self.norm != "rmsnorm":
             fail("norm_weight_offset", f"0.0 unless norm='rmsnorm' (norm={self.norm!r})")
         if self.qk_norm and self.norm != "rmsnorm":

@@ -91,6 +91,17 @@ class PortableTarget:
             return (g.weight(f"{name}.local_inv_freq", to_numpy(stack.local_inv_freq), "float32"),)
         return (g.weight(f"{name}.inv_freq", to_numpy(stack.inv_freq), "float32"),)
 
+    def rotate(self, g: GraphBuilder, x: str, module: nn.Module, ctx: StackInputs, name: str) -> str:
+        """RoPE on x [B, N, S, D]; with partial rotary (R = ``module.rotary_dim`` < D) only the
+        first R channels go through ``RotaryEmbedding`` and the rest are concatenated back."""
+        rotary, d = module.rotary_dim, module.head_dim
+        if rotary == d:
+            return g.fn("RotaryEmbedding", x, ctx.position_ids, *ctx.rotary, name=name)
+        part, rest = g.op("Split", x, g.const([rotary, d - rotary], name=f"rotary_split_{rotary}"), axis=-1,
+                          outputs=2, name=f"{name}.split")  # [B, N, S, R], [B, N, S, D - R]
+        rotated = g.fn("RotaryEmbedding", part, ctx.position_ids, *ctx.rotary, name=name)
+        return g.op("Concat", rotated, rest, axis=-1, name=f"{name}.concat")
+
     def attend(self, g: GraphBuilder, q: str, k: str, v: str, module: nn.Module, ctx: StackInputs,
                past: tuple[str, str] | None, name: str) -> tuple[str, tuple[str, str] | None]:
         """q [B, S, H*D], k and v [B, S, Hkv*D] (projected, not rotated) -> (context [B, S, H*D],
@@ -98,10 +109,8 @@ class PortableTarget:
         h, hkv, d = module.n_heads, module.kv_heads, module.head_dim
         q, k, v = heads(g, q, h, d, f"{name}.q"), heads(g, k, hkv, d, f"{name}.k"), heads(g, v, hkv, d, f"{name}.v")
         if ctx.rotary:
-            q = g.tap(f"{name}.rotary_q", g.fn("RotaryEmbedding", q, ctx.position_ids, *ctx.rotary,
-                                               name=f"{name}.rotary_q"))
-            k = g.tap(f"{name}.rotary_k", g.fn("RotaryEmbedding", k, ctx.position_ids, *ctx.rotary,
-                                               name=f"{name}.rotary_k"))
+            q = g.tap(f"{name}.rotary_q", self.rotate(g, q, module, ctx, f"{name}.rotary_q"))
+            k = g.tap(f"{name}.rotary_k", self.rotate(g, k, module, ctx, f"{name}.rotary_k"))
         # Soft-capped scores (Gemma 2) have their own functions, so other graphs pay nothing for them.
         capped = {"softcap": module.softcap} if module.softcap is not None else {}
         prefix = "Softcap" if capped else ""

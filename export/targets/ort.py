@@ -63,6 +63,10 @@ class OrtTarget(PortableTarget):
         if config.dim_per_head % 16:
             raise ValueError(f"target='ort': ONNX Runtime's GroupQueryAttention with rotary needs a "
                              f"head dimension that is a multiple of 16, got {config.dim_per_head}")
+        if config.rotary_channels % 16:
+            raise ValueError(f"target='ort': ONNX Runtime's GroupQueryAttention rotates a number of "
+                             f"channels that is a multiple of 16 (its cos cache width a multiple of 8); "
+                             f"rotary_dim={config.rotary_dim} is not")
 
     def device_refusals(self, dtype: str) -> dict[str, str]:
         if dtype == "float32":  # ONNX Runtime would run the node on the CPU, copying the cache each step

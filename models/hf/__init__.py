@@ -32,6 +32,8 @@ from .gpt2 import GPT2
 from .llama import LLAMA
 from .loader import TensorSource
 from .mpt import MPT
+from .mt5 import MT5
+from .neox import NEOX
 from .qwen import QWEN
 from .roberta import ROBERTA
 from .rules import Architecture, Rule, Transform, concat_rows, params
@@ -39,8 +41,8 @@ from .t5 import T5
 from .weights import WEIGHTS_FILE, SafetensorsTensors
 
 ARCHITECTURES: dict[str, Architecture] = {
-    model_type: arch for arch in (LLAMA, QWEN, GEMMA, GEMMA2, GPT2, BERT, BLOOM, MPT, T5) for model_type in arch.model_types}
-ARCHITECTURES.update({t: arch for arch in (ROBERTA, DISTILBERT) for t in arch.model_types})  # encoders (issue 13)
+    model_type: arch for arch in (LLAMA, QWEN, GEMMA, GEMMA2, NEOX, GPT2, BERT, BLOOM, MPT, T5) for model_type in arch.model_types}
+ARCHITECTURES.update({t: arch for arch in (ROBERTA, DISTILBERT, MT5) for t in arch.model_types})  # encoders (issue 13)
 
 
 def _architecture(hf: dict) -> Architecture:

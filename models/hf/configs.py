@@ -95,7 +95,8 @@ def rope_parameters(hf: dict) -> dict:
     return params
 
 
-def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 10000.0) -> dict:
+def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 10000.0,
+                head_dim: int | None = None) -> dict:
     """RoPE fields of ``ModelConfig`` from the RoPE parameters (``rope_parameters(hf)`` unless
     given: per-layer-type models pass one entry).
 
@@ -110,18 +111,23 @@ def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 100
     kind = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", default_theta))
     partial = params.get("partial_rotary_factor", 1.0)
+    fields = {"rope_theta": theta}
     if partial != 1.0:
-        refuse(hf, "partial_rotary_factor", partial, "tfport rotates the whole head dimension")
+        rotary = int(head_dim * partial) if head_dim is not None else None  # as transformers rounds it
+        if rotary is None or rotary % 2 or rotary <= 0:
+            refuse(hf, "partial_rotary_factor", partial, "tfport rotates an even number of channels "
+                   "of each head" + ("" if head_dim else " (this family rotates whole heads)"))
+        fields["rotary_dim"] = rotary
     if kind == "default":
-        return {"rope_theta": theta}
+        return fields
     if kind == "linear":
-        return {"rope_theta": theta, "rope_scaling": "linear", "rope_scaling_factor": float(params["factor"])}
+        return {**fields, "rope_scaling": "linear", "rope_scaling_factor": float(params["factor"])}
     if kind == "llama3":
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
                                "original_max_position_embeddings") if params.get(k) is None]
         if missing:
             refuse(hf, "rope_parameters", params, f"rope_type 'llama3' needs {missing}")
-        return {"rope_theta": theta, "rope_scaling": "llama3", "rope_scaling_factor": float(params["factor"]),
+        return {**fields, "rope_scaling": "llama3", "rope_scaling_factor": float(params["factor"]),
                 "rope_low_freq_factor": float(params["low_freq_factor"]),
                 "rope_high_freq_factor": float(params["high_freq_factor"]),
                 "rope_original_max_positions": int(params["original_max_position_embeddings"])}

@@ -48,6 +48,7 @@ class HFCase:
     # Rewrite the saved config.json's transformers-5 ``rope_parameters`` as the ``rope_scaling`` +
     # top-level ``rope_theta`` that Llama 3.1/3.2 checkpoints ship.
     legacy_rope: bool = False
+    per_target: bool = False  # exported to every target and compared there (test_decoders.py)
 
     @property
     def decoder(self) -> bool:
@@ -77,30 +78,39 @@ CASES = {case.name: case for case in [
         hidden_size=48, n_layer=2, n_head=6), hf_position_ids=False, seed=5),
     HFCase("mpt", "MptForCausalLM", "MptConfig", dict(
         d_model=32, n_layers=2, n_heads=4, max_seq_len=64), hf_position_ids=False, seed=6),
+    # Pythia-style: partial rotary (half of each 32-channel head: 16, what ONNX Runtime's fused
+    # kernel needs), parallel residual, per-head fused qkv.
+    HFCase("gpt-neox", "GPTNeoXForCausalLM", "GPTNeoXConfig", dict(
+        hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                     "partial_rotary_factor": 0.5}), seed=17, per_target=True),
+    HFCase("gpt-neox-sequential", "GPTNeoXForCausalLM", "GPTNeoXConfig", dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, use_parallel_residual=False), seed=18, per_target=True),
     # 6 heads: MPT's own slope order (MPT-30B has 56 heads).
     HFCase("mpt-6-heads", "MptForCausalLM", "MptConfig", dict(
         d_model=48, n_layers=2, n_heads=6, max_seq_len=64), hf_position_ids=False, seed=16),
     # ---- the decoders people deploy (issue #12). Head dimension 16 so that every export target,
     # including ONNX Runtime's fused GroupQueryAttention, takes them; sliding windows of WINDOW
     # tokens, shorter than the prompts, so that tests run past the window.
-    HFCase("llama3", "LlamaForCausalLM", "LlamaConfig", dict(**_DEPLOYED, rope_parameters=_LLAMA3), seed=7),
+    HFCase("llama3", "LlamaForCausalLM", "LlamaConfig", dict(**_DEPLOYED, rope_parameters=_LLAMA3), seed=7, per_target=True),
     HFCase("llama3-rope-scaling", "LlamaForCausalLM", "LlamaConfig", dict(
-        **_DEPLOYED, rope_parameters=_LLAMA3), seed=8, legacy_rope=True),
+        **_DEPLOYED, rope_parameters=_LLAMA3), seed=8, per_target=True, legacy_rope=True),
     HFCase("mistral-window", "MistralForCausalLM", "MistralConfig", dict(
-        **_DEPLOYED, sliding_window=WINDOW), seed=9),
-    HFCase("qwen2", "Qwen2ForCausalLM", "Qwen2Config", dict(**_DEPLOYED), seed=10),
+        **_DEPLOYED, sliding_window=WINDOW), seed=9, per_target=True),
+    HFCase("qwen2", "Qwen2ForCausalLM", "Qwen2Config", dict(**_DEPLOYED), seed=10, per_target=True),
     HFCase("qwen2-window", "Qwen2ForCausalLM", "Qwen2Config", dict(
-        **_DEPLOYED, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), seed=11),
-    HFCase("qwen3", "Qwen3ForCausalLM", "Qwen3Config", dict(**_DEPLOYED, head_dim=16), seed=12),
-    HFCase("gemma", "GemmaForCausalLM", "GemmaConfig", dict(**_DEPLOYED, head_dim=16), seed=13),
+        **_DEPLOYED, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1), seed=11, per_target=True),
+    HFCase("qwen3", "Qwen3ForCausalLM", "Qwen3Config", dict(**_DEPLOYED, head_dim=16), seed=12, per_target=True),
+    HFCase("gemma", "GemmaForCausalLM", "GemmaConfig", dict(**_DEPLOYED, head_dim=16), seed=13, per_target=True),
     HFCase("gemma2", "Gemma2ForCausalLM", "Gemma2Config", dict(
         **_DEPLOYED, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
-        attn_logit_softcapping=2.0, final_logit_softcapping=3.0), seed=14),
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0), seed=14, per_target=True),
     HFCase("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", dict(
         **_DEPLOYED, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}), seed=15),
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}), seed=15, per_target=True),
 ]}
 
 

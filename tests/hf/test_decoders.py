@@ -26,7 +26,7 @@ from .cases import CASES, WINDOW, assert_close, batch, hf_decoder_step
 transformers = pytest.importorskip("transformers", reason="compared against transformers, which the "
                                    "'dev' extra installs")
 
-DEPLOYED = [name for name, case in CASES.items() if case.fields.get("hidden_size") == 64]
+DEPLOYED = [name for name, case in CASES.items() if case.per_target]
 PROMPT = WINDOW + 3  # every prompt runs past the sliding window
 
 

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers", reason="compared against tran
 DECODERS = [name for name, case in CASES.items() if case.decoder]
 # One ONNX comparison per architecture (the tied/biased LLaMA variant adds nothing to the graph).
 # The deployed decoders (issue #12) have their graph and runtime tests per target in test_decoders.
-ONNX_CASES = [name for name in CASES if name != "llama-mqa-bias-tied" and CASES[name].fields.get("hidden_size") != 64]
+ONNX_CASES = [name for name in CASES if name != "llama-mqa-bias-tied" and not CASES[name].per_target]
 
 
 @pytest.mark.parametrize("padding", ["left", "right"])
