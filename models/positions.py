@@ -25,7 +25,7 @@ def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
     return table.float()
 
 
-def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
+def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) -> torch.Tensor:
     """Rotary inverse frequencies [D/2], with the config's scaling folded in.
 
     Linear scaling (position interpolation) divides positions by the factor, i.e. the
@@ -33,7 +33,8 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     scaling divides frequencies whose wavelength 2 pi / f exceeds L / low_freq_factor (L the
     original context) by the factor, keeps those below L / high_freq_factor, and in between blends
     f / factor and f with weight s = (L / wavelength - low) / (high - low) on f. ``local`` gives
-    the sliding-window layers' frequencies: base ``rope_local_theta``, unscaled.
+    the sliding-window layers' frequencies: base ``rope_local_theta``, unscaled. Longrope divides
+    each frequency by its short factor (``long``: its long factor).
     """
     dim = config.rotary_channels
     theta = config.rope_theta
@@ -45,6 +46,10 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     factor = config.rope_scaling_factor
     if config.rope_scaling == "linear":
         inv_freq = inv_freq / factor
+    elif config.rope_scaling == "longrope":
+        factors = config.rope_long_factor if long else config.rope_short_factor
+        inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float64) * theta ** (
+            torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     elif config.rope_scaling == "llama3":
         context = config.rope_original_max_positions
         low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
@@ -56,10 +61,20 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     return inv_freq.float()
 
 
-def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [B, 1, S, D/2] (float32) for ``position_ids`` [B, S]."""
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [B, 1, S, D/2] (float32) for ``position_ids`` [B, S], times ``factor``
+    (the attention factor of longrope)."""
     angles = position_ids.float()[:, None, :, None] * inv_freq.float()  # [B, 1, S, D/2]
+    if factor != 1.0:
+        return angles.cos() * factor, angles.sin() * factor
     return angles.cos(), angles.sin()
+
+
+def uses_long_factors(config: ModelConfig, position_ids: torch.Tensor) -> bool:
+    """Longrope: whether this call's longest row runs past the trained context (transformers'
+    max(position_ids) + 1 > original_max_position_embeddings)."""
+    return config.rope_scaling == "longrope" and int(position_ids.max()) + 1 > config.rope_original_max_positions
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -202,11 +217,15 @@ class Rotary(PositionScheme):
         stack.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [D/2]
         if config.rope_local_theta is not None:
             stack.register_buffer("local_inv_freq", rope_inv_freq(config, local=True), persistent=False)
+        if config.rope_scaling == "longrope":
+            stack.register_buffer("long_inv_freq", rope_inv_freq(config, long=True), persistent=False)
 
     def rotary(self, stack, position_ids, local=False):
-        if local and stack.config.rope_local_theta is not None:
+        config = stack.config
+        if local and config.rope_local_theta is not None:
             return rope_cos_sin(position_ids, stack.local_inv_freq)
-        return rope_cos_sin(position_ids, stack.inv_freq)
+        inv_freq = stack.long_inv_freq if uses_long_factors(config, position_ids) else stack.inv_freq
+        return rope_cos_sin(position_ids, inv_freq, config.rope_attention_factor)
 
 
 class Alibi(PositionScheme):

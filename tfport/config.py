@@ -24,7 +24,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 CLASSIFIER_POOLINGS = ("cls", "mean")
 CLASSIFIER_ACTIVATIONS = ("tanh", "gelu", "gelu_tanh", "relu", "silu")
-ROPE_SCALINGS = (None, "linear", "ntk", "llama3")
+ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "longrope")
 ALIBI_SLOPES = ("press", "mpt")
 
 
@@ -45,6 +45,10 @@ class ModelConfig:
     raises the base, ``llama3`` divides the low frequencies (wavelength above
     ``rope_original_max_positions / rope_low_freq_factor``) by the factor, keeps the high ones
     (wavelength below ``... / rope_high_freq_factor``) and interpolates smoothly between.
+    ``longrope`` (Phi-3) divides frequency i by ``rope_short_factor[i]``, or by
+    ``rope_long_factor[i]`` in a call whose longest row runs past ``rope_original_max_positions``
+    (max(position_ids) + 1 > it, as transformers decides per forward; keys already cached keep the
+    rotation they got). ``rope_attention_factor`` multiplies cos and sin (longrope, yarn).
     ``rope_local_theta`` gives the sliding-window layers their own base, unscaled (Gemma 3).
 
     ``rotary_dim`` rotates only the first that many channels of each head (GPT-NeoX's
@@ -92,6 +96,9 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_local_theta: float | None = None
+    rope_short_factor: tuple[float, ...] | None = None
+    rope_long_factor: tuple[float, ...] | None = None
+    rope_attention_factor: float = 1.0
     rotary_dim: int | None = None
     alibi_slopes: str = "press"
     sliding_window: int | None = None
@@ -251,6 +258,7 @@ class ModelConfig:
             if not isinstance(getattr(self, field), bool):
                 fail(field, "true or false")
         for field in ("rope_theta", "norm_eps", "lm_head_scale", "embedding_scale", "rope_low_freq_factor",
+                      "rope_attention_factor",
                       "rope_high_freq_factor"):
             if not is_number(getattr(self, field)) or getattr(self, field) <= 0:
                 fail(field, "a positive finite number")
@@ -308,8 +316,21 @@ class ModelConfig:
         elif (self.rope_low_freq_factor, self.rope_high_freq_factor) != (1.0, 4.0):
             fail("rope_low_freq_factor" if self.rope_low_freq_factor != 1.0 else "rope_high_freq_factor",
                  "the default (1.0 / 4.0) unless rope_scaling='llama3'")
-        if self.rope_original_max_positions is not None and self.rope_scaling != "llama3":
-            fail("rope_original_max_positions", "null unless rope_scaling is 'llama3'")
+        if self.rope_original_max_positions is not None and self.rope_scaling not in ("llama3", "longrope"):
+            fail("rope_original_max_positions", "null unless rope_scaling is 'llama3' or 'longrope'")
+        if self.rope_scaling == "longrope":
+            if self.rope_original_max_positions is None:
+                fail("rope_original_max_positions", "the trained context length for rope_scaling='longrope'")
+            for field in ("rope_short_factor", "rope_long_factor"):
+                value = getattr(self, field)
+                if not isinstance(value, tuple) or len(value) != self.rotary_channels // 2 \
+                        or not all(is_number(v) and v > 0 for v in value):
+                    fail(field, f"{self.rotary_channels // 2} positive factors (one per rotary frequency)")
+        elif self.rope_short_factor is not None or self.rope_long_factor is not None:
+            fail("rope_short_factor" if self.rope_short_factor is not None else "rope_long_factor",
+                 "null unless rope_scaling='longrope'")
+        if self.rope_attention_factor != 1.0 and self.rope_scaling != "longrope":
+            fail("rope_attention_factor", "1.0 unless rope_scaling='longrope'")
         if self.rope_local_theta is not None and (self.position != "rope" or self.sliding_window is None):
             fail("rope_local_theta", "null unless position='rope' with a sliding_window (it is the "
                  "sliding-window layers' RoPE base)")

@@ -76,6 +76,11 @@ class PortableTarget:
                                    "float32")
         if scheme.rotary:
             ctx.rotary = self.rotary_tables(g, stack, name)
+            if config.rope_scaling == "longrope":  # short or long factors, chosen per call
+                longer = self.past_trained_context(g, config, inputs, name)
+                long = self.rotary_tables(g, stack, name, long=True)
+                ctx.rotary = tuple(g.op("Where", longer, lt, st, name=f"{name}.longrope_{i}")
+                                   for i, (st, lt) in enumerate(zip(ctx.rotary, long)))
             if config.rope_local_theta is not None:
                 ctx.local_rotary = self.rotary_tables(g, stack, name, local=True)
         if "encoder_attention_mask" in inputs:
@@ -83,24 +88,39 @@ class PortableTarget:
                                    window=0, name=f"{name}.cross_mask")
         return ctx
 
-    def rotary_tables(self, g: GraphBuilder, stack: nn.Module, name: str, local: bool = False
-                      ) -> tuple[str, ...]:
+    def past_trained_context(self, g: GraphBuilder, config: ModelConfig, inputs: dict[str, str], name: str) -> str:
+        """bool scalar: this call's longest row runs past ``rope_original_max_positions``
+        (max(position_ids) + 1 > it), which switches longrope to its long factors."""
+        longest = g.op("ReduceMax", inputs["position_ids"], keepdims=0, name=f"{name}.max_position")
+        return g.op("Greater", longest, g.const(config.rope_original_max_positions - 1, name="trained_context"),
+                    name=f"{name}.past_trained_context")
+
+    scaled_tables = False  # whether rotary_tables already carry rope_attention_factor
+
+    def rotary_tables(self, g: GraphBuilder, stack: nn.Module, name: str, local: bool = False,
+                      long: bool = False) -> tuple[str, ...]:
         """The tables ``RotaryEmbedding`` takes after x and position_ids: inv_freq float32 [D/2]
-        (``local``: the sliding-window layers' own, Gemma 3)."""
-        if local:
-            return (g.weight(f"{name}.local_inv_freq", to_numpy(stack.local_inv_freq), "float32"),)
-        return (g.weight(f"{name}.inv_freq", to_numpy(stack.inv_freq), "float32"),)
+        (``local``: the sliding-window layers' own, Gemma 3; ``long``: longrope's long factors)."""
+        prefix = "local_" if local else "long_" if long else ""
+        return (g.weight(f"{name}.{prefix}inv_freq", to_numpy(getattr(stack, f"{prefix}inv_freq")), "float32"),)
 
     def rotate(self, g: GraphBuilder, x: str, module: nn.Module, ctx: StackInputs, name: str) -> str:
         """RoPE on x [B, N, S, D]; with partial rotary (R = ``module.rotary_dim`` < D) only the
         first R channels go through ``RotaryEmbedding`` and the rest are concatenated back."""
         rotary, d = module.rotary_dim, module.head_dim
+
+        def rope(part: str) -> str:
+            out = g.fn("RotaryEmbedding", part, ctx.position_ids, *ctx.rotary, name=name)
+            if module.rope_factor != 1.0 and not self.scaled_tables:  # = cos and sin times the factor
+                out = g.op("Mul", out, g.const(module.rope_factor, g.dtype, "rope_attention_factor"),
+                           name=f"{name}.factor")
+            return out
+
         if rotary == d:
-            return g.fn("RotaryEmbedding", x, ctx.position_ids, *ctx.rotary, name=name)
+            return rope(x)
         part, rest = g.op("Split", x, g.const([rotary, d - rotary], name=f"rotary_split_{rotary}"), axis=-1,
                           outputs=2, name=f"{name}.split")  # [B, N, S, R], [B, N, S, D - R]
-        rotated = g.fn("RotaryEmbedding", part, ctx.position_ids, *ctx.rotary, name=name)
-        return g.op("Concat", rotated, rest, axis=-1, name=f"{name}.concat")
+        return g.op("Concat", rope(part), rest, axis=-1, name=f"{name}.concat")
 
     def attend(self, g: GraphBuilder, q: str, k: str, v: str, module: nn.Module, ctx: StackInputs,
                past: tuple[str, str] | None, name: str) -> tuple[str, tuple[str, str] | None]:

@@ -70,17 +70,19 @@ def SoftcapGroupQueryAttention23(query, key, value, past_key, past_value, bias, 
     return output, present_key, present_value
 
 
-def rope_tables(inv_freq: torch.Tensor, n_positions: int) -> tuple:
-    """cos and sin float32 [n_positions, D/2] exactly as the reference computes them per position."""
-    cos, sin = rope_cos_sin(torch.arange(n_positions)[None], inv_freq)  # [1, 1, N, D/2]
+def rope_tables(inv_freq: torch.Tensor, n_positions: int, factor: float = 1.0) -> tuple:
+    """cos and sin float32 [n_positions, D/2] exactly as the reference computes them per position
+    (times the longrope attention ``factor``)."""
+    cos, sin = rope_cos_sin(torch.arange(n_positions)[None], inv_freq, factor)  # [1, 1, N, D/2]
     return to_numpy(cos[0, 0]), to_numpy(sin[0, 0])
 
 
-def rope_cache(g: GraphBuilder, stack, name: str, local: bool = False) -> tuple[str, str]:
+def rope_cache(g: GraphBuilder, stack, name: str, local: bool = False, long: bool = False) -> tuple[str, str]:
     """The stack's cos and sin tables as initializers (model dtype); ``local``: those of the
-    sliding-window layers (their own base, Gemma 3)."""
-    prefix = "local_" if local else ""
-    cos, sin = rope_tables(getattr(stack, f"{prefix}inv_freq"), stack.config.max_positions)
+    sliding-window layers (their own base, Gemma 3); ``long``: longrope's long factors."""
+    prefix = "local_" if local else "long_" if long else ""
+    factor = 1.0 if local else stack.config.rope_attention_factor
+    cos, sin = rope_tables(getattr(stack, f"{prefix}inv_freq"), stack.config.max_positions, factor)
     return g.weight(f"{name}.{prefix}rope_cos", cos), g.weight(f"{name}.{prefix}rope_sin", sin)
 
 
@@ -99,5 +101,7 @@ class Onnx23Target(PortableTarget):
             raise ValueError(f"opset={opset!r}: target 'onnx23' uses the opset-23 Attention and "
                              "RotaryEmbedding operators, so it needs opset 23")
 
-    def rotary_tables(self, g, stack, name, local=False):
-        return rope_cache(g, stack, name, local)
+    scaled_tables = True
+
+    def rotary_tables(self, g, stack, name, local=False, long=False):
+        return rope_cache(g, stack, name, local, long)

@@ -83,6 +83,13 @@ class OrtTarget(PortableTarget):
                                  "total_sequence_length": inputs["total_sequence_length"]})
         if config.rope_local_theta is not None:
             ctx.local_rotary = rope_cache(g, stack, name, local=True)
+        if config.rope_scaling == "longrope":  # short or long factors, chosen per call
+            longer = g.op("Greater", inputs["total_sequence_length"],
+                          g.const(config.rope_original_max_positions, "int32", "trained_context"),
+                          name=f"{name}.past_trained_context")
+            long = rope_cache(g, stack, name, long=True)
+            ctx.rotary = tuple(g.op("Where", longer, lt, st, name=f"{name}.longrope_{i}")
+                               for i, (st, lt) in enumerate(zip(ctx.rotary, long)))
         return ctx
 
     def attend(self, g, q, k, v, module, ctx, past, name):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def rope_parameters(hf: dict) -> dict:
     if not isinstance(params, dict):
         refuse(hf, "rope_parameters", params, "expected a JSON object")
     params = dict(params)
-    for name in ("rope_theta", "partial_rotary_factor"):
+    for name in ("rope_theta", "partial_rotary_factor", "original_max_position_embeddings"):
         if name not in params and hf.get(name) is not None:
             params[name] = hf[name]
     return params
@@ -131,8 +132,21 @@ def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 100
                 "rope_low_freq_factor": float(params["low_freq_factor"]),
                 "rope_high_freq_factor": float(params["high_freq_factor"]),
                 "rope_original_max_positions": int(params["original_max_position_embeddings"])}
-    refuse(hf, "rope_type", kind, "tfport maps 'default', 'linear' and 'llama3' exactly; "
-           "'dynamic', 'yarn' and 'longrope' have no tfport config option yet")
+    if kind == "longrope":
+        original = params.get("original_max_position_embeddings")
+        if original is None or params.get("short_factor") is None or params.get("long_factor") is None:
+            refuse(hf, "rope_parameters", params, "rope_type 'longrope' needs short_factor, long_factor "
+                   "and original_max_position_embeddings")
+        factor = params.get("factor") or hf_field(hf, "max_position_embeddings") / original
+        attention = params.get("attention_factor")
+        if attention is None:  # transformers' default
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return {**fields, "rope_scaling": "longrope", "rope_original_max_positions": int(original),
+                "rope_short_factor": tuple(float(f) for f in params["short_factor"]),
+                "rope_long_factor": tuple(float(f) for f in params["long_factor"]),
+                "rope_attention_factor": float(attention)}
+    refuse(hf, "rope_type", kind, "tfport maps 'default', 'linear', 'llama3' and 'longrope' exactly; "
+           "'dynamic' and 'yarn' have no tfport config option yet")
 
 
 def sliding_fields(hf: dict, n_layers: int, all_layers: bool) -> dict:

@@ -62,6 +62,13 @@ def concat_rows(*parts: str) -> Transform:
 QKV = concat_rows("q", "kv", "kv")
 
 
+def half_rows(index: int) -> Transform:
+    """Half ``index`` (0 or 1) of a tensor whose rows are two equal parts, e.g. Phi-3's
+    ``gate_up_proj`` ([gate | up] rows) -> ``ffn.gate`` and ``ffn.up``."""
+    return Transform(f"rows half {index}", lambda shape, c: [(2 * shape[0], *shape[1:])],
+                     lambda ts, shape, c: ts[0].chunk(2, dim=0)[index])
+
+
 def _regroup_heads(ts: list[torch.Tensor], shape: Shape, c: ModelConfig) -> torch.Tensor:
     h, d = c.n_heads, c.dim_per_head
     rest = tuple(shape[1:])

@@ -87,6 +87,13 @@ CASES = {case.name: case for case in [
     HFCase("gpt-neox-sequential", "GPTNeoXForCausalLM", "GPTNeoXConfig", dict(
         hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=64, use_parallel_residual=False), seed=18, per_target=True),
+    # Phi-3 with longrope trained on 8 positions: prefills of 7 tokens use the short factors,
+    # decode steps and chunks past position 8 the long ones; a window of WINDOW tokens.
+    HFCase("phi3", "Phi3ForCausalLM", "Phi3Config", dict(
+        **_DEPLOYED, sliding_window=WINDOW, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+            "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0, 16.0]}), seed=19, per_target=True),
     # 6 heads: MPT's own slope order (MPT-30B has 56 heads).
     HFCase("mpt-6-heads", "MptForCausalLM", "MptConfig", dict(
         d_model=48, n_layers=2, n_heads=6, max_seq_len=64), hf_position_ids=False, seed=16),
