@@ -94,6 +94,13 @@ CASES = {case.name: case for case in [
             "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
             "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0, 16.0]}), seed=19, per_target=True),
+    # StableLM: LayerNorm, partial rotary (half of 32 channels), q/k/v biases; parallel or not.
+    HFCase("stablelm", "StableLmForCausalLM", "StableLmConfig", dict(
+        **{**_DEPLOYED, "hidden_size": 128}, use_qkv_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        seed=20, per_target=True),
+    HFCase("stablelm-parallel", "StableLmForCausalLM", "StableLmConfig", dict(
+        **_DEPLOYED, use_parallel_residual=True), seed=21, per_target=True),
     # 6 heads: MPT's own slope order (MPT-30B has 56 heads).
     HFCase("mpt-6-heads", "MptForCausalLM", "MptConfig", dict(
         d_model=48, n_layers=2, n_heads=6, max_seq_len=64), hf_position_ids=False, seed=16),
