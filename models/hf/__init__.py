@@ -34,6 +34,7 @@ from .loader import TensorSource
 from .mpt import MPT
 from .mt5 import MT5
 from .neox import NEOX
+from .opt import OPT
 from .phi3 import PHI3
 from .qwen import QWEN
 from .stablelm import STABLELM
@@ -43,7 +44,7 @@ from .t5 import T5
 from .weights import WEIGHTS_FILE, SafetensorsTensors
 
 ARCHITECTURES: dict[str, Architecture] = {
-    model_type: arch for arch in (LLAMA, QWEN, GEMMA, GEMMA2, NEOX, PHI3, STABLELM, GPT2, BERT, BLOOM, MPT, T5) for model_type in arch.model_types}
+    model_type: arch for arch in (LLAMA, QWEN, GEMMA, GEMMA2, NEOX, PHI3, STABLELM, OPT, GPT2, BERT, BLOOM, MPT, T5) for model_type in arch.model_types}
 ARCHITECTURES.update({t: arch for arch in (ROBERTA, DISTILBERT, MT5) for t in arch.model_types})  # encoders (issue 13)
 
 

@@ -101,6 +101,14 @@ CASES = {case.name: case for case in [
         seed=20, per_target=True),
     HFCase("stablelm-parallel", "StableLmForCausalLM", "StableLmConfig", dict(
         **_DEPLOYED, use_parallel_residual=True), seed=21, per_target=True),
+    # OPT: learned positions offset by 2, ReLU; pre-norm (most sizes) and post-norm (350m's).
+    HFCase("opt", "OPTForCausalLM", "OPTConfig", dict(
+        hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=64), seed=22, per_target=True),
+    HFCase("opt-post-norm", "OPTForCausalLM", "OPTConfig", dict(
+        hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=64, do_layer_norm_before=False), seed=23,
+        per_target=True),
     # 6 heads: MPT's own slope order (MPT-30B has 56 heads).
     HFCase("mpt-6-heads", "MptForCausalLM", "MptConfig", dict(
         d_model=48, n_layers=2, n_heads=6, max_seq_len=64), hf_position_ids=False, seed=16),
