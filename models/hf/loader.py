@@ -94,7 +94,7 @@ def _plan(model: nn.Module, arch: Architecture, tensors: _Normalized) -> _Plan:
     plan = _Plan()
 
     def sources(target: str, shape: Shape) -> tuple[Rule, tuple[str, ...], bool]:
-        rule, groups = arch.rule(target, config)
+        rule, groups = arch.rule(target, config, tensors.__contains__)
         names = tuple(s.format(**groups) for s in rule.sources)
         ok = True
         for name, expected in zip(names, rule.transform.shapes(shape, config)):
@@ -114,7 +114,7 @@ def _plan(model: nn.Module, arch: Architecture, tensors: _Normalized) -> _Plan:
         if ok:
             plan.loads.append((target, rule, names))
     for alias, target in aliases.items():  # tied copies HF may or may not have saved
-        rule, groups = arch.rule(alias, config)
+        rule, groups = arch.rule(alias, config, tensors.__contains__)
         names = tuple(s.format(**groups) for s in rule.sources)
         if names and all(name in tensors for name in names):
             rule, names, ok = sources(alias, tuple(canonical[target].shape))

@@ -90,6 +90,9 @@ class Rule:
     sources: tuple[str, ...]
     transform: Transform = COPY
     when: Callable[[ModelConfig], bool] | None = None  # only for configs where this holds
+    # Only where the checkpoint holds every source (Falcon's two parallel norms or one shared one:
+    # the config does not say which, the tensors do).
+    if_present: bool = False
 
     @functools.cached_property
     def pattern(self) -> re.Pattern:
@@ -137,11 +140,17 @@ class Architecture:
             return key
         return self.base_prefix + key
 
-    def rule(self, target: str, config: ModelConfig) -> tuple[Rule, dict[str, str]]:
+    def rule(self, target: str, config: ModelConfig, has: Callable[[str], bool] | None = None
+             ) -> tuple[Rule, dict[str, str]]:
+        """The first rule for ``target`` whose ``when`` holds (and, for ``if_present`` rules,
+        whose sources the checkpoint has: ``has(name)``) -> (rule, the ``{i}`` groups)."""
         for rule in self.rules:
             match = rule.pattern.match(target)
             if match and (rule.when is None or rule.when(config)):
-                return rule, match.groupdict()
+                groups = match.groupdict()
+                if rule.if_present and not (has is not None and all(has(s.format(**groups)) for s in rule.sources)):
+                    continue
+                return rule, groups
         raise AssertionError(f"no HF rule for tfport tensor {target!r} ({self.model_types})")
 
 

@@ -109,6 +109,18 @@ CASES = {case.name: case for case in [
         hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
         max_position_embeddings=64, word_embed_proj_dim=64, do_layer_norm_before=False), seed=23,
         per_target=True),
+    # Falcon: new decoder architecture (GQA, rows grouped per KV head, two parallel norms),
+    # Falcon 2's one shared norm, and Falcon 7B's multi-query layout.
+    HFCase("falcon-new", "FalconForCausalLM", "FalconConfig", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, bias=True, max_position_embeddings=64), seed=24, per_target=True),
+    HFCase("falcon-new-one-norm", "FalconForCausalLM", "FalconConfig", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, num_ln_in_parallel_attn=1, max_position_embeddings=64), seed=25,
+        per_target=True),
+    HFCase("falcon-7b", "FalconForCausalLM", "FalconConfig", dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True, parallel_attn=True,
+        max_position_embeddings=64), seed=26, per_target=True),
     # 6 heads: MPT's own slope order (MPT-30B has 56 heads).
     HFCase("mpt-6-heads", "MptForCausalLM", "MptConfig", dict(
         d_model=48, n_layers=2, n_heads=6, max_seq_len=64), hf_position_ids=False, seed=16),
