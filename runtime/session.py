@@ -18,6 +18,8 @@ import onnxruntime as ort
 
 from tfport.contract import GraphSpec
 
+from .threads import thread_policy
+
 logger = logging.getLogger(__name__)
 
 PROVIDERS = ("cpu", "cuda", "auto")
@@ -48,7 +50,9 @@ class SessionSettings:
     """How to open the graphs of an export.
 
     ``provider`` is ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA if it works, else CPU);
-    ``intra_op_threads`` / ``inter_op_threads`` 0 leave ONNX Runtime's default;
+    ``intra_op_threads`` 0 takes tfport's measured default (``threads.thread_policy``: one per
+    usable CPU, the pool spinning unless the machine is busy); ``inter_op_threads`` 0 leaves
+    ONNX Runtime's default;
     ``graph_optimization`` is one of ``GRAPH_OPTIMIZATIONS``.
     """
 
@@ -80,8 +84,11 @@ class SessionSettings:
     def session_options(self) -> ort.SessionOptions:
         options = ort.SessionOptions()
         options.graph_optimization_level = GRAPH_OPTIMIZATIONS[self.graph_optimization]
-        if self.intra_op_threads:
-            options.intra_op_num_threads = self.intra_op_threads
+        # intra_op_threads 0: one per usable CPU, spinning unless the machine is busy (threads.py)
+        policy = thread_policy(self.intra_op_threads)
+        options.intra_op_num_threads = policy.intra_op_threads
+        for key, value in policy.config_entries().items():
+            options.add_session_config_entry(key, value)
         if self.inter_op_threads:
             options.inter_op_num_threads = self.inter_op_threads
         return options
