@@ -44,12 +44,12 @@ def edit_tensors(directory, edit):
 
 # ------------------------------------------------------------------------------ refusals
 def test_unknown_model_type(llama_dir):
-    edit_config(llama_dir, model_type="falcon", architectures=["FalconForCausalLM"])
+    edit_config(llama_dir, model_type="rwkv", architectures=["RwkvForCausalLM"])
     from tfport.models.hf import ARCHITECTURES
 
     expected = re.escape(str(sorted(ARCHITECTURES)))  # every model type the registry imports
     assert {"bert", "gpt2", "llama", "roberta", "t5"} <= set(ARCHITECTURES)
-    with pytest.raises(ValueError, match=rf"model_type='falcon'.*expected one of {expected}"):
+    with pytest.raises(ValueError, match=rf"model_type='rwkv'.*expected one of {expected}"):
         load_hf_model(llama_dir)
 
 
@@ -206,8 +206,7 @@ def test_llama_config_legacy_rope_fields():
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
-                                  {"rope_type": "yarn", "factor": 4.0},
-                                  {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}])
+                                  {"rope_type": "yarn", "factor": 4.0}])
 def test_other_rope_types_are_refused(rope):
     with pytest.raises(ValueError, match=rf"rope_type='{rope['rope_type']}' is not supported"):
         hf_config_to_tfport({**LLAMA, "rope_parameters": rope})
