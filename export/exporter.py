@@ -49,7 +49,9 @@ def _lm_head(g: GraphBuilder, x: str, model: nn.Module, token_table: str) -> str
     if model.config.lm_head_scale != 1.0:
         x = g.op("Mul", x, g.const(model.config.lm_head_scale, g.dtype, "lm_head_scale"), name="lm_head.scale")
     if model.config.tie_embeddings:
-        logits = emit.project(g, x, token_table, "lm_head", transposed=True)
+        head_bias = model.lm_head.bias if getattr(model, "lm_head", None) is not None else None
+        logits = emit.project(g, x, token_table, "lm_head", transposed=True,
+                              bias=None if head_bias is None else emit._np(head_bias))
     else:
         logits = emit.linear(g, x, model.lm_head, "lm_head")
     cap = model.config.final_logit_softcap

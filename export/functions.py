@@ -138,6 +138,26 @@ def RotaryEmbedding(x, position_ids, inv_freq):
 
 
 @script(tfport, default_opset=op)
+def InterleavedRotaryEmbedding(x, position_ids, inv_freq):
+    """Rotary position embedding with GPT-J's "rotate every two" pairing: channel 2i is rotated
+    with channel 2i + 1 by angle position * inv_freq[i]; computed in float32.
+
+    PyTorch: ``apply_rope(x, *rope_cos_sin(position_ids, inv_freq), interleaved=True)``.
+    x [B, N, S, D]; position_ids int64 [B, S]; inv_freq float32 [D/2].
+    """
+    positions = op.Unsqueeze(op.Cast(position_ids, to=FLOAT.dtype), op.Constant(value_ints=[1, 3]))  # [B, 1, S, 1]
+    angles = op.Mul(positions, inv_freq)  # [B, 1, S, D/2]
+    cos = op.Unsqueeze(op.Cos(angles), op.Constant(value_ints=[-1]))  # [B, 1, S, D/2, 1]
+    sin = op.Unsqueeze(op.Sin(angles), op.Constant(value_ints=[-1]))
+    shape = op.Shape(x)
+    pairs = op.Reshape(op.Cast(x, to=FLOAT.dtype), op.Constant(value_ints=[0, 0, 0, -1, 2]))  # [B, N, S, D/2, 2]
+    first, second = op.Split(pairs, axis=-1, num_outputs=2)  # [B, N, S, D/2, 1] each
+    rotated = op.Concat(op.Sub(op.Mul(first, cos), op.Mul(second, sin)),
+                        op.Add(op.Mul(second, cos), op.Mul(first, sin)), axis=-1)  # [B, N, S, D/2, 2]
+    return op.CastLike(op.Reshape(rotated, shape), x)
+
+
+@script(tfport, default_opset=op)
 def ScaledDotProductAttention(query, key, value, bias, scale: float):
     """softmax(query key^T * scale + bias) value, with H query heads over Hkv key/value heads.
 
@@ -231,7 +251,8 @@ def RMSNorm(x, weight, epsilon: float):
     return op.Mul(op.CastLike(normed, x), weight)
 
 
-FUNCTIONS = (AttentionBias, AlibiBias, RelativePositionBias, RotaryEmbedding, ScaledDotProductAttention,
+FUNCTIONS = (AttentionBias, AlibiBias, RelativePositionBias, RotaryEmbedding, InterleavedRotaryEmbedding,
+             ScaledDotProductAttention,
              SoftcapScaledDotProductAttention, GroupQueryAttention, SoftcapGroupQueryAttention, RMSNorm)
 
 

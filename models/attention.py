@@ -58,6 +58,7 @@ class Attention(nn.Module):
         self.softcap = config.attn_logit_softcap
         self.rotary_dim = config.rotary_channels  # channels RoPE rotates (partial rotary: < D)
         self.rope_factor = config.rope_attention_factor  # scales cos and sin (longrope)
+        self.interleaved = config.rope_interleaved  # GPT-J's channel pairing
         self.dropout = config.attention_dropout  # on the attention probabilities, train() only
         self.cross = cross
         q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
@@ -103,7 +104,8 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             if rope is not None:
-                q, k = self.rotary_q(apply_rope(q, *rope)), self.rotary_k(apply_rope(k, *rope))
+                q = self.rotary_q(apply_rope(q, *rope, self.interleaved))
+                k = self.rotary_k(apply_rope(k, *rope, self.interleaved))
             if past is not None:
                 k = torch.cat([past[0], k], dim=2)  # [B, Hkv, P+S, D]
                 v = torch.cat([past[1], v], dim=2)

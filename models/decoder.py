@@ -19,7 +19,7 @@ class DecoderLM(nn.Module):
         self.config = config
         tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.decoder = Stack(config, config.n_decoder_layers, causal=True, tokens=tokens)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = tokens.weight
 

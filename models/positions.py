@@ -77,13 +77,20 @@ def uses_long_factors(config: ModelConfig, position_ids: torch.Tensor) -> bool:
     return config.rope_scaling == "longrope" and int(position_ids.max()) + 1 > config.rope_original_max_positions
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
+               ) -> torch.Tensor:
     """Rotate ``x`` [B, N, S, D] by (cos, sin) [B, 1, S, R/2]: channel i pairs with channel
-    i + R/2 ("rotate half") among the first R channels; channels R..D-1 pass unrotated (partial
+    i + R/2 ("rotate half") among the first R channels, or with ``interleaved`` channel 2i with
+    2i + 1 (GPT-J's "rotate every two"), by angle i; channels R..D-1 pass unrotated (partial
     rotary, R < D)."""
     half = cos.shape[-1]
-    x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    if interleaved:
+        pairs = x[..., :2 * half].float().unflatten(-1, (half, 2))  # [B, N, S, R/2, 2]
+        x1, x2 = pairs[..., 0], pairs[..., 1]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2).to(x.dtype)
+    else:
+        x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
     return out if 2 * half == x.shape[-1] else torch.cat([out, x[..., 2 * half:]], dim=-1)
 
 

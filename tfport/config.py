@@ -53,6 +53,8 @@ class ModelConfig:
 
     ``rotary_dim`` rotates only the first that many channels of each head (GPT-NeoX's
     ``rotary_pct``, ``partial_rotary_factor``); the rest pass unrotated.
+    ``rope_interleaved`` pairs channel 2i with 2i + 1 (GPT-J's rotate-every-two) instead of i with
+    i + R/2. ``lm_head_bias`` adds a bias [V] to the logits (GPT-J).
     ``parallel_residual`` computes attention and FFN from the same input:
     ``x + attn(attn_norm(x)) + ffn(ffn_norm(x))`` (GPT-NeoX, GPT-J, Falcon).
 
@@ -100,6 +102,7 @@ class ModelConfig:
     rope_long_factor: tuple[float, ...] | None = None
     rope_attention_factor: float = 1.0
     rotary_dim: int | None = None
+    rope_interleaved: bool = False
     alibi_slopes: str = "press"
     sliding_window: int | None = None
     local_layers: tuple[int, ...] | None = None
@@ -116,6 +119,7 @@ class ModelConfig:
     embedding_scale: float = 1.0
     post_sublayer_norm: bool = False
     parallel_residual: bool = False
+    lm_head_bias: bool = False
     tie_embeddings: bool = True
     lm_head_scale: float = 1.0
     embedding_norm: bool = False
@@ -254,7 +258,8 @@ class ModelConfig:
             if not is_int(getattr(self, field)) or getattr(self, field) < 0:
                 fail(field, "a non-negative integer")
         for field in ("gated_ffn", "attention_bias", "mlp_bias", "tie_embeddings", "embedding_norm",
-                      "pooler", "mlm_head", "qk_norm", "post_sublayer_norm", "parallel_residual"):
+                      "pooler", "mlm_head", "qk_norm", "post_sublayer_norm", "parallel_residual",
+                      "rope_interleaved", "lm_head_bias"):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "true or false")
         for field in ("rope_theta", "norm_eps", "lm_head_scale", "embedding_scale", "rope_low_freq_factor",
@@ -350,6 +355,10 @@ class ModelConfig:
                 fail("rotary_dim", f"null unless position='rope' (position={self.position!r})")
             if self.rotary_dim % 2 or self.rotary_dim > self.dim_per_head:
                 fail("rotary_dim", f"an even number of channels up to the head dimension {self.dim_per_head}")
+        if self.rope_interleaved and self.position != "rope":
+            fail("rope_interleaved", f"false unless position='rope' (position={self.position!r})")
+        if self.lm_head_bias and self.family != "decoder":
+            fail("lm_head_bias", f"false unless family='decoder' (family={self.family!r})")
         if self.parallel_residual and (self.norm_position != "pre" or self.post_sublayer_norm
                                        or self.family != "decoder"):
             fail("parallel_residual", "false unless a pre-norm decoder without post-sublayer norms")

@@ -110,7 +110,8 @@ class PortableTarget:
         rotary, d = module.rotary_dim, module.head_dim
 
         def rope(part: str) -> str:
-            out = g.fn("RotaryEmbedding", part, ctx.position_ids, *ctx.rotary, name=name)
+            function = "InterleavedRotaryEmbedding" if module.interleaved else "RotaryEmbedding"
+            out = g.fn(function, part, ctx.position_ids, *ctx.rotary, name=name)
             if module.rope_factor != 1.0 and not self.scaled_tables:  # = cos and sin times the factor
                 out = g.op("Mul", out, g.const(module.rope_factor, g.dtype, "rope_attention_factor"),
                            name=f"{name}.factor")

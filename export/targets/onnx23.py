@@ -28,6 +28,12 @@ def RotaryEmbedding23(x, position_ids, cos_cache, sin_cache):
 
 
 @script(tfport, default_opset=op23)
+def InterleavedRotaryEmbedding23(x, position_ids, cos_cache, sin_cache):
+    """Body of ``InterleavedRotaryEmbedding``: ONNX RotaryEmbedding (opset 23), interleaved."""
+    return op23.RotaryEmbedding(x, cos_cache, sin_cache, position_ids, interleaved=1)
+
+
+@script(tfport, default_opset=op23)
 def ScaledDotProductAttention23(query, key, value, bias, scale: float):
     """Body of ``ScaledDotProductAttention``: ONNX Attention (opset 23).
 
@@ -90,7 +96,7 @@ class Onnx23Target(PortableTarget):
     name = "onnx23"
     default_opset = 23
     summary = "the ai.tfport functions on ONNX's opset-23 Attention and RotaryEmbedding"
-    bodies = {"RotaryEmbedding": RotaryEmbedding23,
+    bodies = {"RotaryEmbedding": RotaryEmbedding23, "InterleavedRotaryEmbedding": InterleavedRotaryEmbedding23,
               "ScaledDotProductAttention": ScaledDotProductAttention23,
               "GroupQueryAttention": GroupQueryAttention23,
               "SoftcapScaledDotProductAttention": SoftcapScaledDotProductAttention23,

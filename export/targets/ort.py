@@ -26,7 +26,7 @@ msft = values.Opset("com.microsoft", 1)  # ONNX Runtime's contrib operators
 @script(tfport, default_opset=op)
 def FusedGroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
                              cos_cache, sin_cache, num_heads: int, kv_num_heads: int, scale: float,
-                             local_window_size: int, softcap: float):
+                             local_window_size: int, softcap: float, rotary_interleaved: int):
     """RotaryEmbedding + GroupQueryAttention lowered to ONNX Runtime's fused kernel (target "ort").
 
     PyTorch: as ``GroupQueryAttention`` with RoPE applied to query and key first. query
@@ -37,13 +37,13 @@ def FusedGroupQueryAttention(query, key, value, past_key, past_value, seqlens_k,
     int32 scalar = the longest row's P + S; cos_cache, sin_cache float [max_positions, D/2] =
     cos/sin(position * inv_freq), positions counted from 0 at each row's first token.
     ``local_window_size`` W for sliding-window attention over W keys (query included), -1 for
-    none; ``softcap`` c > 0 soft-caps the scaled scores (c * tanh(s / c)), 0 for none.
+    none; ``rotary_interleaved`` 1 pairs channels 2i and 2i + 1 (GPT-J); ``softcap`` c > 0 soft-caps the scaled scores (c * tanh(s / c)), 0 for none.
     -> output [B, S, H*D], present_key, present_value [B, Hkv, M, D].
     """
     output, present_key, present_value = msft.GroupQueryAttention(
         query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache,
         sin_cache, num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale, do_rotary=1,
-        rotary_interleaved=0, local_window_size=local_window_size, softcap=softcap)
+        rotary_interleaved=rotary_interleaved, local_window_size=local_window_size, softcap=softcap)
     return output, present_key, present_value
 
 
@@ -102,7 +102,8 @@ class OrtTarget(PortableTarget):
         out, pk, pv = g.fn("FusedGroupQueryAttention", q, k, v, past[0], past[1], f["seqlens_k"],
                            f["total_sequence_length"], *ctx.rotary, num_heads=h,
                            kv_num_heads=hkv, scale=module.scale, local_window_size=window,
-                           softcap=module.softcap or 0.0, outputs=3, name=f"{name}.gqa")
+                           softcap=module.softcap or 0.0, rotary_interleaved=int(module.interleaved),
+                           outputs=3, name=f"{name}.gqa")
         g.declare(out, g.dtype, ["batch", "sequence", h * d])  # com.microsoft: no ONNX schema
         for value in (pk, pv):
             g.declare(value, g.dtype, ["batch", hkv, "max_sequence", d])

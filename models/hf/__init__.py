@@ -30,6 +30,7 @@ from .distilbert import DISTILBERT
 from .falcon import FALCON
 from .gemma import GEMMA, GEMMA2
 from .gpt2 import GPT2
+from .gptj import GPTJ
 from .llama import LLAMA
 from .loader import TensorSource
 from .mpt import MPT
@@ -45,7 +46,7 @@ from .t5 import T5
 from .weights import WEIGHTS_FILE, SafetensorsTensors
 
 ARCHITECTURES: dict[str, Architecture] = {
-    model_type: arch for arch in (LLAMA, QWEN, GEMMA, GEMMA2, NEOX, PHI3, STABLELM, OPT, FALCON, GPT2, BERT, BLOOM, MPT, T5) for model_type in arch.model_types}
+    model_type: arch for arch in (LLAMA, QWEN, GEMMA, GEMMA2, NEOX, PHI3, STABLELM, OPT, FALCON, GPTJ, GPT2, BERT, BLOOM, MPT, T5) for model_type in arch.model_types}
 ARCHITECTURES.update({t: arch for arch in (ROBERTA, DISTILBERT, MT5) for t in arch.model_types})  # encoders (issue 13)
 
 

@@ -121,6 +121,9 @@ CASES = {case.name: case for case in [
     HFCase("falcon-7b", "FalconForCausalLM", "FalconConfig", dict(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True, parallel_attn=True,
         max_position_embeddings=64), seed=26, per_target=True),
+    # GPT-J: interleaved partial rotary (16 of 32 channels), shared ln_1, biased head.
+    HFCase("gptj", "GPTJForCausalLM", "GPTJConfig", dict(
+        n_embd=128, n_layer=2, n_head=4, rotary_dim=16, n_positions=64), seed=27, per_target=True),
     # 6 heads: MPT's own slope order (MPT-30B has 56 heads).
     HFCase("mpt-6-heads", "MptForCausalLM", "MptConfig", dict(
         d_model=48, n_layers=2, n_heads=6, max_seq_len=64), hf_position_ids=False, seed=16),
