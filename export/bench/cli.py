@@ -43,12 +43,39 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 def run_bench(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if args.source or args.quantize or args.genai or args.llama_cpp or args.thread_sweep:
+        return _run_compare(args, settings)
     result = run_benchmark(settings)
     if args.plot:
         result.plot = write_plot(result, args.plot)
     print(format_table(result))
     if args.json:
         print(f"wrote {write_json(result, args.json)}")
+    return 0
+
+
+def _run_compare(args: argparse.Namespace, settings) -> int:
+    """``--source`` / ``--quantize`` / peers: the engine comparison (``compare``), batch 1."""
+    import json
+
+    from tfport.files import write_text_atomic
+
+    from .compare import format_compare, run_compare
+
+    if not args.batch:
+        settings = dataclasses.replace(settings, batches=(1,))
+    if settings.batches != (1,):
+        raise ValueError(f"--batch {settings.batches}: the engine comparison runs batch 1")
+    if not args.contexts:
+        settings = dataclasses.replace(settings, contexts=(16,))
+    if not args.targets:
+        settings = dataclasses.replace(settings, targets=("ort",))
+    result = run_compare(settings, args.source or settings.preset, args.quantize or (),
+                         tuple(args.genai or ()), tuple(args.llama_cpp or ()), args.thread_sweep)
+    print(format_compare(result))
+    if args.json:
+        write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -82,6 +109,19 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--read-mib", type=int, help="numpy read kernel's array, MiB (>= 512)")
     p.add_argument("--gemv-mib", type=int, help="ORT GEMV's weight, MiB")
     p.add_argument("--json", help="write the results as JSON here (atomically)")
+    compare = p.add_argument_group(
+        "engine comparison (batch 1, one prompt length; any of these options selects it)")
+    compare.add_argument("--source", help="model to export: preset, checkpoint, HF directory or .gguf")
+    compare.add_argument("--quantize", type=_name_list,
+                         help="quantised exports besides fp32, e.g. int4,int8 (symmetric; "
+                              "int4-asym for zero points)")
+    compare.add_argument("--genai", action="append",
+                         help="an onnxruntime-genai model directory (its builder's output) to time "
+                              "on the same prompt, threads set to --threads (repeatable)")
+    compare.add_argument("--llama-cpp", action="append",
+                         help="a GGUF file to time under llama.cpp (llama-cpp-python; repeatable)")
+    compare.add_argument("--thread-sweep", action="store_true",
+                         help="also time the fp32 export under the default thread policy, 1 and 2 threads")
     p.add_argument("--plot", help="plot step time vs context here (needs matplotlib)")
     p.set_defaults(func=run_bench)
 

@@ -1,0 +1,218 @@
+"""``tfport bench --source ... --quantize int4,int8 [--genai DIR] [--llama-cpp GGUF]``: tfport's
+float and quantised exports against other CPU engines on the same weights, batch 1.
+
+One run exports the source once per (target, format) -- ``logits="last"``, as a deployment
+would -- opens every side, then alternates timed runs between all of them (a prefill of
+``--contexts`` tokens and ``--new-tokens`` greedy steps, ``--repeats`` rounds; medians). Each
+tfport row has its own roofline: the bytes its weight products read per token, taken from the
+export's graph (quantised codes, scales and zero points; gathered embedding rows excluded), over
+the bandwidth measured in the same run. Ratios are within the run: each row against the fastest
+peer and against tfport's float32 export of the same target. ``--thread-sweep`` adds the ort
+float32 export opened with the default thread policy and with explicit settings, to show which
+is fastest here and now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from .measurement import BenchSettings, RunTiming, load_average, machine_info, measure, time_tfport
+from .roofline import measure_bandwidth
+
+log = logging.getLogger(__name__)
+
+FLOAT = "fp32"
+PRODUCT_OPS = {"MatMul", "MatMulNBits", "DequantizeLinear", "Gemm"}
+
+
+@dataclass
+class Side:
+    """One thing timed: a tfport export (``kind`` "tfport") or a peer engine."""
+
+    label: str
+    kind: str  # "tfport" | "onnxruntime-genai" | "llama.cpp"
+    run: Callable[[np.ndarray, int], RunTiming] = field(repr=False)
+    weight_bytes: int | None = None
+    format: str = FLOAT
+    target: str | None = None
+
+
+@dataclass
+class CompareRow:
+    label: str
+    kind: str
+    format: str
+    prefill_ms: float
+    step_ms: float
+    tokens_per_s: float
+    weight_mb_per_token: float | None
+    roofline_tokens_per_s: float | None
+    roofline_pct: float | None
+    vs_fastest_peer: float | None = None
+    vs_tfport_fp32: float | None = None
+    step_ms_repeats: list[float] = field(default_factory=list)
+    first_tokens: list[int] = field(default_factory=list)
+
+
+def product_weight_bytes(graph_path: Path) -> int:
+    """Bytes of the initializers that weight products read (through a Transpose or Reshape):
+    what one decode step at batch 1 reads from memory, embedding gathers aside."""
+    model = onnx.load(str(graph_path), load_external_data=False)
+    sizes = {}
+    for tensor in model.graph.initializer:
+        bits = {onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}.get(tensor.data_type)
+        itemsize = bits / 8 if bits else onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        sizes[tensor.name] = int(np.prod(tensor.dims, dtype=np.int64) * itemsize)
+    producers = {out: node for node in model.graph.node for out in node.output}
+    counted: set[str] = set()
+    for node in model.graph.node:
+        if node.op_type not in PRODUCT_OPS:
+            continue
+        for name in node.input[1:] if node.op_type != "DequantizeLinear" else node.input:
+            source = producers.get(name)
+            if source is not None and source.op_type in ("Transpose", "Reshape"):
+                name = source.input[0]
+            if name in sizes:
+                counted.add(name)
+    return sum(sizes[name] for name in counted)
+
+
+def _tfport_sides(source, settings: BenchSettings, formats: tuple[str, ...], root: Path,
+                  thread_sweep: bool) -> list[Side]:
+    from tfport.runtime import load_model
+    from tfport.runtime.model import Model
+    from tfport.runtime.session import SessionSettings
+
+    from ..exporter import export_model
+
+    sides = []
+    for target in settings.targets:
+        for fmt in (FLOAT, *formats):
+            label = f"tfport {target} {fmt}"
+            out = root / f"{target}-{fmt}"
+            quantize = None if fmt == FLOAT else fmt.removesuffix("-asym")
+            export_model(source.model, out, target=target, quantize=quantize, logits="last",
+                         symmetric=not fmt.endswith("-asym"), validate=False)
+            model = load_model(out, intra_op_threads=settings.threads)
+            sides.append(Side(label, "tfport", lambda p, n, m=model: time_tfport(m, p, n),
+                              product_weight_bytes(out / "decoder.onnx"), fmt, target))
+    if thread_sweep:
+        target = settings.targets[-1]
+        out = root / f"{target}-{FLOAT}"
+        for threads, label in ((0, "default policy"), (1, "1 thread"), (2, "2 threads")):
+            model = Model.load(out, settings=SessionSettings(intra_op_threads=threads))
+            sides.append(Side(f"tfport {target} {FLOAT} [{label}]", "tfport",
+                              lambda p, n, m=model: time_tfport(m, p, n),
+                              product_weight_bytes(out / "decoder.onnx"), FLOAT, target))
+    return sides
+
+
+def _peer_sides(settings: BenchSettings, genai: tuple[str, ...], gguf: tuple[str, ...]
+                ) -> tuple[list[Side], list[str]]:
+    from .peers import GenaiPeer, LlamaCppPeer, available
+
+    sides, skipped = [], []
+    for directory in genai:
+        reason = available("onnxruntime_genai")
+        if reason:
+            skipped.append(f"onnxruntime-genai {directory}: {reason}")
+            continue
+        sides.append(Side(f"onnxruntime-genai {Path(directory).name}", "onnxruntime-genai",
+                          GenaiPeer(directory, settings.threads), format=Path(directory).name))
+    for path in gguf:
+        reason = available("llama_cpp")
+        if reason:
+            skipped.append(f"llama.cpp {path}: {reason}")
+            continue
+        sides.append(Side(f"llama.cpp {Path(path).stem}", "llama.cpp",
+                          LlamaCppPeer(path, settings.threads), format=Path(path).stem))
+    return sides, skipped
+
+
+def run_compare(settings: BenchSettings, source_name: str, formats: tuple[str, ...],
+                genai: tuple[str, ...] = (), gguf: tuple[str, ...] = (),
+                thread_sweep: bool = False) -> dict[str, Any]:
+    """Export, open and time every side (alternating), then rows with rooflines and ratios."""
+    from ..source import load_source
+
+    load_before = load_average()
+    source = load_source(source_name, settings.seed)
+    context, steps = settings.contexts[0], settings.new_tokens
+    with tempfile.TemporaryDirectory(prefix="tfport-compare-") as tmp:
+        sides = _tfport_sides(source, settings, formats, Path(tmp), thread_sweep)
+        peers, skipped = _peer_sides(settings, genai, gguf)
+        sides += peers
+        vocab = source.model.config.vocab_size
+        prompts = np.random.default_rng(settings.seed).integers(min(100, vocab // 2), vocab, size=(1, context))
+        timings = measure([(lambda n, s=s: s.run(prompts, n)) for s in sides], steps, settings.repeats)
+        meta = [dataclasses.replace(s, run=None) for s in sides]
+        del sides, peers  # close the sessions before the bandwidth is measured
+    bandwidth = measure_bandwidth(settings)
+    rows = [_row(side, runs, bandwidth.gbps) for side, runs in zip(meta, timings)]
+    fill_ratios(rows)
+    return {"format": "tfport-bench-compare/1", "source": source_name,
+            "settings": dataclasses.asdict(settings), "formats": list(formats),
+            "machine": {**machine_info(settings), "load_average_before": load_before,
+                        "load_average_after": load_average()},
+            "bandwidth": bandwidth.to_dict(), "rows": [dataclasses.asdict(r) for r in rows],
+            "skipped": skipped}
+
+
+def _row(side: Side, runs: list[RunTiming], gbps: float) -> CompareRow:
+    step = statistics.median(statistics.median(r.step_ms) for r in runs)
+    roofline = None if side.weight_bytes is None else gbps * 1e9 / side.weight_bytes
+    return CompareRow(side.label, side.kind, side.format, statistics.median(r.prefill_ms for r in runs),
+                      step, 1e3 / step, None if side.weight_bytes is None else side.weight_bytes / 1e6,
+                      roofline, None if roofline is None else 100 * (1e3 / step) / roofline,
+                      step_ms_repeats=[statistics.median(r.step_ms) for r in runs],
+                      first_tokens=[int(t) for t in runs[-1].tokens[0, :8]])
+
+
+def fill_ratios(rows: list[CompareRow]) -> None:
+    """Each row's tokens/s over the fastest peer's and over tfport's float32 row of its target."""
+    peers = [r for r in rows if r.kind != "tfport"]
+    fastest = max(peers, key=lambda r: r.tokens_per_s) if peers else None
+    floats = {r.label.rsplit(" ", 1)[0]: r for r in rows
+              if r.kind == "tfport" and r.format == FLOAT and "[" not in r.label}
+    for row in rows:
+        if fastest is not None:
+            row.vs_fastest_peer = row.tokens_per_s / fastest.tokens_per_s
+        if row.kind == "tfport":
+            base = floats.get(row.label.split(" [")[0].rsplit(" ", 1)[0])
+            if base is not None:
+                row.vs_tfport_fp32 = row.tokens_per_s / base.tokens_per_s
+
+
+def format_compare(result: dict[str, Any]) -> str:
+    """The comparison as a table (ratios within this run)."""
+    s = result["settings"]
+    bw = result["bandwidth"]
+    lines = [f"source {result['source']}: batch 1, prompt {s['contexts'][0]} tokens, "
+             f"{s['new_tokens']} greedy steps x {s['repeats']} repeats, {s['threads']} threads, "
+             f"load average {result['machine']['load_average_before']} -> "
+             f"{result['machine']['load_average_after']}",
+             f"bandwidth {bw['used_gbps']:.1f} GB/s ({bw['source']})", ""]
+    header = ("side", "prefill ms", "step ms", "tokens/s", "MB/token", "% roofline",
+              "vs fastest peer", "vs tfport fp32")
+    table = [header]
+    for r in result["rows"]:
+        table.append((r["label"], f"{r['prefill_ms']:.1f}", f"{r['step_ms']:.2f}",
+                      f"{r['tokens_per_s']:.1f}",
+                      "-" if r["weight_mb_per_token"] is None else f"{r['weight_mb_per_token']:.1f}",
+                      "-" if r["roofline_pct"] is None else f"{r['roofline_pct']:.0f}%",
+                      "-" if r["vs_fastest_peer"] is None else f"{r['vs_fastest_peer']:.2f}x",
+                      "-" if r["vs_tfport_fp32"] is None else f"{r['vs_tfport_fp32']:.2f}x"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in table]
+    lines += [f"skipped: {reason}" for reason in result["skipped"]]
+    return "\n".join(lines)

@@ -1,0 +1,51 @@
+"""The engine comparison of ``tfport bench`` (export/bench/compare.py): bytes per token from the
+graph against hand counts, and a seconds-long run (no speeds asserted)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.matrix import matrix_config
+from tfport.export import export_model
+from tfport.export.bench.compare import format_compare, product_weight_bytes, run_compare
+from tfport.export.bench.measurement import QUICK
+from tfport.models import build_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(matrix_config("decoder", "rope", "gqa").replace(d_model=64, tie_embeddings=True), seed=0)
+
+
+def _products(model) -> list[tuple[int, int]]:
+    """(N, K) of every weight product: per layer qkv, out, gate+up (one), down; the tied head."""
+    c = model.config
+    d = c.dim_per_head
+    per_layer = [((c.n_heads + 2 * c.kv_heads) * d, c.d_model), (c.d_model, c.n_heads * d),
+                 (2 * c.d_ff, c.d_model), (c.d_model, c.d_ff)]
+    return per_layer * c.n_decoder_layers + [(c.vocab_size, c.d_model)]
+
+
+def test_float_bytes_are_every_product_matrix_once(model, tmp_path):
+    export_model(model, tmp_path / "f", validate=False)
+    assert product_weight_bytes(tmp_path / "f" / "decoder.onnx") == 4 * sum(n * k for n, k in _products(model))
+
+
+@pytest.mark.parametrize("target", ["ort", "portable"])
+def test_int4_bytes_are_codes_and_scales(model, target, tmp_path):
+    """Symmetric int4 in blocks of 16: K/2 bytes of codes and K/16 float32 scales per row."""
+    export_model(model, tmp_path / "q", target=target, quantize="int4", symmetric=True, block_size=16,
+                 validate=False)
+    expected = sum(n * k // 2 + 4 * n * k // 16 for n, k in _products(model))
+    assert product_weight_bytes(tmp_path / "q" / "decoder.onnx") == expected
+
+
+def test_quick_run_has_a_row_per_side():
+    settings = dataclasses.replace(QUICK, batches=(1,), contexts=(8,), targets=("portable",))
+    result = run_compare(settings, "tiny-decoder", ("int4",), thread_sweep=True)
+    labels = [row["label"] for row in result["rows"]]
+    assert labels[:2] == ["tfport portable fp32", "tfport portable int4"]
+    assert len(labels) == 5 and result["rows"][0]["vs_tfport_fp32"] == 1.0
+    assert "tfport portable int4" in format_compare(result)
