@@ -46,6 +46,8 @@ def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) 
     factor = config.rope_scaling_factor
     if config.rope_scaling == "linear":
         inv_freq = inv_freq / factor
+    elif config.rope_scaling == "yarn":
+        inv_freq = yarn_blend(config, inv_freq)
     elif config.rope_scaling == "longrope":
         factors = config.rope_long_factor if long else config.rope_short_factor
         inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float64) * theta ** (
@@ -59,6 +61,27 @@ def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) 
         inv_freq = torch.where(wavelength > context / low, inv_freq / factor,
                                torch.where(wavelength < context / high, inv_freq, blended))
     return inv_freq.float()
+
+
+def yarn_blend(config: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN's frequencies (Peng et al., 2023) from the unscaled ones [R/2]: channel pair i keeps f
+    (extrapolation) below the correction dim of ``rope_beta_fast`` rotations over the trained
+    context L, takes f / factor (interpolation) above that of ``rope_beta_slow``, and blends
+    linearly in between; the dims are floored / ceiled when ``rope_truncate``."""
+    dim, theta, factor = config.rotary_channels, config.rope_theta, config.rope_scaling_factor
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(config.rope_original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as the reference: no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # weight of f
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0

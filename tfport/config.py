@@ -24,7 +24,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 CLASSIFIER_POOLINGS = ("cls", "mean")
 CLASSIFIER_ACTIVATIONS = ("tanh", "gelu", "gelu_tanh", "relu", "silu")
-ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "longrope")
+ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "longrope", "yarn")
 ALIBI_SLOPES = ("press", "mpt")
 
 
@@ -48,7 +48,10 @@ class ModelConfig:
     ``longrope`` (Phi-3) divides frequency i by ``rope_short_factor[i]``, or by
     ``rope_long_factor[i]`` in a call whose longest row runs past ``rope_original_max_positions``
     (max(position_ids) + 1 > it, as transformers decides per forward; keys already cached keep the
-    rotation they got). ``rope_attention_factor`` multiplies cos and sin (longrope, yarn).
+    rotation they got). ``yarn`` (Peng et al., 2023) blends f / factor and f over the channels
+    between the correction dims of ``rope_beta_fast`` and ``rope_beta_slow`` rotations in
+    ``rope_original_max_positions`` (rounded outwards when ``rope_truncate``), linearly.
+    ``rope_attention_factor`` multiplies cos and sin (longrope, yarn).
     ``rope_local_theta`` gives the sliding-window layers their own base, unscaled (Gemma 3).
 
     ``rotary_dim`` rotates only the first that many channels of each head (GPT-NeoX's
@@ -101,6 +104,9 @@ class ModelConfig:
     rope_short_factor: tuple[float, ...] | None = None
     rope_long_factor: tuple[float, ...] | None = None
     rope_attention_factor: float = 1.0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_truncate: bool = True
     rotary_dim: int | None = None
     rope_interleaved: bool = False
     alibi_slopes: str = "press"
@@ -259,11 +265,11 @@ class ModelConfig:
                 fail(field, "a non-negative integer")
         for field in ("gated_ffn", "attention_bias", "mlp_bias", "tie_embeddings", "embedding_norm",
                       "pooler", "mlm_head", "qk_norm", "post_sublayer_norm", "parallel_residual",
-                      "rope_interleaved", "lm_head_bias"):
+                      "rope_interleaved", "lm_head_bias", "rope_truncate"):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "true or false")
         for field in ("rope_theta", "norm_eps", "lm_head_scale", "embedding_scale", "rope_low_freq_factor",
-                      "rope_attention_factor",
+                      "rope_attention_factor", "rope_beta_fast", "rope_beta_slow",
                       "rope_high_freq_factor"):
             if not is_number(getattr(self, field)) or getattr(self, field) <= 0:
                 fail(field, "a positive finite number")
@@ -321,8 +327,13 @@ class ModelConfig:
         elif (self.rope_low_freq_factor, self.rope_high_freq_factor) != (1.0, 4.0):
             fail("rope_low_freq_factor" if self.rope_low_freq_factor != 1.0 else "rope_high_freq_factor",
                  "the default (1.0 / 4.0) unless rope_scaling='llama3'")
-        if self.rope_original_max_positions is not None and self.rope_scaling not in ("llama3", "longrope"):
-            fail("rope_original_max_positions", "null unless rope_scaling is 'llama3' or 'longrope'")
+        if self.rope_original_max_positions is not None and self.rope_scaling not in ("llama3", "longrope", "yarn"):
+            fail("rope_original_max_positions", "null unless rope_scaling is 'llama3', 'longrope' or 'yarn'")
+        if self.rope_scaling == "yarn" and self.rope_original_max_positions is None:
+            fail("rope_original_max_positions", "the trained context length for rope_scaling='yarn'")
+        if self.rope_scaling != "yarn" and (self.rope_beta_fast, self.rope_beta_slow, self.rope_truncate) != (32.0, 1.0, True):
+            fail("rope_beta_fast", "the defaults (rope_beta_fast 32, rope_beta_slow 1, rope_truncate true) "
+                 "unless rope_scaling='yarn'")
         if self.rope_scaling == "longrope":
             if self.rope_original_max_positions is None:
                 fail("rope_original_max_positions", "the trained context length for rope_scaling='longrope'")
@@ -334,8 +345,8 @@ class ModelConfig:
         elif self.rope_short_factor is not None or self.rope_long_factor is not None:
             fail("rope_short_factor" if self.rope_short_factor is not None else "rope_long_factor",
                  "null unless rope_scaling='longrope'")
-        if self.rope_attention_factor != 1.0 and self.rope_scaling != "longrope":
-            fail("rope_attention_factor", "1.0 unless rope_scaling='longrope'")
+        if self.rope_attention_factor != 1.0 and self.rope_scaling not in ("longrope", "yarn"):
+            fail("rope_attention_factor", "1.0 unless rope_scaling is 'longrope' or 'yarn'")
         if self.rope_local_theta is not None and (self.position != "rope" or self.sliding_window is None):
             fail("rope_local_theta", "null unless position='rope' with a sliding_window (it is the "
                  "sliding-window layers' RoPE base)")

@@ -145,8 +145,27 @@ def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 100
                 "rope_short_factor": tuple(float(f) for f in params["short_factor"]),
                 "rope_long_factor": tuple(float(f) for f in params["long_factor"]),
                 "rope_attention_factor": float(attention)}
-    refuse(hf, "rope_type", kind, "tfport maps 'default', 'linear', 'llama3' and 'longrope' exactly; "
-           "'dynamic' and 'yarn' have no tfport config option yet")
+    if kind == "yarn":
+        original = params.get("original_max_position_embeddings")
+        if original is None:
+            refuse(hf, "rope_parameters", params, "rope_type 'yarn' needs original_max_position_embeddings")
+        factor = params.get("factor") or hf_field(hf, "max_position_embeddings") / original
+        attention = params.get("attention_factor")
+        if attention is None:  # transformers' default (mscale)
+
+            def mscale(scale: float, m: float = 1.0) -> float:
+                return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+            m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+            attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        return {**fields, "rope_scaling": "yarn", "rope_scaling_factor": float(factor),
+                "rope_original_max_positions": int(original), "rope_attention_factor": float(attention),
+                "rope_beta_fast": float(params.get("beta_fast") or 32.0),
+                "rope_beta_slow": float(params.get("beta_slow") or 1.0),
+                "rope_truncate": bool(params.get("truncate", True))}
+    refuse(hf, "rope_type", kind, "tfport maps 'default', 'linear', 'llama3', 'longrope' and 'yarn' "
+           "exactly; 'dynamic' (NTK scaling recomputed from each call's length, with state carried "
+           "between calls) has no tfport config option yet")
 
 
 def sliding_fields(hf: dict, n_layers: int, all_layers: bool) -> dict:

@@ -133,6 +133,10 @@ CASES = {case.name: case for case in [
     HFCase("llama3", "LlamaForCausalLM", "LlamaConfig", dict(**_DEPLOYED, rope_parameters=_LLAMA3), seed=7, per_target=True),
     HFCase("llama3-rope-scaling", "LlamaForCausalLM", "LlamaConfig", dict(
         **_DEPLOYED, rope_parameters=_LLAMA3), seed=8, per_target=True, legacy_rope=True),
+    # Qwen-style YaRN: factor 4 over a 16-token trained context (the blend covers several channels).
+    HFCase("llama-yarn", "LlamaForCausalLM", "LlamaConfig", dict(**_DEPLOYED, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
+        seed=28, per_target=True),
     HFCase("mistral-window", "MistralForCausalLM", "MistralConfig", dict(
         **_DEPLOYED, sliding_window=WINDOW), seed=9, per_target=True),
     HFCase("qwen2", "Qwen2ForCausalLM", "Qwen2Config", dict(**_DEPLOYED), seed=10, per_target=True),
