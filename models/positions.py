@@ -94,6 +94,21 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, factor: flo
     return angles.cos(), angles.sin()
 
 
+def dynamic_inv_freq(config: ModelConfig, position_ids: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK: ``inv_freq`` while the call's longest row n = max(position_ids) + 1 is within
+    the trained context L, else the frequencies of base theta * (factor n / L - factor + 1)^(R/(R-2))
+    (float32, as the graphs compute them)."""
+    n = int(position_ids.max()) + 1
+    context = config.rope_original_max_positions
+    if config.rope_scaling != "dynamic" or n <= context:
+        return inv_freq
+    dim, factor = config.rotary_channels, config.rope_scaling_factor
+    growth = torch.tensor(factor * n / context - (factor - 1), dtype=torch.float32) ** (dim / (dim - 2))
+    base = torch.tensor(config.rope_theta, dtype=torch.float32) * growth
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
+    return 1.0 / base ** exponents
+
+
 def uses_long_factors(config: ModelConfig, position_ids: torch.Tensor) -> bool:
     """Longrope: whether this call's longest row runs past the trained context (transformers'
     max(position_ids) + 1 > original_max_position_embeddings)."""
@@ -255,6 +270,7 @@ class Rotary(PositionScheme):
         if local and config.rope_local_theta is not None:
             return rope_cos_sin(position_ids, stack.local_inv_freq)
         inv_freq = stack.long_inv_freq if uses_long_factors(config, position_ids) else stack.inv_freq
+        inv_freq = dynamic_inv_freq(config, position_ids, inv_freq)
         return rope_cos_sin(position_ids, inv_freq, config.rope_attention_factor)
 
 

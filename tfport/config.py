@@ -24,7 +24,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 CLASSIFIER_POOLINGS = ("cls", "mean")
 CLASSIFIER_ACTIVATIONS = ("tanh", "gelu", "gelu_tanh", "relu", "silu")
-ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "longrope", "yarn")
+ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "longrope", "yarn", "dynamic")
 ALIBI_SLOPES = ("press", "mpt")
 
 
@@ -51,7 +51,12 @@ class ModelConfig:
     rotation they got). ``yarn`` (Peng et al., 2023) blends f / factor and f over the channels
     between the correction dims of ``rope_beta_fast`` and ``rope_beta_slow`` rotations in
     ``rope_original_max_positions`` (rounded outwards when ``rope_truncate``), linearly.
-    ``rope_attention_factor`` multiplies cos and sin (longrope, yarn).
+    ``rope_attention_factor`` multiplies cos and sin (longrope, yarn). ``dynamic`` NTK is plain
+    RoPE while a call's longest row (max(position_ids) + 1 = n) stays within
+    ``rope_original_max_positions`` L; past it the call uses base
+    theta * (factor * n / L - (factor - 1)) ^ (R / (R - 2)), recomputed per call (transformers'
+    module keeps the largest n seen until a call shorter than L; in one generation, whose calls
+    only grow, the two agree).
     ``rope_local_theta`` gives the sliding-window layers their own base, unscaled (Gemma 3).
 
     ``rotary_dim`` rotates only the first that many channels of each head (GPT-NeoX's
@@ -327,10 +332,11 @@ class ModelConfig:
         elif (self.rope_low_freq_factor, self.rope_high_freq_factor) != (1.0, 4.0):
             fail("rope_low_freq_factor" if self.rope_low_freq_factor != 1.0 else "rope_high_freq_factor",
                  "the default (1.0 / 4.0) unless rope_scaling='llama3'")
-        if self.rope_original_max_positions is not None and self.rope_scaling not in ("llama3", "longrope", "yarn"):
-            fail("rope_original_max_positions", "null unless rope_scaling is 'llama3', 'longrope' or 'yarn'")
-        if self.rope_scaling == "yarn" and self.rope_original_max_positions is None:
-            fail("rope_original_max_positions", "the trained context length for rope_scaling='yarn'")
+        if self.rope_original_max_positions is not None and self.rope_scaling not in ("llama3", "longrope", "yarn",
+                                                                                      "dynamic"):
+            fail("rope_original_max_positions", "null unless rope_scaling is 'llama3', 'longrope', 'yarn' or 'dynamic'")
+        if self.rope_scaling in ("yarn", "dynamic") and self.rope_original_max_positions is None:
+            fail("rope_original_max_positions", f"the trained context length for rope_scaling={self.rope_scaling!r}")
         if self.rope_scaling != "yarn" and (self.rope_beta_fast, self.rope_beta_slow, self.rope_truncate) != (32.0, 1.0, True):
             fail("rope_beta_fast", "the defaults (rope_beta_fast 32, rope_beta_slow 1, rope_truncate true) "
                  "unless rope_scaling='yarn'")

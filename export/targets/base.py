@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from onnxscript.values import OnnxFunction
 from torch import nn
 
@@ -76,6 +78,8 @@ class PortableTarget:
                                    "float32")
         if scheme.rotary:
             ctx.rotary = self.rotary_tables(g, stack, name)
+            if config.rope_scaling == "dynamic":  # frequencies from this call's length
+                ctx.rotary = (self.dynamic_inv_freq(g, config, inputs, ctx.rotary[0], name),)
             if config.rope_scaling == "longrope":  # short or long factors, chosen per call
                 longer = self.past_trained_context(g, config, inputs, name)
                 long = self.rotary_tables(g, stack, name, long=True)
@@ -94,6 +98,22 @@ class PortableTarget:
         longest = g.op("ReduceMax", inputs["position_ids"], keepdims=0, name=f"{name}.max_position")
         return g.op("Greater", longest, g.const(config.rope_original_max_positions - 1, name="trained_context"),
                     name=f"{name}.past_trained_context")
+
+    def dynamic_inv_freq(self, g: GraphBuilder, config: ModelConfig, inputs: dict[str, str], inv_freq: str,
+                         name: str) -> str:
+        """Dynamic NTK inv_freq float32 [R/2]: ``inv_freq`` while n = max(position_ids) + 1 <= L,
+        else 1 / (theta (factor n / L - factor + 1)^(R/(R-2)))^(2i/R) (as the reference)."""
+        dim, factor, context = config.rotary_channels, config.rope_scaling_factor, config.rope_original_max_positions
+        f32 = lambda v, n: g.const(np.float32(v), "float32", n)  # noqa: E731
+        longest = g.op("Add", g.op("ReduceMax", inputs["position_ids"], keepdims=0), g.const(1, name="one_i64"))
+        n = g.op("Cast", longest, to=1, name=f"{name}.dynamic_length")  # float32 scalar
+        growth = g.op("Pow", g.op("Sub", g.op("Mul", n, f32(factor / context, "dynamic_slope")),
+                                  f32(factor - 1, "dynamic_offset")), f32(dim / (dim - 2), "dynamic_power"))
+        base = g.op("Mul", f32(config.rope_theta, "rope_theta"), growth)
+        exponents = f32(np.arange(0, dim, 2, dtype=np.float32) / dim, "rope_exponents")
+        scaled = g.op("Reciprocal", g.op("Pow", base, exponents), name=f"{name}.dynamic_inv_freq")
+        longer = g.op("Greater", longest, g.const(context, name="trained_context_len"))
+        return g.op("Where", longer, scaled, inv_freq, name=f"{name}.dynamic_select")
 
     scaled_tables = False  # whether rotary_tables already carry rope_attention_factor
 

@@ -103,6 +103,10 @@ class Onnx23Target(PortableTarget):
               "SoftcapGroupQueryAttention": SoftcapGroupQueryAttention23}
 
     def check(self, config: ModelConfig, dtype: str, opset: int) -> None:
+        if config.rope_scaling == "dynamic":
+            raise ValueError("target='onnx23': rope_scaling='dynamic' recomputes the frequencies from "
+                             "each call's length, and the cos/sin caches RotaryEmbedding reads are fixed "
+                             "at export; use target='portable'")
         if opset != 23:
             raise ValueError(f"opset={opset!r}: target 'onnx23' uses the opset-23 Attention and "
                              "RotaryEmbedding operators, so it needs opset 23")

@@ -60,6 +60,10 @@ class OrtTarget(PortableTarget):
         if config.position != "rope":
             raise ValueError(f"target='ort' fuses RoPE into com.microsoft.GroupQueryAttention; "
                              f"position={config.position!r} models use target='portable'")
+        if config.rope_scaling == "dynamic":
+            raise ValueError("target='ort': rope_scaling='dynamic' recomputes the frequencies from "
+                             "each call's length, and the cos/sin caches GroupQueryAttention reads are "
+                             "fixed at export; use target='portable'")
         if config.dim_per_head % 16:
             raise ValueError(f"target='ort': ONNX Runtime's GroupQueryAttention with rotary needs a "
                              f"head dimension that is a multiple of 16, got {config.dim_per_head}")

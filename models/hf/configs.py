@@ -163,9 +163,13 @@ def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 100
                 "rope_beta_fast": float(params.get("beta_fast") or 32.0),
                 "rope_beta_slow": float(params.get("beta_slow") or 1.0),
                 "rope_truncate": bool(params.get("truncate", True))}
-    refuse(hf, "rope_type", kind, "tfport maps 'default', 'linear', 'llama3', 'longrope' and 'yarn' "
-           "exactly; 'dynamic' (NTK scaling recomputed from each call's length, with state carried "
-           "between calls) has no tfport config option yet")
+    if kind == "dynamic":  # transformers: plain RoPE up to max_position_embeddings, NTK past it
+        context = hf_field(hf, "max_position_embeddings")
+        factor = float(params["factor"])
+        return {**fields, "rope_scaling": "dynamic", "rope_scaling_factor": factor,
+                "rope_original_max_positions": int(context)}
+    refuse(hf, "rope_type", kind, "tfport maps 'default', 'linear', 'llama3', 'longrope', 'yarn' and "
+           "'dynamic' exactly")
 
 
 def sliding_fields(hf: dict, n_layers: int, all_layers: bool) -> dict:

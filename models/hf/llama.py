@@ -19,6 +19,9 @@ def _llama_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     n_heads = hf_field(hf, "num_attention_heads")
     head_dim = hf_field(hf, "head_dim", default=d_model // n_heads)
     max_positions = hf_field(hf, "max_position_embeddings", default=2048)
+    rope = rope_fields(hf)
+    if rope.get("rope_scaling") == "dynamic":  # the context dynamic NTK is meant to reach
+        max_positions = int(max_positions * rope["rope_scaling_factor"])
     n_layers = hf_field(hf, "num_hidden_layers")
     vocab_size = hf_field(hf, "vocab_size")
     return ModelConfig(
@@ -28,7 +31,7 @@ def _llama_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         d_ff=hf_field(hf, "intermediate_size"), n_decoder_layers=n_layers,
         norm="rmsnorm", norm_position="pre", norm_eps=float(hf_field(hf, "rms_norm_eps", default=1e-6)),
         activation=hf_activation(hf, hf_field(hf, "hidden_act", default="silu")), gated_ffn=True,
-        position="rope", max_positions=max_positions, **rope_fields(hf),
+        position="rope", max_positions=max_positions, **rope,
         **sliding_fields(hf, n_layers, all_layers=True),
         attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **token_ids(hf, vocab_size))

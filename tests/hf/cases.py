@@ -137,6 +137,10 @@ CASES = {case.name: case for case in [
     HFCase("llama-yarn", "LlamaForCausalLM", "LlamaConfig", dict(**_DEPLOYED, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}),
         seed=28, per_target=True),
+    # Dynamic NTK over a 10-token trained context: prefills of 7 are plain RoPE, decode steps and
+    # chunks past 10 tokens recompute the base per call.
+    HFCase("llama-dynamic", "LlamaForCausalLM", "LlamaConfig", dict(**{**_DEPLOYED, "max_position_embeddings": 10},
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), seed=29, per_target=True),
     HFCase("mistral-window", "MistralForCausalLM", "MistralConfig", dict(
         **_DEPLOYED, sliding_window=WINDOW), seed=9, per_target=True),
     HFCase("qwen2", "Qwen2ForCausalLM", "Qwen2Config", dict(**_DEPLOYED), seed=10, per_target=True),

@@ -205,8 +205,8 @@ def test_llama_config_legacy_rope_fields():
     assert (config.n_kv_heads, config.norm, config.gated_ffn, config.tie_embeddings) == (2, "rmsnorm", True, False)
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
-                                  {"rope_type": "su", "factor": 4.0}])
+@pytest.mark.parametrize("rope", [{"rope_type": "su", "factor": 4.0},
+                                  {"rope_type": "proportional", "factor": 2.0}])
 def test_other_rope_types_are_refused(rope):
     with pytest.raises(ValueError, match=rf"rope_type='{rope['rope_type']}' is not supported"):
         hf_config_to_tfport({**LLAMA, "rope_parameters": rope})
