@@ -46,6 +46,10 @@ def _gemma_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     if hf.get("use_bidirectional_attention"):
         refuse(hf, "use_bidirectional_attention", True, "tfport's decoders are causal")
     later = version >= 2
+    if later and hf.get("layer_types") is None:  # checkpoints older than transformers' layer_types
+        pattern = 2 if version == 2 else int(hf.get("sliding_window_pattern", 6))
+        hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                    for i in range(n_layers)]}
     rope = _gemma_rope(hf)
     window = sliding_fields(hf, n_layers, all_layers=False) if later else {}
     if not window:

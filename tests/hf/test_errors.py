@@ -267,3 +267,16 @@ def test_bert_heads_follow_architecture_or_keys():
     no_pooler = hf_config_to_tfport({**bert, "architectures": ["BertModel"]},
                                     keys=["embeddings.word_embeddings.weight"])
     assert (no_pooler.pooler, no_pooler.mlm_head) == (False, False)
+
+
+@pytest.mark.parametrize("model_type,pattern,expected", [
+    ("gemma2", None, (0, 2)), ("gemma3_text", 3, (0, 1, 3)), ("gemma3_text", None, (0, 1, 2, 3))])
+def test_gemma_windows_without_layer_types(model_type, pattern, expected):
+    """Checkpoints written before transformers' layer_types: Gemma 2 alternates (even layers
+    slide), Gemma 3 slides all but every sliding_window_pattern-th layer (default 6)."""
+    hf = {**LLAMA, "model_type": model_type, "num_hidden_layers": 4, "sliding_window": 8, "head_dim": 16}
+    if pattern is not None:
+        hf["sliding_window_pattern"] = pattern
+    config = hf_config_to_tfport(hf)
+    assert config.sliding_window == 8
+    assert (config.local_layers or tuple(range(4))) == expected
