@@ -23,7 +23,12 @@ def _gemma_rope(hf: dict) -> dict:
     sliding-window layers' base (``rope_local_theta``), which must be unscaled."""
     params_ = rope_parameters(hf)
     if "full_attention" not in params_:
-        return rope_fields(hf, params_)
+        if hf.get("model_type") != "gemma3_text":
+            return rope_fields(hf, params_)
+        # Gemma 3 configs before per-layer-type rope_parameters: rope_theta (+ rope_scaling) for
+        # global layers, rope_local_base_freq for the sliding ones.
+        params_ = {"full_attention": params_, "sliding_attention": {
+            "rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", 10000.0)}}
     fields = rope_fields(hf, params_["full_attention"], default_theta=1_000_000.0)
     local = params_.get("sliding_attention") or {}
     if local.get("rope_type", "default") != "default":

@@ -280,3 +280,13 @@ def test_gemma_windows_without_layer_types(model_type, pattern, expected):
     config = hf_config_to_tfport(hf)
     assert config.sliding_window == 8
     assert (config.local_layers or tuple(range(4))) == expected
+
+
+def test_gemma3_legacy_rope_fields():
+    """Gemma 3 configs before per-layer-type rope_parameters: global rope_theta and rope_scaling,
+    local rope_local_base_freq."""
+    hf = {**LLAMA, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8, "rope_theta": 1e6,
+          "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    config = hf_config_to_tfport(hf)
+    assert (config.rope_theta, config.rope_scaling, config.rope_scaling_factor, config.rope_local_theta) == \
+        (1e6, "linear", 8.0, 1e4)
