@@ -46,14 +46,14 @@ def _falcon_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         refuse(hf, "parallel_attn", False, "the new decoder architecture always adds attention and MLP "
                "in parallel")
     d_model = hf_field(hf, "hidden_size")
-    n_heads = hf_field(hf, "num_attention_heads")
-    kv_heads = {"grouped": hf_field(hf, "num_kv_heads", default=n_heads), "multi_query": 1,
+    n_heads = hf_field(hf, "num_attention_heads", "n_head")  # n_*: configs of the first releases
+    kv_heads = {"grouped": hf_field(hf, "num_kv_heads", "n_head_kv", default=n_heads), "multi_query": 1,
                 "per_head": n_heads}[layout]
     vocab_size = hf_field(hf, "vocab_size")
     bias = bool(hf.get("bias", False))
     return ModelConfig(
         family="decoder", vocab_size=vocab_size, d_model=d_model, n_heads=n_heads, n_kv_heads=kv_heads,
-        d_ff=hf_field(hf, "ffn_hidden_size", default=4 * d_model), n_decoder_layers=hf_field(hf, "num_hidden_layers"),
+        d_ff=hf_field(hf, "ffn_hidden_size", default=4 * d_model), n_decoder_layers=hf_field(hf, "num_hidden_layers", "n_layer"),
         norm="layernorm", norm_position="pre", norm_eps=float(hf_field(hf, "layer_norm_epsilon", default=1e-5)),
         activation=hf_activation(hf, hf_field(hf, "activation", default="gelu")),
         position="rope", max_positions=hf_field(hf, "max_position_embeddings", default=2048),
