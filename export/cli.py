@@ -45,10 +45,11 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-validate", action="store_true",
                    help="skip running ONNX Runtime against PyTorch after export")
     p.add_argument("--progress", action="store_true", help="always show the progress bar")
-    p.add_argument("--quantize", choices=list(QUANTIZE_FORMATS), default=None,
+    p.add_argument("--quantize", choices=[*QUANTIZE_FORMATS, "keep"], default=None,
                    help="weight-only blockwise quantisation of every weight product, the token table "
                         "and a tied head (round-to-nearest; the target lowers it: DequantizeLinear + "
-                        "MatMul for portable/onnx23, MatMulNBits for ort)")
+                        "MatMul for portable/onnx23, MatMulNBits for ort); keep: a .gguf source's own "
+                        "Q4_0/Q4_1/Q8_0 blocks, not re-quantised")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=32,
                    help="values per scale along each weight row (default 32)")
     p.add_argument("--logits", choices=LOGITS, default="all",

@@ -321,6 +321,15 @@ def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, seed: i
     from .source import load_source
 
     loaded = load_source(source, seed)
+    if options.get("quantize") == "keep":  # the GGUF file's own blocks (export/gguf_keep.py)
+        from tfport.models.gguf.reader import is_gguf_file
+
+        from .gguf_keep import KeptQuantization
+
+        if not is_gguf_file(source):
+            raise ValueError(f"quantize='keep': source={source!r} is not a GGUF file; 'keep' keeps "
+                             "a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks (use int4 or int8 otherwise)")
+        options["quantize"] = KeptQuantization(source)
     if options.get("tokenizer") is None:
         options["tokenizer"] = loaded.tokenizer
     if options.get("chat_template") is None:

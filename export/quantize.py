@@ -255,8 +255,9 @@ def quantized_weights(model, scheme: QuantScheme, dtype: str = "float32") -> dic
             values[f"{path}.weight"] = scheme.quantize(rows, dtype).dequantize().astype(np.float32)
     if scheme.embeddings:
         for path in tables:
-            table = model.get_parameter(path).detach().float().cpu().numpy()
-            values[path] = scheme.quantize(table, dtype).dequantize().astype(np.float32)
+            table = scheme.quantize(model.get_parameter(path).detach().float().cpu().numpy(), dtype)
+            if table.offsets is None:  # as WeightQuantizer.table: a table with offsets stays float
+                values[path] = table.dequantize().astype(np.float32)
     return values
 
 
@@ -330,8 +331,11 @@ class WeightQuantizer:
 
     def table(self, g, name: str, rows: np.ndarray) -> str:
         """Quantise a token table [V, E]; returns the handle ``gather`` and ``project`` take."""
+        table = self.scheme.quantize(rows, g.dtype)
+        if table.offsets is not None:  # no gather kernel adds block offsets (GGUF Q4_1): float
+            return g.weight(name, rows)
         handle = g.fresh(name)
-        self.tables[handle] = self.scheme.quantize(rows, g.dtype)
+        self.tables[handle] = table
         return handle
 
     def owns(self, weight) -> bool:
@@ -357,8 +361,12 @@ class WeightQuantizer:
 def resolve_scheme(quantize, block_size: int = 32, symmetric: bool = False) -> QuantScheme | None:
     """``export_model``'s ``quantize`` argument: None, "int4" / "int8" (with ``block_size`` and
     ``symmetric``) or a ``QuantScheme`` (taken as is)."""
-    if quantize is None or isinstance(quantize, QuantScheme):
-        return quantize
+    if quantize is None or isinstance(quantize, QuantScheme) or hasattr(quantize, "quantize"):
+        return quantize  # a QuantScheme, or export.gguf_keep.KeptQuantization
+    if quantize == "keep":
+        raise ValueError("quantize='keep': keeps a GGUF file's own blocks, so the source must be a "
+                         ".gguf file (tfport export FILE.gguf --quantize keep, or "
+                         "export.gguf_keep.KeptQuantization)")
     if not isinstance(quantize, str):
         raise TypeError(f"quantize={quantize!r}: expected None, one of {list(BITS)} or a QuantScheme")
     return QuantScheme.parse(quantize, block_size, symmetric)
@@ -385,3 +393,16 @@ def exact_graph(path) -> bytes:
             del node.attribute[:]
             node.attribute.extend(kept + [helper.make_attribute("accuracy_level", 0)])
     return model.SerializeToString()
+
+
+def offset_product(g, x: str, weight: BlockQuantized, name: str) -> str:
+    """x [B, S, K] @ (``weight.offsets`` [N, Kb] spread over their blocks)^T -> [B, S, N], as
+    (x summed per block) [B, S, Kb] @ offsets^T [Kb, N]: the ``+ m`` of GGUF Q4_1 blocks."""
+    n, k = weight.shape
+    assert k == weight.n_blocks * weight.block_size, "offsets need whole blocks"
+    blocks = g.op("Reshape", x, g.const([0, 0, weight.n_blocks, weight.block_size], name=f"{name}.blocks_shape"),
+                  name=f"{name}.blocks")  # [B, S, Kb, bs]
+    sums = g.op("ReduceSum", blocks, g.const([-1], name=f"{name}.block_axis"), keepdims=0,
+                name=f"{name}.block_sums")  # [B, S, Kb]
+    return g.op("MatMul", sums, g.weight(f"{name}.offsets", weight.offsets.T.astype("float32")),
+                name=f"{name}.offset_product")

@@ -21,7 +21,7 @@ from tfport.config import ModelConfig
 from ..emit import StackInputs, heads
 from ..graph import GraphBuilder, to_numpy
 from ..positions import POSITION_EMITTERS
-from ..quantize import BlockQuantized, int_initializer
+from ..quantize import BlockQuantized, int_initializer, offset_product
 
 QUANTIZED_MIN_OPSET = 21  # DequantizeLinear with block_size and int4/uint4 codes
 
@@ -188,7 +188,7 @@ class PortableTarget:
                  name=f"{name}.dequantize")  # [K, N], graph dtype
         y = g.op("MatMul", x, w, name=name)
         if weight.offsets is not None:  # GGUF Q4_1: + x @ (block minimum spread over its rows)
-            raise NotImplementedError("block offsets")
+            y = g.op("Add", y, offset_product(g, x, weight, name), name=f"{name}.offset_add")
         if bias is not None:
             y = g.op("Add", y, g.weight(f"{name}.bias", bias), name=f"{name}.bias_add")
         return y

@@ -13,7 +13,7 @@ from tfport.config import ModelConfig
 
 from ..emit import StackInputs
 from ..functions import tfport
-from ..quantize import byte_initializer, pack_nibbles
+from ..quantize import byte_initializer, offset_product, pack_nibbles
 from .base import PortableTarget
 from .onnx23 import rope_cache
 
@@ -136,11 +136,11 @@ class OrtTarget(PortableTarget):
         kernel's default 2^(bits-1)). ``accuracy_level`` 4 lets the CPU kernel quantise the
         activations to int8 per block (its fast path; parity checks the graph at level 0)."""
         n, k = weight.shape
-        if weight.offsets is not None:
-            raise NotImplementedError("block offsets")
         y = g.op("MatMulNBits", x, *_nbits_storage(g, weight, name), domain="com.microsoft", K=k,
                  N=n, bits=weight.bits, block_size=weight.block_size,
                  accuracy_level=ORT_ACCURACY_LEVEL, name=name)
+        if weight.offsets is not None:  # GGUF Q4_1 (zero points 0): + (x summed per block) @ m
+            y = g.op("Add", y, offset_product(g, x, weight, name), name=f"{name}.offset_add")
         if bias is not None:
             y = g.op("Add", y, g.weight(f"{name}.bias", bias), name=f"{name}.bias_add")
         return y

@@ -103,6 +103,12 @@ class GGUFFile:
                              f"supported (tensors {listed}{more}); tfport dequantises "
                              f"{list(SUPPORTED_TYPES)}")
 
+    def blocks(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s stored bytes, uint8 [rows, bytes per row] (ggml blocks as written;
+        see ``tfport.export.gguf_keep`` for the layouts it keeps)."""
+        data = np.asarray(self._tensors[name].data)
+        return data.view(np.uint8).reshape(data.shape[0], -1)
+
     def dequantize(self, name: str) -> np.ndarray:
         """Tensor ``name`` as float32, numpy-order shape."""
         tensor = self._tensors[name]
