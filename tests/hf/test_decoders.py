@@ -50,7 +50,10 @@ def exported(imported, tmp_path_factory):
             except ValueError as err:
                 pytest.skip(f"target {target!r} refuses {name}: {err}")
             out = tmp_path_factory.mktemp(f"export-{name}-{target}") / "export"
-            cache[name, target] = (it, out, export_model(it.model, out, target=target))
+            # concat-layout graphs are compared with transformers directly below; the export-time
+            # check against the module is kept where the runtime is the only driver (inplace).
+            validate = TARGETS[target].layout != "concat"
+            cache[name, target] = (it, out, export_model(it.model, out, target=target, validate=validate))
         return cache[name, target]
 
     return get
