@@ -39,7 +39,7 @@ BAD_CONFIGS = [
     BadConfig("norm_position", "tiny-decoder", {"norm_position": "sandwich"}, "norm_position", "'sandwich'"),
     BadConfig("position", "tiny-decoder", {"position": "t5_bucket"}, "position", "'t5_bucket'"),
     BadConfig("activation", "tiny-decoder", {"activation": "swish"}, "activation", "'swish'"),
-    BadConfig("rope_scaling", "tiny-decoder", {"rope_scaling": "yarn"}, "rope_scaling", "'yarn'"),
+    BadConfig("rope_scaling", "tiny-decoder", {"rope_scaling": "xpos"}, "rope_scaling", "'xpos'"),
     BadConfig("pad-id-equals-vocab", "tiny-decoder", {"pad_token_id": 96}, "pad_token_id", "96"),
     BadConfig("eos-id-negative", "tiny-decoder", {"eos_token_id": -1}, "eos_token_id", "-1"),
     BadConfig("bos-id-beyond-vocab", "tiny-decoder", {"bos_token_id": 1000}, "bos_token_id", "1000"),
