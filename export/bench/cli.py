@@ -114,7 +114,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     compare.add_argument("--source", help="model to export: preset, checkpoint, HF directory or .gguf")
     compare.add_argument("--quantize", type=_name_list,
                          help="quantised exports besides fp32, e.g. int4,int8 (symmetric; "
-                              "int4-asym for zero points)")
+                              "int4-asym for zero points; keep: a .gguf source's own blocks)")
     compare.add_argument("--genai", action="append",
                          help="an onnxruntime-genai model directory (its builder's output) to time "
                               "on the same prompt, threads set to --threads (repeatable)")

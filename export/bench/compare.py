@@ -87,8 +87,8 @@ def product_weight_bytes(graph_path: Path) -> int:
     return sum(sizes[name] for name in counted)
 
 
-def _tfport_sides(source, settings: BenchSettings, formats: tuple[str, ...], root: Path,
-                  thread_sweep: bool) -> list[Side]:
+def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tuple[str, ...],
+                  root: Path, thread_sweep: bool) -> list[Side]:
     from tfport.runtime import load_model
     from tfport.runtime.model import Model
     from tfport.runtime.session import SessionSettings
@@ -101,6 +101,10 @@ def _tfport_sides(source, settings: BenchSettings, formats: tuple[str, ...], roo
             label = f"tfport {target} {fmt}"
             out = root / f"{target}-{fmt}"
             quantize = None if fmt == FLOAT else fmt.removesuffix("-asym")
+            if fmt == "keep":  # a GGUF source's own blocks
+                from ..gguf_keep import KeptQuantization
+
+                quantize = KeptQuantization(source_name)
             export_model(source.model, out, target=target, quantize=quantize, logits="last",
                          symmetric=not fmt.endswith("-asym"), validate=False)
             model = load_model(out, intra_op_threads=settings.threads)
@@ -149,7 +153,7 @@ def run_compare(settings: BenchSettings, source_name: str, formats: tuple[str, .
     source = load_source(source_name, settings.seed)
     context, steps = settings.contexts[0], settings.new_tokens
     with tempfile.TemporaryDirectory(prefix="tfport-compare-") as tmp:
-        sides = _tfport_sides(source, settings, formats, Path(tmp), thread_sweep)
+        sides = _tfport_sides(source, source_name, settings, formats, Path(tmp), thread_sweep)
         peers, skipped = _peer_sides(settings, genai, gguf)
         sides += peers
         vocab = source.model.config.vocab_size

@@ -12,18 +12,78 @@ import json
 from tfport.contract import Manifest
 from tfport.files import write_text_atomic
 
+from ..quantize import fake_quantize
 from ..source import load_source
 from .cases import CASES
 from .localize import first_divergence
 from .runner import Runner, cuda_available
 
 
+def reference_scheme(quantization: dict, against: str):
+    """The quantisation a manifest records, to fake-quantise the reference with."""
+    from ..quantize import QuantScheme
+
+    if quantization.get("format") == "keep":
+        from ..gguf_keep import KeptQuantization
+
+        return KeptQuantization(against, QuantScheme(**{k: quantization["fallback"][k] for k in
+                                                        ("bits", "block_size", "symmetric", "embeddings")}))
+    return QuantScheme(quantization["bits"], quantization["block_size"], quantization["symmetric"],
+                       quantization.get("embeddings", True))
+
+
+def print_accuracy(model_dir, model, tokenizer) -> None:
+    """The quantised export as shipped against the unquantised module: perplexity on the fixed
+    text (needs logits='all' and a tokenizer) and greedy agreement on a few prompts."""
+    import numpy as np
+    import torch
+
+    from tfport.models.generate import generate
+    from tfport.runtime import load_model
+
+    from .accuracy import HEADER, PERPLEXITY_TEXT, AccuracyRow, export_logits, first_divergence, \
+        perplexity, reference_logits
+
+    runtime = load_model(model_dir)
+    if tokenizer is None or runtime.config.family != "decoder":
+        print("accuracy: needs a decoder with a tokenizer; skipped")
+        return
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer))
+    ids = np.array(tok.encode(PERPLEXITY_TEXT.read_text()).ids, dtype=np.int64)[:runtime.config.max_positions]
+    reference = perplexity(reference_logits(model, ids), ids)
+    try:
+        quantized = perplexity(export_logits(model_dir, ids), ids)
+    except ValueError as err:  # logits='last'
+        print(f"accuracy: {err}")
+        quantized = float("nan")
+    prompts = [tok.encode(t).ids for t in ACCURACY_PROMPTS]
+    expected = np.stack([generate(model, torch.tensor([p]), max_new_tokens=32)[0].numpy() for p in prompts])
+    got = runtime.generate(prompts, max_new_tokens=32, stop_token_ids=())
+    print(HEADER)
+    print(AccuracyRow("unquantised (PyTorch)", reference, 1.0, None).describe())
+    print(AccuracyRow(f"export ({model_dir})"[:28], quantized, quantized / reference,
+                      first_divergence(expected, got)).describe())
+    print()
+
+
+ACCURACY_PROMPTS = ["The capital of France is", "Once upon a time, a little robot",
+                    "def fibonacci(n):", "The three primary colors are"]
+
+
 def run_parity(args: argparse.Namespace) -> int:
     manifest = Manifest.read(args.model_dir)
-    model = load_source(args.against, args.seed, "--against").model
+    source = load_source(args.against, args.seed, "--against")
+    model = source.model
     if model.config != manifest.config:
         raise ValueError(f"--against={args.against!r}: its config differs from the export's "
                          f"({args.model_dir}/config.json)")
+    if manifest.quantization:
+        if args.accuracy:
+            print_accuracy(args.model_dir, model, source.tokenizer)
+        # The exact check: the module with the export's dequantised weights.
+        model = fake_quantize(model, reference_scheme(manifest.quantization, args.against), manifest.dtype)
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     for provider in providers:
         if provider not in ("cpu", "cuda"):
@@ -74,4 +134,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed when --against is a preset")
     p.add_argument("--providers", default="cpu", help="comma-separated: cpu,cuda")
     p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--accuracy", action="store_true",
+                   help="a quantised export: also its perplexity on a fixed text and greedy agreement "
+                        "against the unquantised --against (parity itself compares with the "
+                        "fake-quantised module: the same dequantised weights)")
     p.set_defaults(func=run_parity)
