@@ -158,6 +158,42 @@ def InterleavedRotaryEmbedding(x, position_ids, inv_freq):
 
 
 @script(tfport, default_opset=op)
+def GroupedScores(query, key, scale: float):
+    """Scaled attention scores float32 [B, H, S, T] = query key^T * scale, with H query heads
+    over Hkv key heads: query heads are grouped [B, Hkv, G, S, D] and keys broadcast over G
+    (MHA: G = 1; MQA: Hkv = 1), never copied. query [B, H, S, D]; key [B, Hkv, T, D]."""
+    zero = op.Constant(value_ints=[0])
+    rest = op.Constant(value_ints=[-1])
+    heads = op.Shape(query, start=1, end=2)
+    kv_heads = op.Shape(key, start=1, end=2)
+    length = op.Shape(query, start=2, end=3)
+    grouped = op.Reshape(query, op.Concat(zero, kv_heads, op.Div(heads, kv_heads), length, rest,
+                                          axis=0))  # [B, Hkv, G, S, D]
+    keys_t = op.Unsqueeze(op.Transpose(key, perm=[0, 1, 3, 2]), op.Constant(value_ints=[2]))  # [B, Hkv, 1, D, T]
+    scores = op.Cast(op.MatMul(grouped, keys_t), to=FLOAT.dtype)  # [B, Hkv, G, S, T]
+    scores = op.Reshape(scores, op.Concat(zero, heads, length, rest, axis=0))  # [B, H, S, T]
+    return op.Mul(scores, op.Constant(value_float=scale))
+
+
+@script(tfport, default_opset=op)
+def GroupedContext(scores, value, query):
+    """softmax(scores) value -> [B, S, H*D]: scores float32 [B, H, S, T] (scaled, bias added);
+    value [B, Hkv, T, D] broadcast over each group of G query heads; the probabilities are cast
+    to the query's dtype (query [B, H, S, D] gives the dtype and the output shape)."""
+    zero = op.Constant(value_ints=[0])
+    rest = op.Constant(value_ints=[-1])
+    heads = op.Shape(query, start=1, end=2)
+    kv_heads = op.Shape(value, start=1, end=2)
+    length = op.Shape(query, start=2, end=3)
+    probs = op.CastLike(op.Softmax(scores, axis=-1), query)
+    probs = op.Reshape(probs, op.Concat(zero, kv_heads, op.Div(heads, kv_heads), length, rest,
+                                        axis=0))  # [B, Hkv, G, S, T]
+    out = op.MatMul(probs, op.Unsqueeze(value, op.Constant(value_ints=[2])))  # [B, Hkv, G, S, D]
+    out = op.Transpose(op.Reshape(out, op.Shape(query)), perm=[0, 2, 1, 3])  # [B, S, H, D]
+    return op.Reshape(out, op.Concat(zero, zero, rest, axis=0))  # [B, S, H*D]
+
+
+@script(tfport, default_opset=op)
 def ScaledDotProductAttention(query, key, value, bias, scale: float):
     """softmax(query key^T * scale + bias) value, with H query heads over Hkv key/value heads.
 
@@ -166,22 +202,7 @@ def ScaledDotProductAttention(query, key, value, bias, scale: float):
     [B, Hkv, G, S, D] and key/value broadcast over G (MHA: G = 1; MQA: Hkv = 1), never copied.
     Scores, bias and softmax are float32.
     """
-    zero = op.Constant(value_ints=[0])
-    rest = op.Constant(value_ints=[-1])
-    heads = op.Shape(query, start=1, end=2)
-    kv_heads = op.Shape(key, start=1, end=2)
-    group = op.Div(heads, kv_heads)
-    length = op.Shape(query, start=2, end=3)
-    grouped = op.Reshape(query, op.Concat(zero, kv_heads, group, length, rest, axis=0))  # [B, Hkv, G, S, D]
-    keys_t = op.Unsqueeze(op.Transpose(key, perm=[0, 1, 3, 2]), op.Constant(value_ints=[2]))  # [B, Hkv, 1, D, T]
-    scores = op.Cast(op.MatMul(grouped, keys_t), to=FLOAT.dtype)  # [B, Hkv, G, S, T]
-    scores = op.Reshape(scores, op.Concat(zero, heads, length, rest, axis=0))  # [B, H, S, T]
-    scores = op.Add(op.Mul(scores, op.Constant(value_float=scale)), bias)
-    probs = op.CastLike(op.Softmax(scores, axis=-1), query)
-    probs = op.Reshape(probs, op.Concat(zero, kv_heads, group, length, rest, axis=0))  # [B, Hkv, G, S, T]
-    out = op.MatMul(probs, op.Unsqueeze(value, op.Constant(value_ints=[2])))  # [B, Hkv, G, S, D]
-    out = op.Transpose(op.Reshape(out, op.Shape(query)), perm=[0, 2, 1, 3])  # [B, S, H, D]
-    return op.Reshape(out, op.Concat(zero, zero, rest, axis=0))  # [B, S, H*D]
+    return GroupedContext(op.Add(GroupedScores(query, key, scale=scale), bias), value, query)
 
 
 @script(tfport, default_opset=op)
@@ -191,23 +212,9 @@ def SoftcapScaledDotProductAttention(query, key, value, bias, scale: float, soft
     entries stay at the float32 minimum). PyTorch: ``grouped_attention(..., softcap=softcap)``.
     query [B, H, S, D]; key, value [B, Hkv, T, D]; bias float32 [B, 1 or H, S, T] -> [B, S, H*D].
     """
-    zero = op.Constant(value_ints=[0])
-    rest = op.Constant(value_ints=[-1])
-    heads = op.Shape(query, start=1, end=2)
-    kv_heads = op.Shape(key, start=1, end=2)
-    group = op.Div(heads, kv_heads)
-    length = op.Shape(query, start=2, end=3)
-    grouped = op.Reshape(query, op.Concat(zero, kv_heads, group, length, rest, axis=0))  # [B, Hkv, G, S, D]
-    keys_t = op.Unsqueeze(op.Transpose(key, perm=[0, 1, 3, 2]), op.Constant(value_ints=[2]))  # [B, Hkv, 1, D, T]
-    scores = op.Cast(op.MatMul(grouped, keys_t), to=FLOAT.dtype)  # [B, Hkv, G, S, T]
-    scores = op.Reshape(scores, op.Concat(zero, heads, length, rest, axis=0))  # [B, H, S, T]
     cap = op.Constant(value_float=softcap)
-    scores = op.Mul(op.Tanh(op.Div(op.Mul(scores, op.Constant(value_float=scale)), cap)), cap)
-    probs = op.CastLike(op.Softmax(op.Add(scores, bias), axis=-1), query)
-    probs = op.Reshape(probs, op.Concat(zero, kv_heads, group, length, rest, axis=0))  # [B, Hkv, G, S, T]
-    out = op.MatMul(probs, op.Unsqueeze(value, op.Constant(value_ints=[2])))  # [B, Hkv, G, S, D]
-    out = op.Transpose(op.Reshape(out, op.Shape(query)), perm=[0, 2, 1, 3])  # [B, S, H, D]
-    return op.Reshape(out, op.Concat(zero, zero, rest, axis=0))  # [B, S, H*D]
+    capped = op.Mul(op.Tanh(op.Div(GroupedScores(query, key, scale=scale), cap)), cap)
+    return GroupedContext(op.Add(capped, bias), value, query)
 
 
 @script(tfport, default_opset=op)
@@ -252,8 +259,7 @@ def RMSNorm(x, weight, epsilon: float):
 
 
 FUNCTIONS = (AttentionBias, AlibiBias, RelativePositionBias, RotaryEmbedding, InterleavedRotaryEmbedding,
-             ScaledDotProductAttention,
-             SoftcapScaledDotProductAttention, GroupQueryAttention, SoftcapGroupQueryAttention, RMSNorm)
+             GroupedScores, GroupedContext, ScaledDotProductAttention, SoftcapScaledDotProductAttention, GroupQueryAttention, SoftcapGroupQueryAttention, RMSNorm)
 
 
 def function_protos(opset: int, bodies: Mapping[str, OnnxFunction]) -> list[onnx.FunctionProto]:
