@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .files import read_json_object
+
 EMBEDDING_FILE = "embedding.json"
 # sentence-transformers' pooling modes that the runtime computes (tfport.runtime.encoding).
 POOLINGS = ("cls", "mean", "max", "mean_sqrt_len_tokens", "lasttoken")
@@ -66,8 +68,5 @@ class EmbeddingSettings:
         path = Path(directory) / EMBEDDING_FILE
         if not path.is_file():
             return None
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: not a readable JSON file ({err})") from None
+        data = read_json_object(path)
         return cls.from_dict(data, str(path))

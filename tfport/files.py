@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -18,6 +19,19 @@ except ImportError:  # Windows
     fcntl = None
 
 logger = logging.getLogger(__name__)
+
+
+def read_json_object(path: str | os.PathLike) -> dict:
+    """The JSON object in ``path``; ``ValueError`` naming the file if it is unreadable, not JSON
+    or not an object."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _default_mode(directory: bool) -> int:

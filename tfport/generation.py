@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .files import read_json_object
+
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 # transformers' GenerationConfig defaults for what a file leaves out.
@@ -85,12 +87,7 @@ class GenerationDefaults:
         path = Path(directory) / GENERATION_CONFIG_FILE
         if not path.is_file():
             return None
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: not a readable JSON file ({err})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a JSON object")
+        data = read_json_object(path)
         known = {"eos_token_id", "do_sample", "temperature", "top_k", "top_p"}
         unknown = sorted(set(data) - known)
         if unknown:

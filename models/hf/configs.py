@@ -7,24 +7,17 @@ refuse, naming the field and the value, what tfport cannot compute exactly.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-from pathlib import Path
+
+from tfport.files import read_json_object
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 
 
-def read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not a readable JSON file ({err})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+read_json = read_json_object  # config.json, tokenizer_config.json ...: a JSON object or a ValueError naming the file
 
 
 def hf_field(hf: dict, *names: str, default=None):
