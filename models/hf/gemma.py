@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from tfport.config import ModelConfig
 
-from .configs import hf_activation, hf_field, refuse, rope_fields, rope_parameters, sliding_fields, token_ids
-from .llama import LLAMA_LAYER, QK_NORM_RULES, ROTARY_BUFFERS, llama_rules
+from .configs import hf_field, refuse, rope_fields, rope_parameters, sliding_fields
+from .llama import LLAMA_LAYER, QK_NORM_RULES, ROTARY_BUFFERS, llama_like_config, llama_rules
 from .rules import Architecture, params
 
 
@@ -41,11 +41,7 @@ def _gemma_rope(hf: dict) -> dict:
 def _gemma_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     model_type = hf.get("model_type")
     version = {"gemma": 1, "gemma2": 2}.get(model_type, 3)
-    d_model = hf_field(hf, "hidden_size")
-    n_heads = hf_field(hf, "num_attention_heads")
-    head_dim = hf_field(hf, "head_dim", default=d_model // n_heads)
     n_layers = hf_field(hf, "num_hidden_layers")
-    vocab_size = hf_field(hf, "vocab_size")
     act = hf.get("hidden_act") if version == 1 else hf.get("hidden_activation")
     act = act or hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if hf.get("use_bidirectional_attention"):
@@ -60,21 +56,15 @@ def _gemma_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     if not window:
         rope.pop("rope_local_theta", None)
     scalar = hf.get("query_pre_attn_scalar") if later else None
-    return ModelConfig(
-        family="decoder", vocab_size=vocab_size, d_model=d_model, n_heads=n_heads,
-        n_kv_heads=hf_field(hf, "num_key_value_heads", default=n_heads),
-        head_dim=None if head_dim * n_heads == d_model else head_dim,
-        d_ff=hf_field(hf, "intermediate_size"), n_decoder_layers=n_layers,
-        norm="rmsnorm", norm_position="pre", norm_eps=float(hf_field(hf, "rms_norm_eps", default=1e-6)),
-        norm_weight_offset=1.0, embedding_scale=d_model**0.5,
-        activation=hf_activation(hf, act), gated_ffn=True,
-        position="rope", max_positions=hf_field(hf, "max_position_embeddings", default=8192),
+    return llama_like_config(
+        hf, max_positions=hf_field(hf, "max_position_embeddings", default=8192), activation=act,
+        norm_weight_offset=1.0, embedding_scale=hf_field(hf, "hidden_size")**0.5,
         **rope, **window, attention_scale=None if scalar is None else float(scalar) ** -0.5,
         attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=False,
         attn_logit_softcap=hf.get("attn_logit_softcapping") if later else None,
         final_logit_softcap=hf.get("final_logit_softcapping") if later else None,
         post_sublayer_norm=later, qk_norm=version == 3,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), **token_ids(hf, vocab_size))
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
 
 
 GEMMA_RULES = llama_rules()

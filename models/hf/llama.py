@@ -13,28 +13,35 @@ from .configs import hf_activation, hf_field, rope_fields, sliding_fields, token
 from .rules import QKV, Architecture, Rule, decoder_lm, params
 
 
-def _llama_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
-    """LLaMA and Mistral: pre-norm RMSNorm, SwiGLU, RoPE, GQA."""
+def llama_like_config(hf: dict, *, max_positions: int, activation: str = "silu", **fields) -> ModelConfig:
+    """The decoder config every LLaMA-layout family shares (pre-norm RMSNorm, gated FFN, RoPE,
+    GQA, optional separate head_dim) from ``hf``; ``fields`` are the family's own ModelConfig
+    fields (RoPE, windows, biases, norms ...), ``activation`` its HF activation name."""
     d_model = hf_field(hf, "hidden_size")
     n_heads = hf_field(hf, "num_attention_heads")
     head_dim = hf_field(hf, "head_dim", default=d_model // n_heads)
-    max_positions = hf_field(hf, "max_position_embeddings", default=2048)
-    rope = rope_fields(hf)
-    if rope.get("rope_scaling") == "dynamic":  # the context dynamic NTK is meant to reach
-        max_positions = int(max_positions * rope["rope_scaling_factor"])
-    n_layers = hf_field(hf, "num_hidden_layers")
     vocab_size = hf_field(hf, "vocab_size")
     return ModelConfig(
         family="decoder", vocab_size=vocab_size, d_model=d_model, n_heads=n_heads,
         n_kv_heads=hf_field(hf, "num_key_value_heads", default=n_heads),
         head_dim=None if head_dim * n_heads == d_model else head_dim,
-        d_ff=hf_field(hf, "intermediate_size"), n_decoder_layers=n_layers,
+        d_ff=hf_field(hf, "intermediate_size"), n_decoder_layers=hf_field(hf, "num_hidden_layers"),
         norm="rmsnorm", norm_position="pre", norm_eps=float(hf_field(hf, "rms_norm_eps", default=1e-6)),
-        activation=hf_activation(hf, hf_field(hf, "hidden_act", default="silu")), gated_ffn=True,
-        position="rope", max_positions=max_positions, **rope,
-        **sliding_fields(hf, n_layers, all_layers=True),
+        activation=hf_activation(hf, activation), gated_ffn=True, position="rope",
+        max_positions=max_positions, **token_ids(hf, vocab_size), **fields)
+
+
+def _llama_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
+    """LLaMA and Mistral: pre-norm RMSNorm, SwiGLU, RoPE, GQA."""
+    max_positions = hf_field(hf, "max_position_embeddings", default=2048)
+    rope = rope_fields(hf)
+    if rope.get("rope_scaling") == "dynamic":  # the context dynamic NTK is meant to reach
+        max_positions = int(max_positions * rope["rope_scaling_factor"])
+    return llama_like_config(
+        hf, max_positions=max_positions, activation=hf_field(hf, "hidden_act", default="silu"), **rope,
+        **sliding_fields(hf, hf_field(hf, "num_hidden_layers"), all_layers=True),
         attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **token_ids(hf, vocab_size))
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
 LLAMA_LAYER = "model.layers.{i}"
