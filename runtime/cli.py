@@ -103,9 +103,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     chat.add_argument("--system", help="system message opening the conversation")
     chat.add_argument("--message", help="answer this one message and exit (no prompt, no loop)")
     chat.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    chat.add_argument("--top-k", type=int, default=0, help="keep the k most likely (0: all)")
-    chat.add_argument("--top-p", type=float, default=1.0, help="nucleus mass to keep (1: all)")
+    chat.add_argument("--temperature", type=float, default=None,
+                      help="0 is greedy (default: the export's generation_config.json, else greedy)")
+    chat.add_argument("--top-k", type=int, default=None,
+                      help="keep the k most likely (0: all; default: generation_config.json, else 0)")
+    chat.add_argument("--top-p", type=float, default=None,
+                      help="nucleus mass to keep (1: all; default: generation_config.json, else 1)")
     chat.add_argument("--seed", type=int, default=None, help="seed of the sampler")
     chat.add_argument("--provider", choices=PROVIDERS, default="cpu",
                       help="execution provider (default: cpu; auto tries CUDA)")
