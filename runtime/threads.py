@@ -6,15 +6,19 @@ between them decides a good part of the step time:
 * **threads** -- one per CPU this process may run on (``os.sched_getaffinity``), not ONNX
   Runtime's own default (physical cores as it detects them, which on some VMs is fewer).
 * **spinning** -- idle pool threads spin for work instead of sleeping. On a quiet machine that
-  saves a wake-up per kernel; on a heavily oversubscribed one (1-minute load average at least
-  ``BUSY_LOAD_PER_CPU`` per CPU) the spinning threads steal time from the thread doing the work
-  and a second thread mostly waits for a core: there the policy takes half the CPUs and no
-  spinning. Measured on the 2-core VM (one run each): under load ~10, SmolLM2-135M int4, 2
-  threads spinning 35.2 ms/token, 2 not spinning 30.9, 1 spinning 20.9, 1 not spinning 20.0;
-  under load 5.5 falling to 3.7, SmolLM2 fp32, 2 threads spinning 29.3, 1 thread 31.2, and the
-  then-policy (busy at load >= CPUs: 1 thread, no spinning) 32.8 -- hence the threshold of 3 per
-  CPU. A load average lags, so this is a heuristic; pass ``intra_op_threads`` to pin it.
-  ``tfport bench --thread-sweep`` times this default against explicit settings in one run.
+  saves a wake-up per kernel; on a busy one (1-minute load average at least ``BUSY_LOAD_PER_CPU``
+  per CPU: other processes want the cores) the spinning threads steal time from the thread doing
+  the work and a second thread mostly waits for a core: there the policy takes half the CPUs and
+  no spinning. Measured on the 2-core VM, SmolLM2-135M, each line one run (ms/token):
+
+  - load ~10: int4, 2 threads spinning 35.2, 2 not spinning 30.9, 1 spinning 20.9, 1 not 20.0;
+  - load 2.1 -> 3.8: fp32, 2 threads 54.2, 1 thread 29.4 (onnxruntime-genai alike: int4 17.3
+    at 2 threads, 8.2 at 1) -- one core was held by another process;
+  - load 5.5 -> 3.7: fp32, 2 threads 29.3, 1 thread 31.2, 1 thread not spinning 32.8.
+
+  Wrong the one way costs ~10%, the other 2x, hence busy = load >= 1 per CPU. A load average
+  lags and cannot see which cores are held, so this is a heuristic; pass ``intra_op_threads``
+  (``--threads``) to pin it, and ``tfport bench --thread-sweep`` to measure it.
 
 ``TFPORT_THREADS`` / ``TFPORT_SPIN`` (``0`` / ``1``) override the policy for a process.
 """
@@ -25,7 +29,7 @@ import os
 from dataclasses import dataclass
 
 # "Busy": a 1-minute load average of at least this many runnable processes per usable CPU.
-BUSY_LOAD_PER_CPU = 3
+BUSY_LOAD_PER_CPU = 1
 
 
 @dataclass(frozen=True)

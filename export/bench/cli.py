@@ -71,7 +71,8 @@ def _run_compare(args: argparse.Namespace, settings) -> int:
     if not args.targets:
         settings = dataclasses.replace(settings, targets=("ort",))
     result = run_compare(settings, args.source or settings.preset, args.quantize or (),
-                         tuple(args.genai or ()), tuple(args.llama_cpp or ()), args.thread_sweep)
+                         tuple(args.genai or ()), tuple(args.llama_cpp or ()), args.thread_sweep,
+                         args.peer_threads or ())
     print(format_compare(result))
     if args.json:
         write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
@@ -120,6 +121,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                               "on the same prompt, threads set to --threads (repeatable)")
     compare.add_argument("--llama-cpp", action="append",
                          help="a GGUF file to time under llama.cpp (llama-cpp-python; repeatable)")
+    compare.add_argument("--peer-threads", type=_int_list,
+                         help="time each peer at each of these thread counts (default: --threads)")
     compare.add_argument("--thread-sweep", action="store_true",
                          help="also time the fp32 export under the default thread policy, 1 and 2 threads")
     p.add_argument("--plot", help="plot step time vs context here (needs matplotlib)")

@@ -9,7 +9,9 @@ export's graph (quantised codes, scales and zero points; gathered embedding rows
 the bandwidth measured in the same run. Ratios are within the run: each row against the fastest
 peer and against tfport's float32 export of the same target. ``--thread-sweep`` adds the ort
 float32 export opened with the default thread policy and with explicit settings, to show which
-is fastest here and now.
+is fastest here and now; ``--peer-threads 1,2`` times each peer at each thread count (a peer's
+best setting need not be the bench's: onnxruntime-genai int4 ran 8.9 ms/token at 1 thread and
+18.6 at 2 on the 2-core VM in one run).
 """
 
 from __future__ import annotations
@@ -121,8 +123,8 @@ def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tu
     return sides
 
 
-def _peer_sides(settings: BenchSettings, genai: tuple[str, ...], gguf: tuple[str, ...]
-                ) -> tuple[list[Side], list[str]]:
+def _peer_sides(settings: BenchSettings, genai: tuple[str, ...], gguf: tuple[str, ...],
+                peer_threads: tuple[int, ...] = ()) -> tuple[list[Side], list[str]]:
     from .peers import GenaiPeer, LlamaCppPeer, available
 
     sides, skipped = [], []
@@ -131,21 +133,24 @@ def _peer_sides(settings: BenchSettings, genai: tuple[str, ...], gguf: tuple[str
         if reason:
             skipped.append(f"onnxruntime-genai {directory}: {reason}")
             continue
-        sides.append(Side(f"onnxruntime-genai {Path(directory).name}", "onnxruntime-genai",
-                          GenaiPeer(directory, settings.threads), format=Path(directory).name))
+        for threads in peer_threads or (settings.threads,):
+            sides.append(Side(f"onnxruntime-genai {Path(directory).name} [{threads} threads]",
+                              "onnxruntime-genai", GenaiPeer(directory, threads),
+                              format=Path(directory).name))
     for path in gguf:
         reason = available("llama_cpp")
         if reason:
             skipped.append(f"llama.cpp {path}: {reason}")
             continue
-        sides.append(Side(f"llama.cpp {Path(path).stem}", "llama.cpp",
-                          LlamaCppPeer(path, settings.threads), format=Path(path).stem))
+        for threads in peer_threads or (settings.threads,):
+            sides.append(Side(f"llama.cpp {Path(path).stem} [{threads} threads]", "llama.cpp",
+                              LlamaCppPeer(path, threads), format=Path(path).stem))
     return sides, skipped
 
 
 def run_compare(settings: BenchSettings, source_name: str, formats: tuple[str, ...],
                 genai: tuple[str, ...] = (), gguf: tuple[str, ...] = (),
-                thread_sweep: bool = False) -> dict[str, Any]:
+                thread_sweep: bool = False, peer_threads: tuple[int, ...] = ()) -> dict[str, Any]:
     """Export, open and time every side (alternating), then rows with rooflines and ratios."""
     from ..source import load_source
 
@@ -154,7 +159,7 @@ def run_compare(settings: BenchSettings, source_name: str, formats: tuple[str, .
     context, steps = settings.contexts[0], settings.new_tokens
     with tempfile.TemporaryDirectory(prefix="tfport-compare-") as tmp:
         sides = _tfport_sides(source, source_name, settings, formats, Path(tmp), thread_sweep)
-        peers, skipped = _peer_sides(settings, genai, gguf)
+        peers, skipped = _peer_sides(settings, genai, gguf, peer_threads)
         sides += peers
         vocab = source.model.config.vocab_size
         prompts = np.random.default_rng(settings.seed).integers(min(100, vocab // 2), vocab, size=(1, context))
