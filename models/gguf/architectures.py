@@ -10,7 +10,14 @@ renamed things:
 * ``tensors``: GGUF name prefix -> HF name prefix (``{i}`` is the layer index; the ``.weight`` /
   ``.bias`` suffix is carried over);
 * ``permuted``: the GGUF prefixes whose rows llama.cpp permuted for its RoPE layout, with the
-  config field that holds their head count (the Q rows use the query heads, K the KV heads).
+  config field that holds their head count (the Q rows use the query heads, K the KV heads);
+* ``added``: the GGUF prefixes to which llama.cpp's converter added a constant (Gemma's norm
+  weights, stored as the multiplier 1 + w), subtracted again on import;
+* ``defaults`` / ``derived``: HF fields the file does not store, as constants or computed from
+  the fields read (as llama.cpp's own loader fills them in).
+
+Only LLaMA's converter permutes Q/K: Qwen2/3, Gemma 1/2/3 and Phi-3 use llama.cpp's NeoX-style
+rotation, which already rotates the first half of the head against the second.
 
 llama.cpp's converter stores Q and K rows of each head as interleaved (even, odd) pairs, the
 layout of its rotary kernel; Hugging Face LLaMA rotates the first half of the head against the
@@ -20,15 +27,17 @@ second. ``unpermute_rows`` undoes it.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 # GGUF architectures transformers reads that tfport's Hugging Face importer cannot map yet; an
 # entry in ARCHITECTURES (and support in tfport.models.hf) lifts the refusal.
-NOT_YET_SUPPORTED = ("qwen2", "qwen2moe", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3",
-                     "gemma3n", "phi2", "phi3", "starcoder2", "stablelm", "falcon", "gpt2", "bloom",
-                     "mamba", "nemotron", "t5", "t5encoder", "deci", "cohere", "command-r")
+NOT_YET_SUPPORTED = ("qwen2moe", "qwen3moe", "gemma3n", "phi2", "starcoder2", "stablelm", "falcon",
+                     "gpt2", "bloom", "mamba", "nemotron", "t5", "t5encoder", "deci", "cohere",
+                     "command-r")
 
 
 @dataclass(frozen=True)
@@ -41,57 +50,150 @@ class GGUFArchitecture:
     config: dict[str, str]         # "{arch}.<suffix>" metadata suffix -> HF config field
     tensors: dict[str, str]        # GGUF name prefix -> HF name prefix ({i}: layer)
     permuted: dict[str, str] = field(default_factory=dict)  # GGUF prefix -> head-count field
+    added: dict[str, float] = field(default_factory=dict)  # GGUF prefix -> constant added
     defaults: dict[str, object] = field(default_factory=dict)  # HF fields GGUF does not store
+    # HF config read so far -> further HF fields llama.cpp infers rather than stores
+    derived: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     refused: dict[str, str] = field(default_factory=dict)  # metadata suffix -> why it is refused
 
-    def hf_name(self, gguf_name: str) -> tuple[str, str | None] | None:
-        """``(HF tensor name, permuting head-count field or None)``, or None if unmapped."""
+    def hf_name(self, gguf_name: str) -> tuple[str, str] | None:
+        """``(HF tensor name, the matching GGUF prefix)``, or None if unmapped."""
         for prefix, target in self.tensors.items():
             pattern = re.escape(prefix).replace(r"\{i\}", r"(?P<i>\d+)") + r"\.(?P<suffix>weight|bias)"
             match = re.fullmatch(pattern, gguf_name)
             if match:
                 groups = match.groupdict()
-                name = target.format(i=groups.get("i")) + "." + groups["suffix"]
-                return name, self.permuted.get(prefix)
+                return target.format(i=groups.get("i")) + "." + groups["suffix"], prefix
         return None
 
+
+# The LLaMA layout's metadata and tensor names, which Qwen2/3, Gemma 1/2/3 and Phi-3 share.
+LLAMA_CONFIG = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+LLAMA_LAYER = "model.layers.{i}"
+LLAMA_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "blk.{i}.attn_norm": f"{LLAMA_LAYER}.input_layernorm",
+    "blk.{i}.attn_q": f"{LLAMA_LAYER}.self_attn.q_proj",
+    "blk.{i}.attn_k": f"{LLAMA_LAYER}.self_attn.k_proj",
+    "blk.{i}.attn_v": f"{LLAMA_LAYER}.self_attn.v_proj",
+    "blk.{i}.attn_output": f"{LLAMA_LAYER}.self_attn.o_proj",
+    "blk.{i}.ffn_norm": f"{LLAMA_LAYER}.post_attention_layernorm",
+    "blk.{i}.ffn_gate": f"{LLAMA_LAYER}.mlp.gate_proj",
+    "blk.{i}.ffn_up": f"{LLAMA_LAYER}.mlp.up_proj",
+    "blk.{i}.ffn_down": f"{LLAMA_LAYER}.mlp.down_proj",
+}
+QK_NORM_TENSORS = {"blk.{i}.attn_q_norm": f"{LLAMA_LAYER}.self_attn.q_norm",
+                   "blk.{i}.attn_k_norm": f"{LLAMA_LAYER}.self_attn.k_norm"}
+MOE_REFUSED = {"expert_count": "mixture-of-experts layers have no tfport module"}
 
 LLAMA = GGUFArchitecture(
     name="llama",
     model_type="llama",
     hf_class="LlamaForCausalLM",
-    config={
-        "context_length": "max_position_embeddings",
-        "block_count": "num_hidden_layers",
-        "feed_forward_length": "intermediate_size",
-        "embedding_length": "hidden_size",
-        "attention.head_count": "num_attention_heads",
-        "attention.head_count_kv": "num_key_value_heads",
-        "attention.key_length": "head_dim",
-        "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-        "rope.freq_base": "rope_theta",
-        "vocab_size": "vocab_size",
-    },
-    tensors={
-        "token_embd": "model.embed_tokens",
-        "output_norm": "model.norm",
-        "output": "lm_head",
-        "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
-        "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj",
-        "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
-        "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj",
-        "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
-        "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
-        "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj",
-        "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
-        "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
-    },
+    config=LLAMA_CONFIG,
+    tensors=LLAMA_TENSORS,
     permuted={"blk.{i}.attn_q": "num_attention_heads", "blk.{i}.attn_k": "num_key_value_heads"},
     defaults={"hidden_act": "silu"},
     refused={"expert_count": "mixture-of-experts layers (Mixtral-style) have no tfport module"},
 )
 
-ARCHITECTURES: dict[str, GGUFArchitecture] = {arch.name: arch for arch in (LLAMA,)}
+# Qwen2/2.5: biases on q/k/v (the HF importer always expects them); no sliding window in the
+# metadata (Qwen2 configs ship use_sliding_window: false).
+QWEN2 = GGUFArchitecture(
+    name="qwen2", model_type="qwen2", hf_class="Qwen2ForCausalLM", config=LLAMA_CONFIG,
+    tensors=LLAMA_TENSORS, defaults={"hidden_act": "silu"}, refused=MOE_REFUSED)
+
+# Qwen3: per-head RMSNorm on queries and keys; head_dim from attention.key_length (128 in every
+# Qwen3, not hidden / heads).
+QWEN3 = GGUFArchitecture(
+    name="qwen3", model_type="qwen3", hf_class="Qwen3ForCausalLM", config=LLAMA_CONFIG,
+    tensors={**LLAMA_TENSORS, **QK_NORM_TENSORS}, defaults={"hidden_act": "silu"},
+    refused=MOE_REFUSED)
+
+# Gemma: llama.cpp's converter stores every RMSNorm weight w as the multiplier 1 + w (and drops
+# Gemma 1/2's lm_head, a copy of the embeddings).
+GEMMA_NORMS = ("output_norm", "blk.{i}.attn_norm", "blk.{i}.ffn_norm", "blk.{i}.post_attention_norm",
+               "blk.{i}.post_ffw_norm", "blk.{i}.attn_q_norm", "blk.{i}.attn_k_norm")
+GEMMA2_TENSORS = {**LLAMA_TENSORS,
+                  # Gemma 2/3: norms before and after each sublayer
+                  "blk.{i}.post_attention_norm": f"{LLAMA_LAYER}.post_attention_layernorm",
+                  "blk.{i}.ffn_norm": f"{LLAMA_LAYER}.pre_feedforward_layernorm",
+                  "blk.{i}.post_ffw_norm": f"{LLAMA_LAYER}.post_feedforward_layernorm"}
+# llama.cpp's gelu is the tanh approximation, as Gemma's configs ask.
+GEMMA_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh"}
+# The model (by layer count, as llama.cpp's loader tells them apart) whose
+# query_pre_attn_scalar is hidden / heads; every other Gemma 2/3 uses head_dim.
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+GEMMA_REFUSED = {"attention.sliding_window_pattern": "a per-layer window pattern in the metadata is "
+                 "not mapped; tfport gives Gemma 2 / 3 their fixed patterns (1 global layer in 2 / 6)"}
+
+
+def gemma_query_scalar(config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2/3's ``query_pre_attn_scalar``, which GGUF does not store: llama.cpp scales queries
+    by head_dim^-1/2, except in the 27B models, by (hidden / heads)^-1/2 (144 and 168, the values
+    of their HF configs)."""
+    per_head = config["hidden_size"] // config["num_attention_heads"]
+    if config.get("num_hidden_layers") == GEMMA_27B_LAYERS[config["model_type"]]:
+        return {"query_pre_attn_scalar": per_head}
+    return {"query_pre_attn_scalar": config.get("head_dim", per_head)}
+
+
+def _gemma(name: str, model_type: str, hf_class: str, config: dict[str, str],
+           tensors: dict[str, str], defaults: dict[str, object], derived=None) -> GGUFArchitecture:
+    return GGUFArchitecture(
+        name=name, model_type=model_type, hf_class=hf_class, config={**LLAMA_CONFIG, **config},
+        tensors=tensors, added={prefix: 1.0 for prefix in GEMMA_NORMS if prefix in tensors},
+        defaults={**GEMMA_DEFAULTS, **defaults}, derived=derived, refused=GEMMA_REFUSED)
+
+
+GEMMA = _gemma("gemma", "gemma", "GemmaForCausalLM", {}, LLAMA_TENSORS, {})
+# Gemma 2: soft-capping (llama.cpp's defaults 50 / 30 when absent), sliding windows on every
+# other layer (the HF importer's default pattern, as llama.cpp's).
+GEMMA2 = _gemma("gemma2", "gemma2", "Gemma2ForCausalLM",
+                {"attention.sliding_window": "sliding_window",
+                 "attn_logit_softcapping": "attn_logit_softcapping",
+                 "final_logit_softcapping": "final_logit_softcapping"},
+                GEMMA2_TENSORS, {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+                derived=gemma_query_scalar)
+# Gemma 3 (text): q/k norms, one global layer in 6 (the HF importer's default pattern, as
+# llama.cpp's); rope.freq_base is the global layers' base, rope.freq_base_swa the sliding
+# layers' (10000 when absent: llama.cpp's and the HF importer's default); rope.scaling (linear,
+# factor 8 in 4B+) applies to the global layers only.
+GEMMA3 = _gemma("gemma3", "gemma3_text", "Gemma3ForCausalLM",
+                {"attention.sliding_window": "sliding_window",
+                 "rope.freq_base_swa": "rope_local_base_freq"},
+                {**GEMMA2_TENSORS, **QK_NORM_TENSORS}, {}, derived=gemma_query_scalar)
+
+# Phi-3: the converter keeps the fused qkv_proj (attn_qkv) and gate_up_proj (ffn_up) as they are;
+# the window applies to every layer. LongRoPE's factors (128k models) are tensors
+# (rope_factors_long/short), which the tensor mapping refuses by name.
+PHI3 = GGUFArchitecture(
+    name="phi3", model_type="phi3", hf_class="Phi3ForCausalLM",
+    config={**LLAMA_CONFIG, "attention.sliding_window": "sliding_window"},
+    tensors={"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+             "blk.{i}.attn_norm": f"{LLAMA_LAYER}.input_layernorm",
+             "blk.{i}.attn_qkv": f"{LLAMA_LAYER}.self_attn.qkv_proj",
+             "blk.{i}.attn_output": f"{LLAMA_LAYER}.self_attn.o_proj",
+             "blk.{i}.ffn_norm": f"{LLAMA_LAYER}.post_attention_layernorm",
+             "blk.{i}.ffn_up": f"{LLAMA_LAYER}.mlp.gate_up_proj",
+             "blk.{i}.ffn_down": f"{LLAMA_LAYER}.mlp.down_proj"},
+    defaults={"hidden_act": "silu"},
+)
+
+ARCHITECTURES: dict[str, GGUFArchitecture] = {arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3)}
 
 
 def architecture(name: str, origin: str) -> GGUFArchitecture:

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -67,6 +68,9 @@ def hf_config(file: GGUFFile, arch: GGUFArchitecture) -> dict[str, Any]:
     for key, name in TOKEN_IDS.items():
         if f"tokenizer.ggml.{key}" in md:
             config[name] = md[f"tokenizer.ggml.{key}"]
+    if arch.derived is not None:
+        for name, value in arch.derived(config).items():
+            config.setdefault(name, value)
     return config
 
 
@@ -76,21 +80,22 @@ class GGUFTensors:
 
     def __init__(self, file: GGUFFile, arch: GGUFArchitecture, config: dict[str, Any]):
         self.file = file
-        self._source: dict[str, tuple[str, int | None]] = {}  # HF name -> (GGUF name, heads)
+        # HF name -> (GGUF name, heads to un-permute over or None, constant to subtract)
+        self._source: dict[str, tuple[str, int | None, float]] = {}
         unmapped = []
         for name in file.tensor_names():
             mapped = arch.hf_name(name)
             if mapped is None:
                 unmapped.append(f"{name} {list(file.shape(name))}")
                 continue
-            hf_name, heads_field = mapped
-            heads = None
+            hf_name, prefix = mapped
+            heads_field, heads = arch.permuted.get(prefix), None
             if heads_field is not None:
                 if heads_field not in config:
                     raise ValueError(f"{file.path.name}: {name} needs {heads_field} to un-permute "
                                      "its rows, and the metadata does not give it")
                 heads = int(config[heads_field])
-            self._source[hf_name] = (name, heads)
+            self._source[hf_name] = (name, heads, arch.added.get(prefix, 0.0))
         if unmapped:
             raise ValueError(f"{file.path.name}: tensor(s) {unmapped[:12]} have no counterpart in "
                              f"tfport's {arch.name!r} mapping (known: {sorted(arch.tensors)})")
@@ -102,17 +107,19 @@ class GGUFTensors:
         return name in self._source
 
     def where(self, name: str) -> str:
-        gguf_name, _ = self._source[name]
+        gguf_name = self._source[name][0]
         return f"{self.file.path.name}: {gguf_name} ({self.file.tensor_type(gguf_name)})"
 
     def shape(self, name: str) -> Shape:
         return self.file.shape(self._source[name][0])
 
     def get(self, name: str) -> torch.Tensor:
-        gguf_name, heads = self._source[name]
+        gguf_name, heads, added = self._source[name]
         values = self.file.dequantize(gguf_name)
         if heads is not None:
             values = unpermute_rows(values, heads)
+        if added:
+            values = values - np.float32(added)
         return torch.from_numpy(values)
 
 

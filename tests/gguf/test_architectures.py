@@ -1,0 +1,134 @@
+"""Every GGUF architecture tfport maps, one tiny file each (written from a tiny transformers model
+by ``from_hf``): tfport's import against transformers' own GGUF loading of the same file and
+against the model the file was written from, on a left- and a right-padded batch, and greedy
+tokens; Gemma's query scale inferred as llama.cpp infers it.
+
+Where transformers' GGUF loader cannot read an architecture (Gemma 1) or drops metadata the file
+holds (Phi-3's sliding window, Gemma 3's RoPE scaling), the case says so and is compared with the
+source model only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tfport.models.generate import generate
+from tfport.models.gguf import ARCHITECTURES, load_gguf
+from tfport.models.gguf.architectures import NOT_YET_SUPPORTED, gemma_query_scalar
+from tfport.models.positions import positions_from_mask
+
+from ..hf.cases import SMALL, WINDOW, HFCase, assert_close, batch
+from .from_hf import GGUFCase, write_from_hf
+
+_SIZE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+# transformers' GGUF loader does not read attention.key_length for Qwen3 nor
+# query_pre_attn_scalar for Gemma 2/3 (neither is stored): it keeps the config defaults, head_dim
+# 128 and query_pre_attn_scalar 256, so the cases use those values.
+_GEMMA = dict(_SIZE, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
+              query_pre_attn_scalar=256, sliding_window=WINDOW)
+
+CASES = {case.name: case for case in [
+    GGUFCase("qwen2", "qwen2", HFCase("qwen2", "Qwen2ForCausalLM", "Qwen2Config", dict(
+        _SIZE, tie_word_embeddings=True), seed=40), weight_type="F16"),
+    GGUFCase("qwen3", "qwen3", HFCase("qwen3", "Qwen3ForCausalLM", "Qwen3Config", dict(
+        _SIZE, head_dim=128), seed=41)),
+    GGUFCase("gemma", "gemma", HFCase("gemma", "GemmaForCausalLM", "GemmaConfig", dict(
+        _SIZE, head_dim=32), seed=42),
+        transformers_differs="transformers' GGUF loader has no 'gemma' (Gemma 1) architecture"),
+    # Gemma 2: llama.cpp's soft-capping defaults (50 / 30), which transformers' loader assumes.
+    GGUFCase("gemma2", "gemma2", HFCase("gemma2", "Gemma2ForCausalLM", "Gemma2Config", dict(
+        _GEMMA, attn_logit_softcapping=50.0, final_logit_softcapping=30.0), seed=43),
+        weight_type="F16", metadata={"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    # 6 layers: five sliding ones (base 10000), one global (rope.freq_base).
+    GGUFCase("gemma3", "gemma3", HFCase("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        _GEMMA, num_hidden_layers=6, rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), seed=44)),
+    GGUFCase("gemma3-linear-rope", "gemma3", HFCase("gemma3", "Gemma3ForCausalLM", "Gemma3TextConfig", dict(
+        _GEMMA, num_hidden_layers=6, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), seed=45),
+        metadata={"rope.scaling.type": "linear", "rope.scaling.factor": 8.0},
+        transformers_differs="transformers' GGUF loader drops gemma3.rope.scaling.*"),
+    GGUFCase("phi3", "phi3", HFCase("phi3", "Phi3ForCausalLM", "Phi3Config", dict(
+        _SIZE, sliding_window=None), seed=46)),
+    GGUFCase("phi3-window", "phi3", HFCase("phi3", "Phi3ForCausalLM", "Phi3Config", dict(
+        _SIZE, sliding_window=WINDOW), seed=47), weight_type="F16",
+        transformers_differs="transformers' GGUF loader drops phi3.attention.sliding_window"),
+]}
+# (rtol, atol): tests.hf.cases.TOLERANCE, float32 on CPU (same function, different op order).
+PROMPT = 9  # longer than WINDOW, so the sliding-window layers drop keys
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """``written(name)`` -> (Written, tfport module), once per module."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            tiny = write_from_hf(CASES[name], tmp_path_factory.mktemp(f"gguf-{name}"))
+            cache[name] = (tiny, load_gguf(tiny.path, tokenizer=False).model)
+        return cache[name]
+    return get
+
+
+def test_every_architecture_has_a_case():
+    assert {case.arch for case in CASES.values()} == set(ARCHITECTURES) - {"llama"}  # test_tiny.py
+    assert not set(ARCHITECTURES) & set(NOT_YET_SUPPORTED)
+
+
+def _references(case: GGUFCase, tiny) -> dict[str, torch.nn.Module]:
+    references = {"source model": tiny.hf}
+    if case.transformers_differs is None:
+        from transformers import AutoModelForCausalLM
+
+        references["transformers GGUF"] = AutoModelForCausalLM.from_pretrained(
+            str(tiny.path.parent), gguf_file=tiny.path.name, dtype=torch.float32,
+            attn_implementation="eager").eval()
+    return references
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@torch.no_grad()
+def test_import_matches(written, name):
+    case = CASES[name]
+    tiny, ours = written(name)
+    for what, reference in _references(case, tiny).items():
+        for padding in ("left", "right"):
+            ids, mask = batch(padding, seed=50, length=PROMPT)
+            logits, _ = ours(ids, mask)
+            expected = reference(input_ids=ids, attention_mask=mask,
+                                 position_ids=positions_from_mask(mask, ids.shape[1])).logits
+            assert_close(logits, expected, mask.bool().numpy(), f"{name} vs {what}, {padding} padding")
+        ids = batch("none", seed=51, length=PROMPT)[0][:1]
+        tokens = reference.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                    pad_token_id=SMALL["pad_token_id"])[0, ids.shape[1]:]
+        assert generate(ours, ids, max_new_tokens=8)[0].tolist() == tokens.tolist(), what
+
+
+def test_gguf_config_fields(written):
+    """What the metadata and llama.cpp's conventions give the HF importer."""
+    tiny, ours = written("gemma2")
+    config = ours.config
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
+    assert config.tie_embeddings and config.sliding_window == WINDOW
+    _, phi3 = written("phi3-window")
+    assert phi3.config.sliding_window == WINDOW
+
+
+@pytest.mark.parametrize("model_type, layers, hidden, heads, head_dim, expected", [
+    # the HF configs' query_pre_attn_scalar of each released size
+    ("gemma2", 26, 2304, 8, 256, 256),     # gemma-2-2b
+    ("gemma2", 42, 3584, 16, 256, 256),    # gemma-2-9b
+    ("gemma2", 46, 4608, 32, 128, 144),    # gemma-2-27b
+    ("gemma3_text", 26, 1152, 4, 256, 256),   # gemma-3-1b
+    ("gemma3_text", 34, 2560, 8, 256, 256),   # gemma-3-4b
+    ("gemma3_text", 62, 5376, 32, 128, 168),  # gemma-3-27b
+])
+def test_gemma_query_scalar(model_type, layers, hidden, heads, head_dim, expected):
+    config = {"model_type": model_type, "num_hidden_layers": layers, "hidden_size": hidden,
+              "num_attention_heads": heads, "head_dim": head_dim}
+    assert gemma_query_scalar(config) == {"query_pre_attn_scalar": expected}
