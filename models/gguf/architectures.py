@@ -35,7 +35,7 @@ import numpy as np
 
 # GGUF architectures transformers reads that tfport's Hugging Face importer cannot map yet; an
 # entry in ARCHITECTURES (and support in tfport.models.hf) lifts the refusal.
-NOT_YET_SUPPORTED = ("qwen2moe", "qwen3moe", "gemma3n", "phi2", "starcoder2", "stablelm", "falcon",
+NOT_YET_SUPPORTED = ("qwen2moe", "qwen3moe", "gemma3n", "phi2", "starcoder2", "falcon",
                      "gpt2", "bloom", "mamba", "nemotron", "t5", "t5encoder", "deci", "cohere",
                      "command-r")
 
@@ -52,8 +52,8 @@ class GGUFArchitecture:
     permuted: dict[str, str] = field(default_factory=dict)  # GGUF prefix -> head-count field
     added: dict[str, float] = field(default_factory=dict)  # GGUF prefix -> constant added
     defaults: dict[str, object] = field(default_factory=dict)  # HF fields GGUF does not store
-    # HF config read so far -> further HF fields llama.cpp infers rather than stores
-    derived: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # (HF config read so far, GGUF tensor names) -> HF fields llama.cpp infers rather than stores
+    derived: Callable[[dict[str, Any], frozenset[str]], dict[str, Any]] | None = None
     refused: dict[str, str] = field(default_factory=dict)  # metadata suffix -> why it is refused
 
     def hf_name(self, gguf_name: str) -> tuple[str, str] | None:
@@ -141,7 +141,7 @@ GEMMA_REFUSED = {"attention.sliding_window_pattern": "a per-layer window pattern
                  "not mapped; tfport gives Gemma 2 / 3 their fixed patterns (1 global layer in 2 / 6)"}
 
 
-def gemma_query_scalar(config: dict[str, Any]) -> dict[str, Any]:
+def gemma_query_scalar(config: dict[str, Any], names: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Gemma 2/3's ``query_pre_attn_scalar``, which GGUF does not store: llama.cpp scales queries
     by head_dim^-1/2, except in the 27B models, by (hidden / heads)^-1/2 (144 and 168, the values
     of their HF configs)."""
@@ -193,7 +193,23 @@ PHI3 = GGUFArchitecture(
     defaults={"hidden_act": "silu"},
 )
 
-ARCHITECTURES: dict[str, GGUFArchitecture] = {arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3)}
+
+def stablelm_layout(config: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    """StableLM's q/k/v biases and parallel residual, which GGUF says by the tensors present (a
+    parallel block has no ffn_norm: both branches read attn_norm's output)."""
+    return {"use_qkv_bias": "blk.0.attn_q.bias" in names,
+            "use_parallel_residual": "blk.0.ffn_norm.weight" not in names}
+
+
+# StableLM: LayerNorm (weights and biases), partial rotary (rope.dimension_count).
+STABLELM = GGUFArchitecture(
+    name="stablelm", model_type="stablelm", hf_class="StableLmForCausalLM",
+    config={**{k: v for k, v in LLAMA_CONFIG.items() if k != "attention.layer_norm_rms_epsilon"},
+            "attention.layer_norm_epsilon": "layer_norm_eps"},
+    tensors=LLAMA_TENSORS, defaults={"hidden_act": "silu"}, derived=stablelm_layout,
+)
+
+ARCHITECTURES: dict[str, GGUFArchitecture] = {arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, STABLELM)}
 
 
 def architecture(name: str, origin: str) -> GGUFArchitecture:

@@ -69,7 +69,7 @@ def hf_config(file: GGUFFile, arch: GGUFArchitecture) -> dict[str, Any]:
         if f"tokenizer.ggml.{key}" in md:
             config[name] = md[f"tokenizer.ggml.{key}"]
     if arch.derived is not None:
-        for name, value in arch.derived(config).items():
+        for name, value in arch.derived(config, frozenset(names)).items():
             config.setdefault(name, value)
     return config
 

@@ -21,7 +21,7 @@ METADATA = {
     "max_position_embeddings": "add_context_length", "num_hidden_layers": "add_block_count",
     "hidden_size": "add_embedding_length", "intermediate_size": "add_feed_forward_length",
     "num_attention_heads": "add_head_count", "num_key_value_heads": "add_head_count_kv",
-    "rms_norm_eps": "add_layer_norm_rms_eps",
+    "rms_norm_eps": "add_layer_norm_rms_eps", "layer_norm_eps": "add_layer_norm_eps",
 }
 
 
@@ -45,11 +45,9 @@ class Written:
     hf: torch.nn.Module             # the source model (eval, float32)
 
 
-def _rope_theta(config) -> float | None:
+def _rope(config) -> dict:
     params = getattr(config, "rope_parameters", None) or {}
-    if "full_attention" in params:
-        params = params["full_attention"]
-    return params.get("rope_theta")
+    return params.get("full_attention", params)
 
 
 def write_from_hf(case: GGUFCase, directory: Path) -> Written:
@@ -74,9 +72,10 @@ def write_from_hf(case: GGUFCase, directory: Path) -> Written:
     if getattr(config, "head_dim", None) is not None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    if _rope_theta(config) is not None:
-        writer.add_rope_freq_base(_rope_theta(config))
+    rope = _rope(config)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    if rope.get("rope_theta") is not None:
+        writer.add_rope_freq_base(rope["rope_theta"])
     if getattr(config, "sliding_window", None) is not None:
         writer.add_sliding_window(config.sliding_window)
     for key, value in case.metadata.items():

@@ -57,6 +57,13 @@ CASES = {case.name: case for case in [
     GGUFCase("phi3-window", "phi3", HFCase("phi3", "Phi3ForCausalLM", "Phi3Config", dict(
         _SIZE, sliding_window=WINDOW), seed=47), weight_type="F16",
         transformers_differs="transformers' GGUF loader drops phi3.attention.sliding_window"),
+    # StableLM: transformers' loader ignores rope.dimension_count, keeping the config default of
+    # a quarter of each head rotated, which the cases keep; q/k/v biases, sequential and parallel
+    # residual, told apart by the tensors present.
+    GGUFCase("stablelm", "stablelm", HFCase("stablelm", "StableLmForCausalLM", "StableLmConfig", dict(
+        _SIZE, use_qkv_bias=True), seed=48)),
+    GGUFCase("stablelm-parallel", "stablelm", HFCase("stablelm", "StableLmForCausalLM", "StableLmConfig",
+        dict(_SIZE, use_parallel_residual=True), seed=49), weight_type="F16"),
 ]}
 # (rtol, atol): tests.hf.cases.TOLERANCE, float32 on CPU (same function, different op order).
 PROMPT = 9  # longer than WINDOW, so the sliding-window layers drop keys
@@ -132,3 +139,9 @@ def test_gemma_query_scalar(model_type, layers, hidden, heads, head_dim, expecte
     config = {"model_type": model_type, "num_hidden_layers": layers, "hidden_size": hidden,
               "num_attention_heads": heads, "head_dim": head_dim}
     assert gemma_query_scalar(config) == {"query_pre_attn_scalar": expected}
+
+
+def test_stablelm_layout_from_tensors(written):
+    for name, parallel, bias in (("stablelm", False, True), ("stablelm-parallel", True, False)):
+        config = written(name)[1].config
+        assert (config.parallel_residual, config.attention_bias) == (parallel, bias), name
