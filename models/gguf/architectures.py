@@ -209,7 +209,8 @@ STABLELM = GGUFArchitecture(
     tensors=LLAMA_TENSORS, defaults={"hidden_act": "silu"}, derived=stablelm_layout,
 )
 
-ARCHITECTURES: dict[str, GGUFArchitecture] = {arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, STABLELM)}
+ARCHITECTURES: dict[str, GGUFArchitecture] = {
+    arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, STABLELM)}
 
 
 def architecture(name: str, origin: str) -> GGUFArchitecture:
