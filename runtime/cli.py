@@ -64,8 +64,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provider", choices=PROVIDERS, default="cpu",
                         help="execution provider (default: cpu; auto tries CUDA)")
     parser.add_argument("--threads", type=int, default=0,
-                        help="intra-op threads (default: one per CPU, spinning; on a busy machine half, "
-                             "not spinning: tfport.runtime.threads)")
+                        help="intra-op threads (default: one per usable CPU, spinning; "
+                             "see tfport.runtime.threads)")
     _add_verify(parser)
 
 
@@ -113,8 +113,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     chat.add_argument("--provider", choices=PROVIDERS, default="cpu",
                       help="execution provider (default: cpu; auto tries CUDA)")
     chat.add_argument("--threads", type=int, default=0,
-                      help="intra-op threads (default: one per CPU, spinning; on a busy machine half, "
-                             "not spinning: tfport.runtime.threads)")
+                      help="intra-op threads (default: one per usable CPU, spinning; "
+                             "see tfport.runtime.threads)")
     _add_verify(chat)
     chat.set_defaults(func=run_chat)
 

@@ -51,7 +51,7 @@ class SessionSettings:
 
     ``provider`` is ``"cpu"``, ``"cuda"`` or ``"auto"`` (CUDA if it works, else CPU);
     ``intra_op_threads`` 0 takes tfport's measured default (``threads.thread_policy``: one per
-    usable CPU, the pool spinning unless the machine is busy); ``inter_op_threads`` 0 leaves
+    usable CPU, the pool spinning); ``inter_op_threads`` 0 leaves
     ONNX Runtime's default;
     ``graph_optimization`` is one of ``GRAPH_OPTIMIZATIONS``.
     """
@@ -84,7 +84,7 @@ class SessionSettings:
     def session_options(self) -> ort.SessionOptions:
         options = ort.SessionOptions()
         options.graph_optimization_level = GRAPH_OPTIMIZATIONS[self.graph_optimization]
-        # intra_op_threads 0: one per usable CPU, spinning unless the machine is busy (threads.py)
+        # intra_op_threads 0: one per usable CPU, spinning (threads.py)
         policy = thread_policy(self.intra_op_threads)
         options.intra_op_num_threads = policy.intra_op_threads
         for key, value in policy.config_entries().items():

@@ -1,35 +1,30 @@
 """The CPU thread policy a session gets when the caller does not choose one.
 
-Decode at batch 1 runs ~150 small kernels per token; how ONNX Runtime's intra-op pool waits
-between them decides a good part of the step time:
+Decode at batch 1 runs ~150 small kernels per token, so how ONNX Runtime's intra-op pool is
+sized and waits decides a good part of the step time. The default is **one intra-op thread per
+usable CPU** (``os.sched_getaffinity``; ONNX Runtime's own default counts physical cores as it
+detects them, which on some VMs is fewer) **with a spinning pool** (idle threads spin for the
+next kernel instead of sleeping).
 
-* **threads** -- one per CPU this process may run on (``os.sched_getaffinity``), not ONNX
-  Runtime's own default (physical cores as it detects them, which on some VMs is fewer).
-* **spinning** -- idle pool threads spin for work instead of sleeping. On a quiet machine that
-  saves a wake-up per kernel; on a busy one (1-minute load average at least ``BUSY_LOAD_PER_CPU``
-  per CPU: other processes want the cores) the spinning threads steal time from the thread doing
-  the work and a second thread mostly waits for a core: there the policy takes half the CPUs and
-  no spinning. Measured on the 2-core VM, SmolLM2-135M, each line one run (ms/token):
+Measured on the 2-core VM, SmolLM2-135M, batch 1, each line one ``tfport bench --thread-sweep``
+run (ms/token, float32 ``ort`` export):
 
-  - load ~10: int4, 2 threads spinning 35.2, 2 not spinning 30.9, 1 spinning 20.9, 1 not 20.0;
-  - load 2.1 -> 3.8: fp32, 2 threads 54.2, 1 thread 29.4 (onnxruntime-genai alike: int4 17.3
-    at 2 threads, 8.2 at 1) -- one core was held by another process;
-  - load 5.5 -> 3.7: fp32, 2 threads 29.3, 1 thread 31.2, 1 thread not spinning 32.8.
+- load 0.7 -> 1.8: 2 threads spinning 25.3, 1 thread 32.8;
+- load 1.4 -> 1.6: 2 threads 21.6, 1 thread 32.7;
+- load 2.1 -> 3.8, one core held by another process: 2 threads 54.2, 1 thread 29.4
+  (onnxruntime-genai alike: int4 17.3 ms at 2 threads, 8.2 at 1).
 
-  Wrong the one way costs ~10%, the other 2x, hence busy = load >= 1 per CPU. A load average
-  lags and cannot see which cores are held, so this is a heuristic; pass ``intra_op_threads``
-  (``--threads``) to pin it, and ``tfport bench --thread-sweep`` to measure it.
-
-``TFPORT_THREADS`` / ``TFPORT_SPIN`` (``0`` / ``1``) override the policy for a process.
+So on a quiet machine every CPU wins; when other processes hold cores, fewer threads win, by up
+to 2x. A load-average rule (half the CPUs, no spinning, at load >= CPUs) was tried and dropped:
+the 1-minute average lags (it still counted the export that had just finished) and picked one
+thread on a quiet machine, 34% slower. Pin it where the machine is shared: ``--threads`` /
+``intra_op_threads``, or ``TFPORT_THREADS`` / ``TFPORT_SPIN`` (``0`` / ``1``) for a process.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-# "Busy": a 1-minute load average of at least this many runnable processes per usable CPU.
-BUSY_LOAD_PER_CPU = 1
 
 
 @dataclass(frozen=True)
@@ -38,7 +33,6 @@ class ThreadPolicy:
 
     intra_op_threads: int
     allow_spinning: bool
-    reason: str
 
     def config_entries(self) -> dict[str, str]:
         """Session config entries for ONNX Runtime (``SessionOptions.add_session_config_entry``)."""
@@ -54,19 +48,7 @@ def usable_cpus() -> int:
 
 
 def thread_policy(intra_op_threads: int = 0) -> ThreadPolicy:
-    """The policy for a session: ``intra_op_threads`` if the caller chose (> 0), else one per
-    usable CPU; spinning unless the load average says the CPUs are already busy."""
-    cpus = usable_cpus()
-    threads = intra_op_threads or int(os.environ.get("TFPORT_THREADS", 0)) or cpus
-    if "TFPORT_SPIN" in os.environ:
-        return ThreadPolicy(threads, os.environ["TFPORT_SPIN"] == "1", "TFPORT_SPIN")
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return ThreadPolicy(threads, True, "no load average: ONNX Runtime's default (spin)")
-    if load < BUSY_LOAD_PER_CPU * cpus:
-        return ThreadPolicy(threads, True, f"load average {load:.1f} < {BUSY_LOAD_PER_CPU} x {cpus} CPUs: spin")
-    if not intra_op_threads and "TFPORT_THREADS" not in os.environ:
-        threads = max(1, cpus // 2)  # the other processes hold the rest
-    return ThreadPolicy(threads, False, f"load average {load:.1f} >= {BUSY_LOAD_PER_CPU} x {cpus} CPUs: "
-                                        "no spinning")
+    """``intra_op_threads`` if the caller chose (> 0), else ``TFPORT_THREADS``, else one per usable
+    CPU; spinning unless ``TFPORT_SPIN=0``."""
+    threads = intra_op_threads or int(os.environ.get("TFPORT_THREADS", 0)) or usable_cpus()
+    return ThreadPolicy(threads, os.environ.get("TFPORT_SPIN", "1") != "0")
