@@ -291,6 +291,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
         with tqdm(total=n_layers, desc="export", unit="layer", disable=not show_progress) as progress:
             for name, spec in specs.items():
                 builder = BUILDERS[name](model, spec, dtype, target, progress, scheme)
+                target.finish(builder)
                 proto = builder.build(opset, target.bodies, graph_metadata(manifest.settings))
                 external = _save_graph(proto, tmp / spec.file, external_data_threshold)
                 log.info("wrote %s%s", spec.file, " with external data" if external else "")

@@ -162,6 +162,9 @@ class PortableTarget:
                            scale=module.scale, **capped, outputs=3, name=f"{name}.gqa")
         return out, (pk, pv)
 
+    def finish(self, g: GraphBuilder) -> None:
+        """Last rewrites of a complete graph before it is built (none for portable)."""
+
     def last_positions(self, g: GraphBuilder, states: str, inputs: dict[str, str]) -> str:
         """states [B, S, E] -> [B, 1, E] at the position the next token is picked from
         (``logits="last"``): S - 1 in layout "concat", whose prompts are left-padded."""

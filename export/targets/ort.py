@@ -6,13 +6,14 @@ Decoder-only RoPE models whose head dimension is a multiple of 16."""
 from __future__ import annotations
 
 import numpy as np
+from onnx import helper
 from onnxscript import script, values
 from onnxscript import opset18 as op
 
 from tfport.config import ModelConfig
 
 from ..emit import StackInputs
-from ..functions import tfport
+from ..functions import DOMAIN, tfport
 from ..quantize import byte_initializer, offset_product, pack_nibbles
 from .base import PortableTarget
 from .onnx23 import rope_cache
@@ -112,6 +113,34 @@ class OrtTarget(PortableTarget):
         for value in (pk, pv):
             g.declare(value, g.dtype, ["batch", hkv, "max_sequence", d])
         return out, (pk, pv)
+
+    def finish(self, g):
+        """Each residual ``Add`` feeding an ``ai.tfport.RMSNorm`` becomes one
+        ``com.microsoft.SkipSimplifiedLayerNormalization`` (its fourth output is the sum, so the
+        next residual still reads it): ONNX Runtime does not fuse that pair itself, and a decode
+        step has two per layer. float32 graphs (the kernel's float16 rounding differs)."""
+        if g.dtype != "float32":
+            return
+        consumers: dict[str, list] = {}
+        for node in g.nodes:
+            for value in node.input:
+                consumers.setdefault(value, []).append(node)
+        fused = {}
+        for index, node in enumerate(g.nodes):
+            if node.op_type != "Add" or node.domain != "" or len(node.input) != 2:
+                continue
+            norms = [n for n in consumers.get(node.output[0], [])
+                     if n.op_type == "RMSNorm" and n.domain == DOMAIN and n.input[0] == node.output[0]]
+            if len(norms) != 1:
+                continue
+            norm = norms[0]
+            epsilon = next(a.f for a in norm.attribute if a.name == "epsilon")
+            fused[id(node)] = helper.make_node(
+                "SkipSimplifiedLayerNormalization", [node.input[0], node.input[1], norm.input[1]],
+                [norm.output[0], "", "", node.output[0]], domain="com.microsoft", epsilon=epsilon,
+                name=f"{node.name}.skip_norm")
+            fused[id(norm)] = None
+        g.nodes[:] = [fused.get(id(n), n) for n in g.nodes if fused.get(id(n), n) is not None]
 
     def last_positions(self, g, states, inputs):
         """Rows are right-padded: row b's last new token is at min(seqlens_k[b], S - 1) (a
