@@ -79,6 +79,14 @@ class LlamaCppPeer:
         self.llm = Llama(str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context,
                          n_batch=512, verbose=False, logits_all=False)
 
+    def _argmax(self) -> int:
+        """Greedy token from the last evaluated position's logits (llama.cpp's own buffer: with
+        ``logits_all=False`` llama-cpp-python leaves ``scores`` unset)."""
+        import llama_cpp
+
+        logits = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return int(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).argmax())
+
     def __call__(self, prompts: np.ndarray, steps: int) -> RunTiming:
         assert prompts.shape[0] == 1, "peers run batch 1"
         llm = self.llm
@@ -86,13 +94,13 @@ class LlamaCppPeer:
         tokens, times = [], []
         start = time.perf_counter()
         llm.eval(prompts[0].tolist())
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = self._argmax()
         tokens.append(token)
         prefill = time.perf_counter() - start
         for _ in range(steps):
             start = time.perf_counter()
             llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = self._argmax()
             tokens.append(token)
             times.append(time.perf_counter() - start)
         return RunTiming(prefill * 1e3, [t * 1e3 for t in times], np.array([tokens]))
