@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tfport.config import ModelConfig
 
-from .configs import hf_activation, hf_field, refuse, token_ids
+from .configs import hf_activation, hf_field, refuse_non_bert_encoder, token_ids
 from .heads import CLASSIFIER, classifier_fields
 from .rules import QKV, Architecture, Rule, params
 
@@ -25,11 +25,7 @@ BERT_CLASSIFIER_KEY = "classifier.weight"
 
 def _bert_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     """BERT: post-norm LayerNorm, learned positions, token types; pooler and MLM head if present."""
-    if hf.get("position_embedding_type", "absolute") != "absolute":
-        refuse(hf, "position_embedding_type", hf["position_embedding_type"],
-               "tfport maps absolute (learned) positions only")
-    if hf.get("is_decoder") or hf.get("add_cross_attention"):
-        refuse(hf, "is_decoder", True, "a causal or cross-attending BERT is not tfport's encoder")
+    refuse_non_bert_encoder(hf, "BERT")
     if keys is not None:  # the heads the file holds (a BertModel may be saved without its pooler)
         pooler, mlm = BERT_POOLER_KEY in keys, BERT_MLM_KEY in keys
         classifier = BERT_CLASSIFIER_KEY in keys

@@ -189,3 +189,13 @@ def sliding_fields(hf: dict, n_layers: int, all_layers: bool) -> dict:
     if not local:
         return {}
     return {"sliding_window": window, "local_layers": None if len(local) == n_layers else local}
+
+
+def refuse_non_bert_encoder(hf: dict, name: str) -> None:
+    """Refuse what the BERT-like importers (BERT, RoBERTa) cannot map: relative position
+    embeddings, and a causal or cross-attending stack; ``name`` is the family, for the message."""
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        refuse(hf, "position_embedding_type", hf["position_embedding_type"],
+               "tfport maps absolute (learned) positions only")
+    if hf.get("is_decoder") or hf.get("add_cross_attention"):
+        refuse(hf, "is_decoder", True, f"a causal or cross-attending {name} is not tfport's encoder")

@@ -19,7 +19,7 @@ import torch
 from tfport.config import ModelConfig
 
 from .bert import bert_layers
-from .configs import hf_activation, hf_field, refuse, token_ids
+from .configs import hf_activation, hf_field, refuse_non_bert_encoder, token_ids
 from .heads import CLASSIFIER, MLM, POOLER, classifier_fields, present_heads
 from .rules import Architecture, Rule, Transform, params
 
@@ -50,11 +50,7 @@ POSITIONS_AND_TYPE = Transform("rows after padding_idx + the single token type r
 
 def _roberta_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     """RoBERTa: BERT with positions after padding_idx and at most a single token type folded in."""
-    if hf.get("position_embedding_type", "absolute") != "absolute":
-        refuse(hf, "position_embedding_type", hf["position_embedding_type"],
-               "tfport maps absolute (learned) positions only")
-    if hf.get("is_decoder") or hf.get("add_cross_attention"):
-        refuse(hf, "is_decoder", True, "a causal or cross-attending RoBERTa is not tfport's encoder")
+    refuse_non_bert_encoder(hf, "RoBERTa")
     heads = present_heads(hf, keys, HEAD_KEYS, CLASSES, "RobertaModel")
     vocab_size = hf_field(hf, "vocab_size")
     ids = token_ids(hf, vocab_size)
