@@ -161,13 +161,19 @@ CASES = {case.name: case for case in [
 
 def build_hf(case: HFCase):
     """The case's transformers model (eager attention, eval mode), randomly initialised."""
+    return perturbed_model(case.config_class, case.model_class, case.seed, **SMALL, **case.fields)
+
+
+def perturbed_model(config_class: str, model_class: str, seed: int, **config_fields):
+    """A transformers model (eager attention, eval mode) from ``seed``, every parameter then
+    perturbed, so norms and biases are not 1 / 0 and a wrong mapping shows."""
     import transformers
 
-    config = getattr(transformers, case.config_class)(**SMALL, **case.fields)
+    config = getattr(transformers, config_class)(**config_fields)
     config._attn_implementation = "eager"
-    torch.manual_seed(case.seed)
-    model = getattr(transformers, case.model_class)(config).eval()
-    generator = torch.Generator().manual_seed(case.seed + 100)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config).eval()
+    generator = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for _, p in sorted(model.named_parameters()):
             p.add_(torch.randn(p.shape, generator=generator) * 0.1)

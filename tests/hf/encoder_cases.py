@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from .cases import perturbed_model
+
 VOCAB = 96
 # RoBERTa's special ids: <s> 0, <pad> 1 (the position tables' padding_idx), </s> 2.
 ROBERTA_IDS = dict(bos_token_id=0, pad_token_id=1, eos_token_id=2)
@@ -51,17 +53,8 @@ CASES = {case.name: case for case in [
 
 def build(case: EncoderCase):
     """The case's transformers model (eager attention, eval mode), every parameter perturbed."""
-    import transformers
-
-    config = getattr(transformers, case.config_class)(vocab_size=VOCAB, initializer_range=0.1, **case.fields)
-    config._attn_implementation = "eager"
-    torch.manual_seed(case.seed)
-    model = getattr(transformers, case.model_class)(config).eval()
-    generator = torch.Generator().manual_seed(case.seed + 100)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            p.add_(torch.randn(p.shape, generator=generator) * 0.1)
-    return model
+    return perturbed_model(case.config_class, case.model_class, case.seed, vocab_size=VOCAB,
+                           initializer_range=0.1, **case.fields)
 
 
 def batch(case: EncoderCase, padding: str, seed: int, length: int = 7, pad: int = 3):
