@@ -128,23 +128,18 @@ def _peer_sides(settings: BenchSettings, genai: tuple[str, ...], gguf: tuple[str
     from .peers import GenaiPeer, LlamaCppPeer, available
 
     sides, skipped = [], []
-    for directory in genai:
-        reason = available("onnxruntime_genai")
-        if reason:
-            skipped.append(f"onnxruntime-genai {directory}: {reason}")
-            continue
-        for threads in peer_threads or (settings.threads,):
-            sides.append(Side(f"onnxruntime-genai {Path(directory).name} [{threads} threads]",
-                              "onnxruntime-genai", GenaiPeer(directory, threads),
-                              format=Path(directory).name))
-    for path in gguf:
-        reason = available("llama_cpp")
-        if reason:
-            skipped.append(f"llama.cpp {path}: {reason}")
-            continue
-        for threads in peer_threads or (settings.threads,):
-            sides.append(Side(f"llama.cpp {Path(path).stem} [{threads} threads]", "llama.cpp",
-                              LlamaCppPeer(path, threads), format=Path(path).stem))
+    # (engine, its module, the paths given, how a path names the weights, the peer's class)
+    engines = (("onnxruntime-genai", "onnxruntime_genai", genai, lambda p: Path(p).name, GenaiPeer),
+               ("llama.cpp", "llama_cpp", gguf, lambda p: Path(p).stem, LlamaCppPeer))
+    for engine, module, paths, weights, peer in engines:
+        for path in paths:
+            reason = available(module)
+            if reason:
+                skipped.append(f"{engine} {path}: {reason}")
+                continue
+            for threads in peer_threads or (settings.threads,):
+                sides.append(Side(f"{engine} {weights(path)} [{threads} threads]", engine,
+                                  peer(path, threads), format=weights(path)))
     return sides, skipped
 
 
