@@ -22,7 +22,7 @@ class EncoderDecoderLM(nn.Module):
         tokens = nn.Embedding(config.vocab_size, config.d_model)  # shared by both stacks
         self.encoder = Stack(config, config.n_encoder_layers, causal=False, tokens=tokens)
         self.decoder = Stack(config, config.n_decoder_layers, causal=True, tokens=tokens, cross=True)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = tokens.weight
 

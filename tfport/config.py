@@ -62,7 +62,7 @@ class ModelConfig:
     ``rotary_dim`` rotates only the first that many channels of each head (GPT-NeoX's
     ``rotary_pct``, ``partial_rotary_factor``); the rest pass unrotated.
     ``rope_interleaved`` pairs channel 2i with 2i + 1 (GPT-J's rotate-every-two) instead of i with
-    i + R/2. ``lm_head_bias`` adds a bias [V] to the logits (GPT-J).
+    i + R/2. ``lm_head_bias`` adds a bias [V] to the logits (GPT-J; BART's ``final_logits_bias``).
     ``parallel_residual`` computes attention and FFN from the same input:
     ``x + attn(attn_norm(x)) + ffn(ffn_norm(x))`` (GPT-NeoX, GPT-J, Falcon).
 
@@ -374,8 +374,8 @@ class ModelConfig:
                 fail("rotary_dim", f"an even number of channels up to the head dimension {self.dim_per_head}")
         if self.rope_interleaved and self.position != "rope":
             fail("rope_interleaved", f"false unless position='rope' (position={self.position!r})")
-        if self.lm_head_bias and self.family != "decoder":
-            fail("lm_head_bias", f"false unless family='decoder' (family={self.family!r})")
+        if self.lm_head_bias and not self.has_decoder:
+            fail("lm_head_bias", f"false unless the family has a decoder (family={self.family!r})")
         if self.parallel_residual and (self.norm_position != "pre" or self.post_sublayer_norm
                                        or self.family != "decoder"):
             fail("parallel_residual", "false unless a pre-norm decoder without post-sublayer norms")
