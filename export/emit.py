@@ -138,6 +138,8 @@ class StackInputs:
 
     def layer(self, config: ModelConfig, index: int) -> "StackInputs":
         """What layer ``index`` reads: the stack's values, or for a sliding-window layer its
+    # A bias each layer computes from its queries and keys (positions.DisentangledGraphBias), or None.
+    content_bias: object | None = None
         windowed bias, its rotary tables and ``window``."""
         if not config.is_local(index):
             return self

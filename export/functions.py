@@ -123,6 +123,62 @@ def RelativePositionBias(attention_mask, query_length, table, bidirectional: int
 def RotaryEmbedding(x, position_ids, inv_freq):
     """Rotary position embedding (RoPE, Su et al., 2021), "rotate half" channel pairing.
 
+@script(tfport, default_opset=op)
+def DisentangledIndex(attention_mask, query_length, table):
+    """Rows of DeBERTa's relative embeddings int64 [S, T]: which row query s reads for key t.
+
+    PyTorch: ``tfport.models.disentangled.relative_index(table, S, T)``. attention_mask [B, T]
+    (only its length T is read); query_length int64 [1] = S, the last S of the T slots; table
+    int64 [2M + 1] (``tfport.models.disentangled.index_table``: the row of each relative position
+    in [-M, M], its log buckets computed at export as the reference computes them). Entry (s, t)
+    = table[clip(i - t, -M, M) + M] with i = T - S + s: slot indices, as transformers numbers
+    them (for real tokens, the same differences as mask-counted positions under left or right
+    padding; padded keys are masked anyway).
+    """
+    total = op.Squeeze(op.Shape(attention_mask, start=1, end=2))
+    length = op.Squeeze(query_length)
+    one = op.Constant(value_int=1)
+    limit = op.Div(op.Sub(op.Squeeze(op.Shape(table)), one), op.Constant(value_int=2))  # M
+    query = op.Unsqueeze(op.Range(op.Sub(total, length), total, one), op.Constant(value_ints=[1]))  # [S, 1]
+    key = op.Unsqueeze(op.Range(op.Constant(value_int=0), total, one), op.Constant(value_ints=[0]))  # [1, T]
+    relative = op.Min(op.Max(op.Sub(query, key), op.Neg(limit)), limit)  # [S, T]
+    return op.Gather(table, op.Add(relative, limit))
+
+
+@script(tfport, default_opset=op)
+def DisentangledScores(content, positions, index):
+    """One disentangled term, float32 [B, H, N, M]: entry (n, m) = content_n . positions[index[n, m]].
+
+    PyTorch: ``tfport.models.disentangled.relative_scores``. content [B, H, N, D] (model dtype);
+    positions [H, 2R, D]; index int64 [N, M]. The N x 2R products are one MatMul in the model
+    dtype (cast to float32 after, as the reference), then gathered. DeBERTa's c2p is
+    ``DisentangledScores(query, Kr, index)``; its p2c is ``DisentangledScores(key, Qr, index^T)``
+    transposed.
+    """
+    scores = op.Cast(op.MatMul(content, op.Transpose(positions, perm=[0, 2, 1])), to=FLOAT.dtype)  # [B, H, N, 2R]
+    shape = op.Concat(op.Shape(scores, start=0, end=2), op.Shape(index), axis=0)  # [B, H, N, M]
+    return op.GatherElements(scores, op.Expand(index, shape), axis=3)
+
+
+@script(tfport, default_opset=op)
+def DisentangledBias(query, key, pos_query, pos_key, index, scale: float):
+    """DeBERTa's disentangled attention bias float32 [B, H, S, T] = (c2p + p2c) * scale
+    (He et al., 2021), added to the scaled scores q k^T * scale.
+
+    PyTorch: ``tfport.models.disentangled.DisentangledBias.bias`` with both terms. query
+    [B, H, S, D]; key [B, H, T, D]; pos_query, pos_key [H, 2R, D] = the layer's query and key
+    projections of the normalised relative embeddings (Qr, Kr: weights only, so the exporter
+    computes them once, with the reference's function, from the weights the graph's products
+    use); index int64 [S, T] (``DisentangledIndex``). c2p(s, t) = query_s . Kr[index[s, t]];
+    p2c(s, t) = key_t . Qr[index[s, t]] (DeBERTa gathers p2c at the transposed relative position,
+    whose bucket is the negated one, so both terms read the same row).
+    """
+    c2p = DisentangledScores(query, pos_key, index)  # [B, H, S, T]
+    p2c = op.Transpose(DisentangledScores(key, pos_query, op.Transpose(index, perm=[1, 0])),
+                       perm=[0, 1, 3, 2])  # [B, H, T, S] -> [B, H, S, T]
+    return op.Mul(op.Add(c2p, p2c), op.Constant(value_float=scale))
+
+
     PyTorch: ``apply_rope(x, *rope_cos_sin(position_ids, inv_freq))``. x [B, N, S, D];
     position_ids int64 [B, S]; inv_freq float32 [D/2] (scaling already folded in). Channel i is
     rotated with channel i + D/2 by angle position * inv_freq[i]; computed in float32.
@@ -259,7 +315,8 @@ def RMSNorm(x, weight, epsilon: float):
 
 
 FUNCTIONS = (AttentionBias, AlibiBias, RelativePositionBias, RotaryEmbedding, InterleavedRotaryEmbedding,
-             GroupedScores, GroupedContext, ScaledDotProductAttention, SoftcapScaledDotProductAttention, GroupQueryAttention, SoftcapGroupQueryAttention, RMSNorm)
+             GroupedScores, GroupedContext, ScaledDotProductAttention, SoftcapScaledDotProductAttention, GroupQueryAttention, SoftcapGroupQueryAttention, RMSNorm,
+             DisentangledIndex, DisentangledScores, DisentangledBias)
 
 
 def function_protos(opset: int, bodies: Mapping[str, OnnxFunction]) -> list[onnx.FunctionProto]:

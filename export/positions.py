@@ -1,19 +1,22 @@
 """How each position scheme enters an exported graph: one emitter per ``config.position`` value.
 
 The exporter's counterpart of ``tfport.models.positions.POSITION_SCHEMES``: a table added to the
-embeddings (sinusoidal, learned), a bias added to the attention scores (ALiBi, T5 relative), or
-rotary tables (RoPE; how they are applied is the export target's choice, see ``targets``).
+embeddings (sinusoidal, learned), a bias added to the attention scores (ALiBi, T5 relative),
+rotary tables (RoPE; how they are applied is the export target's choice, see ``targets``), or a
+bias each layer computes from its queries and keys (DeBERTa's disentangled attention).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tfport.config import ModelConfig
+from tfport.models.disentangled import relative_projections
 
 from .graph import GraphBuilder, to_numpy
 
@@ -30,6 +33,12 @@ class PositionEmitter:
     def bias(self, g: GraphBuilder, stack: nn.Module, attention_mask: str, length: str, causal: bool,
              name: str) -> str | None:
         """Added to the attention bias: float32 [B, H, S, T] from the mask [B, T] and S [1]."""
+        return None
+
+    def content_bias(self, g: GraphBuilder, stack: nn.Module, attention_mask: str, length: str,
+                     name: str) -> "DisentangledGraphBias | None":
+        """The stack's values of a bias that depends on each layer's queries and keys, as an
+        object whose ``bias(g, attn, q, k, name)`` emits it (float32 [B, H, S, T]), or None."""
         return None
 
 
@@ -67,8 +76,55 @@ class _Relative(PositionEmitter):
                     name=f"{name}.relative")
 
 
+@dataclass
+class DisentangledGraphBias:
+    """DeBERTa's disentangled terms in a graph: the stack's row index [S, T] (a graph value), its
+    normalised relative embeddings [2R, E] (computed once at export by the reference's norm) and
+    the configured terms; ``bias`` emits one layer's (``ai.tfport.DisentangledBias``)."""
+
+    index: str
+    relative: torch.Tensor
+    terms: tuple[str, ...]
+
+    def bias(self, g: GraphBuilder, attn: nn.Module, q: str, k: str, name: str) -> str:
+        """float32 [B, H, S, T] for q [B, H, S, D] and k [B, H, T, D] of ``attn`` (an Attention).
+        Qr and Kr [H, 2R, D] are stored: the layer's q/k rows applied to the relative embeddings,
+        with the dequantised rows under quantisation (the values the graph's products use)."""
+        weight = attn.qkv.weight.detach().float().cpu()
+        if g.quantizer is not None:
+            rows = g.quantizer.scheme.quantize(weight.numpy(), g.dtype).dequantize()
+            weight = torch.from_numpy(rows.astype("float32"))
+        bias = None if attn.qkv.bias is None else attn.qkv.bias.detach().float().cpu()
+        with torch.no_grad():
+            pos_query, pos_key = relative_projections(self.relative, weight, bias, attn.n_heads, attn.head_dim)
+        if "p2c" in self.terms:
+            pos_query = g.weight(f"{name}.pos_query", to_numpy(pos_query))  # [H, 2R, D]
+        if "c2p" in self.terms:
+            pos_key = g.weight(f"{name}.pos_key", to_numpy(pos_key))
+        if set(self.terms) == {"c2p", "p2c"}:
+            return g.fn("DisentangledBias", q, k, pos_query, pos_key, self.index, scale=float(attn.scale),
+                        name=name)
+        scale = g.const(float(attn.scale), "float32", f"{name}.scale")
+        if self.terms == ("c2p",):
+            term = g.fn("DisentangledScores", q, pos_key, self.index, name=f"{name}.c2p")
+        else:  # p2c alone: key_t . Qr[index[s, t]], gathered over [T, S] and transposed
+            flipped = g.op("Transpose", self.index, perm=[1, 0], name=f"{name}.index_t")
+            term = g.op("Transpose", g.fn("DisentangledScores", k, pos_query, flipped, name=f"{name}.p2c"),
+                        perm=[0, 1, 3, 2], name=f"{name}.p2c_t")
+        return g.op("Mul", term, scale, name=name)
+
+
+class _Disentangled(PositionEmitter):
+    def content_bias(self, g, stack, attention_mask, length, name):
+        table = g.weight(f"{name}.relative_index", stack.relative_index.numpy(), "int64")  # [2M + 1]
+        index = g.fn("DisentangledIndex", attention_mask, length, table, name=f"{name}.disentangled_index")
+        with torch.no_grad():
+            relative = stack.relative_norm(stack.relative_embeddings.weight).detach().float().cpu()  # [2R, E]
+        return DisentangledGraphBias(index, relative, stack.config.disentangled_terms)
+
+
 POSITION_EMITTERS: dict[str, PositionEmitter] = {
     "sinusoidal": _Table(lambda embed: embed.sinusoidal),
     "learned": _Table(lambda embed: embed.positions.weight), "rope": _Rotary(),
-    "alibi": _Alibi(), "relative": _Relative(), "none": PositionEmitter(),
+    "alibi": _Alibi(), "relative": _Relative(), "disentangled": _Disentangled(), "none": PositionEmitter(),
 }

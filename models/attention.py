@@ -8,6 +8,7 @@ from torch.nn import functional as F
 
 from tfport.config import ModelConfig
 
+from .disentangled import DisentangledBias
 from .norms import RMSNorm
 from .positions import apply_rope
 
@@ -47,8 +48,9 @@ class Attention(nn.Module):
 
     Self-attention projects ``x`` [B, S, E] with one ``qkv`` matrix into H query and Hkv key and
     value heads. Cross-attention projects queries from ``x`` and keys/values from the encoder
-    memory once per request (``project_memory``). The taps ``rotary_q``, ``rotary_k`` and
-    ``context`` expose the rotated queries/keys and the attention context to forward hooks.
+    memory once per request (``project_memory``). The taps ``rotary_q``, ``rotary_k``,
+    ``content_term`` and ``context`` expose the rotated queries/keys, the position scheme's bias
+    from them (DeBERTa) and the attention context to forward hooks.
     """
 
     def __init__(self, config: ModelConfig, cross: bool = False):
@@ -74,6 +76,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_weight_offset)
             self.k_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_weight_offset)
         self.rotary_q, self.rotary_k, self.context = Tap(), Tap(), Tap()
+        self.content_term = Tap()  # the position scheme's bias from q and k (DeBERTa), if any
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, s, _ = x.shape
@@ -88,11 +91,13 @@ class Attention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None,
                 memory: tuple[torch.Tensor, torch.Tensor] | None = None,
+                content_bias: DisentangledBias | None = None,
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """x [B, S, E], bias float32 [B, 1|H, S, T] -> ([B, S, E], present (k, v) [B, Hkv, T, D]).
 
         ``rope`` is (cos, sin) [B, 1, S, D/2]; ``past`` the cached (k, v) [B, Hkv, P, D];
-        ``memory`` the projected encoder (k, v) for cross-attention.
+        ``memory`` the projected encoder (k, v) for cross-attention; ``content_bias`` the
+        position scheme's bias from these queries and keys (DeBERTa), added to ``bias``.
         """
         if self.cross:
             q = self._heads(self.q(x), self.n_heads)
@@ -109,6 +114,8 @@ class Attention(nn.Module):
             if past is not None:
                 k = torch.cat([past[0], k], dim=2)  # [B, Hkv, P+S, D]
                 v = torch.cat([past[1], v], dim=2)
+        if content_bias is not None:
+            bias = bias + self.content_term(content_bias.bias(self, q, k))  # [B, H, S, T]
         dropout = self.dropout if self.training else 0.0
         out = self.context(grouped_attention(q, k, v, bias, self.scale, self.softcap, dropout))
         return self.out(out), (k, v)

@@ -76,14 +76,16 @@ class Block(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 past: tuple[torch.Tensor, torch.Tensor] | None = None,
                 memory: tuple[torch.Tensor, torch.Tensor] | None = None,
-                memory_bias: torch.Tensor | None = None,
+                memory_bias: torch.Tensor | None = None, content_bias=None,
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """x [B, S, E] -> ([B, S, E], present self-attention (k, v) [B, Hkv, P+S, D])."""
+        """x [B, S, E] -> ([B, S, E], present self-attention (k, v) [B, Hkv, P+S, D]).
+        ``content_bias``: see ``Attention.forward`` (DeBERTa's disentangled terms)."""
         if self.parallel:
-            out, present = self.attn(self.attn_norm(x), bias, rope, past)
+            out, present = self.attn(self.attn_norm(x), bias, rope, past, content_bias=content_bias)
             return x + self.dropout(out) + self.dropout(self.ffn(self.ffn_norm(x))), present
-        x, present = self._residual(x, self.attn_norm, lambda h: self.attn(h, bias, rope, past),
-                                    self.attn_post_norm)
+        x, present = self._residual(
+            x, self.attn_norm, lambda h: self.attn(h, bias, rope, past, content_bias=content_bias),
+            self.attn_post_norm)
         if self.cross_attn is not None:
             x, _ = self._residual(x, self.cross_norm,
                                   lambda h: self.cross_attn(h, memory_bias, memory=memory))

@@ -1,8 +1,10 @@
-"""Position encodings: sinusoidal and learned tables, rotary (RoPE), ALiBi, T5 relative bias.
+"""Position encodings: sinusoidal and learned tables, rotary (RoPE), ALiBi, T5 relative bias,
+DeBERTa's disentangled attention (``disentangled``).
 
 All are real-valued (no complex dtypes) so they export as plain ONNX ops. The functions compute;
 ``POSITION_SCHEMES`` (one entry per ``config.position`` value) says where each scheme enters the
-modules: a table added to the embeddings, a bias added to the attention scores, or rotary tables.
+modules: a table added to the embeddings, a bias added to the attention scores, rotary tables, or
+a bias that each layer computes from its queries and keys (``content_bias``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import torch
 from torch import nn
 
 from tfport.config import ModelConfig
+
+from .disentangled import DisentangledBias, index_table, relative_index, relative_rows
+from .norms import make_norm
 
 
 def sinusoidal_table(n_positions: int, dim: int) -> torch.Tensor:
@@ -239,6 +244,12 @@ class PositionScheme:
         sliding-window layers), or None."""
         return None
 
+    def content_bias(self, stack: nn.Module, attention_mask: torch.Tensor, length: int
+                     ) -> DisentangledBias | None:
+        """What every layer's attention calls as ``.bias(attn, q, k)`` for a bias that depends on
+        its queries and keys (float32 [B, H, S, T]), or None."""
+        return None
+
 
 class Sinusoidal(PositionScheme):
     def init_embeddings(self, embed, config):
@@ -291,7 +302,20 @@ class Relative(PositionScheme):
                              bidirectional=not stack.causal, max_distance=stack.config.relative_max_distance)
 
 
+class Disentangled(PositionScheme):
+    def init_stack(self, stack, config):  # one relative table and its norm for all layers
+        stack.relative_embeddings = nn.Embedding(relative_rows(config), config.d_model)  # [2R, E]
+        stack.relative_norm = make_norm(config)
+        stack.register_buffer("relative_index", index_table(config), persistent=False)  # [2M + 1]
+
+    def content_bias(self, stack, attention_mask, length):
+        config = stack.config
+        return DisentangledBias(relative_index(stack.relative_index, length, attention_mask.shape[-1]),
+                                stack.relative_norm(stack.relative_embeddings.weight),
+                                config.disentangled_terms, config.embedding_dropout)
+
+
 POSITION_SCHEMES: dict[str, PositionScheme] = {
     "sinusoidal": Sinusoidal(), "learned": Learned(), "rope": Rotary(), "alibi": Alibi(),
-    "relative": Relative(), "none": PositionScheme(),
+    "relative": Relative(), "disentangled": Disentangled(), "none": PositionScheme(),
 }

@@ -81,6 +81,7 @@ class Stack(nn.Module):
         x = self.embed(input_ids, position_ids, token_type_ids)
         config = self.config
         position_bias = self.scheme.bias(self, attention_mask, length)  # [B, H, S, T] or None
+        content_bias = self.scheme.content_bias(self, attention_mask, length)  # DeBERTa's, or None
 
         def layer_bias(window: int | None) -> torch.Tensor:
             bias = attention_bias(attention_mask, length, self.causal, window)  # [B, 1, S, T]
@@ -102,7 +103,7 @@ class Stack(nn.Module):
             layer_memory = memory[i] if memory is not None else None
             local = config.is_local(i)
             x, present = layer(x, local_bias if local else bias, local_rope if local else rope,
-                               layer_past, layer_memory, memory_bias)
+                               layer_past, layer_memory, memory_bias, content_bias)
             presents.append(present)
         if self.norm is not None:
             x = self.norm(x)

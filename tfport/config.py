@@ -21,7 +21,9 @@ FAMILIES = ("encoder", "decoder", "encoder-decoder")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
+POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "disentangled", "none")
+DISENTANGLED_TERMS = ("c2p", "p2c")  # content-to-position, position-to-content (DeBERTa)
+ENCODER_ONLY_POSITIONS = ("disentangled",)  # no causal or cached form
 CLASSIFIER_POOLINGS = ("cls", "mean")
 CLASSIFIER_ACTIVATIONS = ("tanh", "gelu", "gelu_tanh", "relu", "silu")
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "longrope", "yarn", "dynamic")
@@ -35,6 +37,17 @@ class ModelConfig:
     ``position="relative"`` is T5's bucketed relative attention bias (``relative_buckets``,
     ``relative_max_distance``), one table per stack shared by its layers. ``lm_head_scale``
     multiplies the final states before the LM head (T5 with tied embeddings: d_model ** -0.5).
+
+    ``position="disentangled"`` is DeBERTa's disentangled attention (He et al., 2021), encoders
+    only: one table of 2R relative embeddings per stack, normalised by the stack's norm, which
+    each layer projects with its own query and key projections (Qr, Kr [2R, H*D]). Query i and
+    key j add c2p = q_i . Kr[r(i, j)] and p2c = k_j . Qr[r(i, j)] (the ``disentangled_terms``) to
+    q_i . k_j, all three scaled by ``softmax_scale``, which defaults to (D (1 + number of
+    terms)) ** -0.5 here. r(i, j) maps i - j to a row: with ``disentangled_buckets`` R, distances
+    below R / 2 keep their own row and larger ones share log-spaced rows up to
+    ``disentangled_max_distance``; with null buckets, i - j is clipped to +-R, R =
+    ``disentangled_max_distance``. i and j are slot indices, as transformers numbers them (the
+    same relative positions as tfport's mask-counted ones under left or right padding).
 
     Attention variants follow from ``n_kv_heads``: equal to ``n_heads`` is multi-head (MHA), 1 is
     multi-query (MQA), anything between that divides ``n_heads`` is grouped-query (GQA).
@@ -123,6 +136,9 @@ class ModelConfig:
     mlp_bias: bool = True
     attention_scale: float | None = None
     attention_out_bias: bool | None = None
+    disentangled_buckets: int | None = 256
+    disentangled_max_distance: int = 512
+    disentangled_terms: tuple[str, ...] = DISENTANGLED_TERMS
     qk_norm: bool = False
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
@@ -177,7 +193,11 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return self.attention_scale if self.attention_scale is not None else self.dim_per_head**-0.5
+        if self.attention_scale is not None:
+            return self.attention_scale
+        if self.position == "disentangled":  # DeBERTa: the relative terms share the denominator
+            return (self.dim_per_head * (1 + len(self.disentangled_terms))) ** -0.5
+        return self.dim_per_head**-0.5
 
     @property
     def rotary_channels(self) -> int:
@@ -306,6 +326,7 @@ class ModelConfig:
         if self.has_decoder and self.n_decoder_layers == 0:
             fail("n_decoder_layers", f"at least 1 for family {self.family!r}")
         if self.family == "encoder" and self.n_decoder_layers:
+        self._validate_disentangled()
             fail("n_decoder_layers", "0 for family 'encoder'")
         if self.family == "decoder" and self.n_encoder_layers:
             fail("n_encoder_layers", "0 for family 'decoder' (set family='encoder-decoder')")
@@ -402,6 +423,40 @@ class ModelConfig:
         ``mean``: the mean over real tokens) -> dense [E, E] -> ``classifier_activation`` ->
         optional LayerNorm (``classifier_norm``, ModernBERT) -> out [E, n_labels]; ``labels`` names
         the classes (a checkpoint's ``id2label``). BERT's pooler followed by its classifier,
+    def _validate_disentangled(self) -> None:
+        """The ``disentangled_*`` fields: set only with ``position="disentangled"``, which needs an
+        encoder with as many key/value heads as query heads (DeBERTa)."""
+        def fail(field: str, expected: str) -> None:
+            raise ValueError(f"config.{field}={getattr(self, field)!r}: expected {expected}")
+
+        def is_int(value) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        buckets, distance, terms = (self.disentangled_buckets, self.disentangled_max_distance,
+                                    self.disentangled_terms)
+        if self.position != "disentangled":
+            for field in ("disentangled_buckets", "disentangled_max_distance", "disentangled_terms"):
+                if getattr(self, field) != self.__dataclass_fields__[field].default:
+                    fail(field, f"the default unless position='disentangled' (position={self.position!r})")
+            return
+        if self.family != "encoder":  # ENCODER_ONLY_POSITIONS
+            fail("position", f"another position for family {self.family!r}: 'disentangled' (DeBERTa) "
+                 "is bidirectional and uncached, for family 'encoder'")
+        if self.kv_heads != self.n_heads:
+            fail("n_kv_heads", f"null or n_heads={self.n_heads} with position='disentangled' (each "
+                 "query head reads its own relative keys)")
+        if buckets is not None and (not is_int(buckets) or buckets < 4 or buckets % 2):
+            fail("disentangled_buckets", "an even integer >= 4, or null (relative positions clipped, "
+                 "not bucketed)")
+        least = 1 if buckets is None else buckets // 2 + 2
+        if not is_int(distance) or distance < least:
+            fail("disentangled_max_distance", f"an integer >= {least}" + (
+                "" if buckets is None else f" (above disentangled_buckets // 2 + 1, where the "
+                "logarithmic buckets start)"))
+        if not isinstance(terms, tuple) or not terms or len(set(terms)) != len(terms) \
+                or not set(terms) <= set(DISENTANGLED_TERMS):
+            fail("disentangled_terms", f"a non-empty tuple of distinct terms from {list(DISENTANGLED_TERMS)}")
+
         RoBERTa's and DistilBERT's heads and DeBERTa's context pooler all have this form.
         ``*_dropout`` are the probabilities of dropping embeddings (after their norm), attention
         probabilities, sublayer outputs before the residual add, and the FFN's hidden activations.

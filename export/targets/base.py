@@ -87,6 +87,7 @@ class PortableTarget:
                                    for i, (st, lt) in enumerate(zip(ctx.rotary, long)))
             if config.rope_local_theta is not None:
                 ctx.local_rotary = self.rotary_tables(g, stack, name, local=True)
+        ctx.content_bias = scheme.content_bias(g, stack, mask, length, name)  # DeBERTa's, or None
         if "encoder_attention_mask" in inputs:
             ctx.memory_bias = g.fn("AttentionBias", inputs["encoder_attention_mask"], length, causal=0,
                                    window=0, name=f"{name}.cross_mask")
@@ -152,13 +153,18 @@ class PortableTarget:
         if ctx.rotary:
             q = g.tap(f"{name}.rotary_q", self.rotate(g, q, module, ctx, f"{name}.rotary_q"))
             k = g.tap(f"{name}.rotary_k", self.rotate(g, k, module, ctx, f"{name}.rotary_k"))
+        bias = ctx.bias
+        if ctx.content_bias is not None:  # DeBERTa: terms from these queries and keys
+            term = g.tap(f"{name}.content_term", ctx.content_bias.bias(g, module, q, k, f"{name}.disentangled"),
+                         "float32")
+            bias = g.op("Add", bias, term, name=f"{name}.content_bias")  # [B, H, S, T]
         # Soft-capped scores (Gemma 2) have their own functions, so other graphs pay nothing for them.
         capped = {"softcap": module.softcap} if module.softcap is not None else {}
         prefix = "Softcap" if capped else ""
         if past is None:
-            return g.fn(f"{prefix}ScaledDotProductAttention", q, k, v, ctx.bias, scale=module.scale,
+            return g.fn(f"{prefix}ScaledDotProductAttention", q, k, v, bias, scale=module.scale,
                         **capped, name=f"{name}.sdpa"), None
-        out, pk, pv = g.fn(f"{prefix}GroupQueryAttention", q, k, v, past[0], past[1], ctx.bias,
+        out, pk, pv = g.fn(f"{prefix}GroupQueryAttention", q, k, v, past[0], past[1], bias,
                            scale=module.scale, **capped, outputs=3, name=f"{name}.gqa")
         return out, (pk, pv)
 

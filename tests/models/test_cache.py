@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tfport.config import POSITIONS
+from tfport.config import ENCODER_ONLY_POSITIONS, POSITIONS
 
 from .torch_reference import assert_close, model_for, random_ids, tiny
 
@@ -30,8 +30,9 @@ class CacheCase:
         return f"{self.position}-{self.attention}-prefill{self.prefill}-chunk{self.chunk}"
 
 
-DECODER_CASES = [CacheCase(p, a, 3, 1) for p in POSITIONS for a in KV_HEADS] + [
-    CacheCase(p, "gqa", 3, 4) for p in POSITIONS
+DECODER_POSITIONS = [p for p in POSITIONS if p not in ENCODER_ONLY_POSITIONS]
+DECODER_CASES = [CacheCase(p, a, 3, 1) for p in DECODER_POSITIONS for a in KV_HEADS] + [
+    CacheCase(p, "gqa", 3, 4) for p in DECODER_POSITIONS
 ] + [CacheCase("rope", "gqa", 1, 2), CacheCase("alibi", "mqa", 5, 2)]
 
 # Row 0 unpadded, row 1 left-padded by 2, row 2 by 3 (its whole 3-token prefill is padding).
