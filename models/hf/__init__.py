@@ -23,6 +23,7 @@ from torch import nn
 from tfport.config import ModelConfig
 
 from . import loader
+from .bart import BART
 from .bert import BERT
 from .bloom import BLOOM
 from .configs import CONFIG_FILE, read_json
@@ -33,6 +34,7 @@ from .gpt2 import GPT2
 from .gptj import GPTJ
 from .llama import LLAMA
 from .loader import TensorSource
+from .marian import MARIAN
 from .mpt import MPT
 from .mt5 import MT5
 from .neox import NEOX
@@ -48,6 +50,7 @@ from .weights import WEIGHTS_FILE, SafetensorsTensors
 ARCHITECTURES: dict[str, Architecture] = {
     model_type: arch for arch in (LLAMA, QWEN, GEMMA, GEMMA2, NEOX, PHI3, STABLELM, OPT, FALCON, GPTJ, GPT2, BERT, BLOOM, MPT, T5) for model_type in arch.model_types}
 ARCHITECTURES.update({t: arch for arch in (ROBERTA, DISTILBERT, MT5) for t in arch.model_types})  # encoders (issue 13)
+ARCHITECTURES.update({t: arch for arch in (BART, MARIAN) for t in arch.model_types})  # BART, mBART, Marian
 
 
 def _architecture(hf: dict) -> Architecture:

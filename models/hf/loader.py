@@ -177,8 +177,9 @@ def load(arch: Architecture, hf: dict, source: TensorSource, origin: str) -> nn.
             saved = _build(rule, names, tuple(canonical[target].shape), config, tensors)
             if not torch.equal(saved, canonical[target]):
                 raise ValueError(f"{origin}: {', '.join(map(tensors.where, names))} differs from the "
-                                 f"tensor it is tied to ({target}); the config ties them "
-                                 "(tie_word_embeddings), so they must be equal")
+                                 f"tensor it is tied to ({target}); tfport holds them as one tensor "
+                                 "(tie_word_embeddings, or the one token table an encoder-decoder's "
+                                 "stacks share), so they must be equal")
         for copy, original in arch.duplicates.items():
             if copy in tensors and original in plan.used and not torch.equal(tensors.get(copy), tensors.get(original)):
                 raise ValueError(f"{origin}: {tensors.where(copy)} differs from {tensors.where(original)}, "

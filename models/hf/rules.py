@@ -135,8 +135,9 @@ class Architecture:
                              if rule.sources and not rule.sources[0].startswith(self.base_prefix)}))
 
     def normalize(self, key: str) -> str:
-        """HF key as the task model names it: base-model files (``LlamaModel``) lack the prefix."""
-        if key.startswith((self.base_prefix, *self.head_prefixes)):
+        """HF key as the task model names it: base-model files (``LlamaModel``) lack the prefix.
+        A head key may be a bare name (BART's ``final_logits_bias``)."""
+        if key.startswith(self.base_prefix) or key.split(".")[0] + "." in self.head_prefixes:
             return key
         return self.base_prefix + key
 
