@@ -27,6 +27,7 @@ from .bart import BART
 from .bert import BERT
 from .bloom import BLOOM
 from .configs import CONFIG_FILE, read_json
+from .deberta import DEBERTA
 from .distilbert import DISTILBERT
 from .falcon import FALCON
 from .gemma import GEMMA, GEMMA2
@@ -50,6 +51,7 @@ from .weights import WEIGHTS_FILE, SafetensorsTensors
 ARCHITECTURES: dict[str, Architecture] = {
     model_type: arch for arch in (LLAMA, QWEN, GEMMA, GEMMA2, NEOX, PHI3, STABLELM, OPT, FALCON, GPTJ, GPT2, BERT, BLOOM, MPT, T5) for model_type in arch.model_types}
 ARCHITECTURES.update({t: arch for arch in (ROBERTA, DISTILBERT, MT5) for t in arch.model_types})  # encoders (issue 13)
+ARCHITECTURES.update({t: DEBERTA for t in DEBERTA.model_types})  # DeBERTa-v3
 ARCHITECTURES.update({t: arch for arch in (BART, MARIAN) for t in arch.model_types})  # BART, mBART, Marian
 
 
