@@ -68,7 +68,10 @@ def linear(g: GraphBuilder, x: str, module: nn.Linear, name: str) -> str:
 
 def norm(g: GraphBuilder, x: str, module: nn.Module, name: str) -> str:
     """LayerNorm (opset 17 LayerNormalization, float32 stash) or ai.tfport.RMSNorm (a weight
-    offset, Gemma's ``1 + w``, is folded into the stored weight)."""
+    offset, Gemma's ``1 + w``, is folded into the stored weight); an ``nn.Identity`` (layer 0's
+    attention norm when ``config.first_attn_norm`` is false) returns x."""
+    if isinstance(module, nn.Identity):
+        return x
     weight = g.weight(f"{name}.weight", _np(module.weight) + getattr(module, "offset", 0.0))
     if isinstance(module, RMSNorm):
         return g.fn("RMSNorm", x, weight, epsilon=float(module.eps), name=name)
@@ -135,11 +138,11 @@ class StackInputs:
     local_bias: str | None = None
     local_rotary: tuple[str, ...] = ()
     window: int | None = None  # set on the view a sliding-window layer reads (see ``layer``)
+    # A bias each layer computes from its queries and keys (positions.DisentangledGraphBias), or None.
+    content_bias: object | None = None
 
     def layer(self, config: ModelConfig, index: int) -> "StackInputs":
         """What layer ``index`` reads: the stack's values, or for a sliding-window layer its
-    # A bias each layer computes from its queries and keys (positions.DisentangledGraphBias), or None.
-    content_bias: object | None = None
         windowed bias, its rotary tables and ``window``."""
         if not config.is_local(index):
             return self

@@ -41,8 +41,9 @@ def AttentionBias(attention_mask, query_length, causal: int, window: int):
     attention_mask int64 [B, T] (1 = real token); query_length int64 [1] = S, the queries being the
     last S of the T positions. Entry (b, s, t) is 0 when key t is real, if ``causal`` not after
     query s (absolute index T - S + s), and if ``window`` W > 0 (sliding-window attention) fewer
-    than W positions before the query, positions counting real tokens (cumsum(mask) - 1, at least
-    0); otherwise the finite float32 minimum (see module doc). ``window`` 0 means no window.
+    than W positions before the query when ``causal``, at most W // 2 positions away on either
+    side otherwise, positions counting real tokens (cumsum(mask) - 1, at least 0); otherwise the
+    finite float32 minimum (see module doc). ``window`` 0 means no window.
     """
     total = op.Squeeze(op.Shape(attention_mask, start=1, end=2))
     length = op.Squeeze(query_length)
@@ -61,7 +62,10 @@ def AttentionBias(attention_mask, query_length, causal: int, window: int):
     distance = op.Sub(op.Unsqueeze(query_position, op.Constant(value_ints=[2])),
                       op.Unsqueeze(position, op.Constant(value_ints=[1])))  # [B, S, T]
     width = op.Constant(value_int=window)
-    near = op.Or(op.Less(distance, width), op.LessOrEqual(width, op.Constant(value_int=0)))
+    before = op.Less(distance, width)  # causal: W keys up to the query
+    around = op.LessOrEqual(op.Abs(distance), op.Div(width, op.Constant(value_int=2)))  # two-sided
+    in_window = op.Or(op.And(not_causal, around), op.And(op.Not(not_causal), before))  # [B, S, T]
+    near = op.Or(in_window, op.LessOrEqual(width, op.Constant(value_int=0)))
     keep = op.And(op.And(real_key, in_order), op.Unsqueeze(near, op.Constant(value_ints=[1])))  # [B, 1, S, T]
     return op.Where(keep, op.Constant(value_float=0.0), op.Constant(value_float=MASK_VALUE))
 
@@ -120,10 +124,6 @@ def RelativePositionBias(attention_mask, query_length, table, bidirectional: int
 
 
 @script(tfport, default_opset=op)
-def RotaryEmbedding(x, position_ids, inv_freq):
-    """Rotary position embedding (RoPE, Su et al., 2021), "rotate half" channel pairing.
-
-@script(tfport, default_opset=op)
 def DisentangledIndex(attention_mask, query_length, table):
     """Rows of DeBERTa's relative embeddings int64 [S, T]: which row query s reads for key t.
 
@@ -178,6 +178,10 @@ def DisentangledBias(query, key, pos_query, pos_key, index, scale: float):
                        perm=[0, 1, 3, 2])  # [B, H, T, S] -> [B, H, S, T]
     return op.Mul(op.Add(c2p, p2c), op.Constant(value_float=scale))
 
+
+@script(tfport, default_opset=op)
+def RotaryEmbedding(x, position_ids, inv_freq):
+    """Rotary position embedding (RoPE, Su et al., 2021), "rotate half" channel pairing.
 
     PyTorch: ``apply_rope(x, *rope_cos_sin(position_ids, inv_freq))``. x [B, N, S, D];
     position_ids int64 [B, S]; inv_freq float32 [D/2] (scaling already folded in). Channel i is

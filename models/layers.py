@@ -44,14 +44,16 @@ class Block(nn.Module):
     Pre-norm: ``x + f(norm(x))``; post-norm: ``norm(x + f(x))``. With ``post_sublayer_norm``
     (pre-norm only, Gemma 2/3) the output is normalised too: ``x + post_norm(f(norm(x)))``
     (``attn_post_norm``, ``ffn_post_norm``). With ``parallel_residual`` both sublayers read the
-    block's input: ``x + attn(attn_norm(x)) + ffn(ffn_norm(x))``.
+    block's input: ``x + attn(attn_norm(x)) + ffn(ffn_norm(x))``. The ``first`` block of a stack
+    has an identity ``attn_norm`` when ``config.first_attn_norm`` is false (ModernBERT).
     """
 
-    def __init__(self, config: ModelConfig, cross: bool = False):
+    def __init__(self, config: ModelConfig, cross: bool = False, first: bool = False):
         super().__init__()
         self.pre = config.norm_position == "pre"
         self.dropout = nn.Dropout(config.residual_dropout)  # sublayer outputs, train() only
-        self.attn_norm, self.attn = make_norm(config), Attention(config)
+        self.attn_norm = nn.Identity() if first and not config.first_attn_norm else make_norm(config)
+        self.attn = Attention(config)
         self.cross_norm = make_norm(config) if cross else None
         self.cross_attn = Attention(config, cross=True) if cross else None
         self.ffn_norm, self.ffn = make_norm(config), FeedForward(config)

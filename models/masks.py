@@ -17,8 +17,10 @@ def allowed(attention_mask: torch.Tensor, query_length: int, causal: bool,
     """Boolean [B, 1, S, T]: may query s (at absolute index T - S + s) attend to key t.
 
     ``attention_mask`` is [B, T], 1 for real tokens and 0 for padding. A sliding ``window`` W also
-    drops keys W or more positions before the query, positions counted over real tokens
-    (cumsum(mask) - 1), so padding never takes a place in the window.
+    drops, when ``causal``, keys W or more positions before the query (W keys with itself:
+    Mistral, Gemma), otherwise keys more than W // 2 positions away on either side (ModernBERT's
+    ``local_attention`` W); positions are counted over real tokens (cumsum(mask) - 1), so padding
+    never takes a place in the window.
     """
     keep = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
     if causal:
@@ -29,7 +31,8 @@ def allowed(attention_mask: torch.Tensor, query_length: int, causal: bool,
     if window is not None:
         position = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, T]
         query_position = position[:, position.shape[-1] - query_length:]  # [B, S]
-        near = query_position[:, :, None] - position[:, None, :] < window  # [B, S, T]
+        distance = query_position[:, :, None] - position[:, None, :]  # [B, S, T]
+        near = distance < window if causal else distance.abs() <= window // 2
         keep = keep & near[:, None]
     return keep.expand(attention_mask.shape[0], 1, query_length, attention_mask.shape[-1])
 

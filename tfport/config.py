@@ -82,9 +82,13 @@ class ModelConfig:
     ``alibi_slopes`` orders ALiBi's head slopes when H is not a power of two: ``press`` (Press et
     al., BLOOM) or ``mpt`` (MPT: the 2^ceil(log2 H) slopes, odd-indexed first, cut to H).
 
-    ``sliding_window`` W restricts the layers listed in ``local_layers`` (all layers when null)
-    to keys at most W - 1 positions before the query (the query itself included: W keys), as
-    Mistral, Gemma 2/3 and Phi-3 do; positions count real tokens, as RoPE's do.
+    ``sliding_window`` W restricts the layers listed in ``local_layers`` (all layers when null).
+    In a decoder (causal) they see keys at most W - 1 positions before the query (the query
+    itself included: W keys), as Mistral, Gemma 2/3 and Phi-3 do. In an encoder (bidirectional)
+    they see keys at most W // 2 positions away on either side (2 (W // 2) + 1 keys), so that
+    ModernBERT's ``local_attention`` is W. Positions count real tokens, as RoPE's do.
+    ``first_attn_norm`` false leaves layer 0 of a pre-norm stack without its attention norm (the
+    sublayer reads the embeddings as they are: ModernBERT, whose embeddings end with a norm).
 
     ``attention_out_bias`` (null = ``attention_bias``) lets the output projection differ from
     q/k/v (Qwen2: biased q/k/v, unbiased output). ``qk_norm`` applies a per-head RMSNorm [D] to
@@ -132,19 +136,20 @@ class ModelConfig:
     local_layers: tuple[int, ...] | None = None
     relative_buckets: int = 32
     relative_max_distance: int = 128
+    disentangled_buckets: int | None = 256
+    disentangled_max_distance: int = 512
+    disentangled_terms: tuple[str, ...] = DISENTANGLED_TERMS
     attention_bias: bool = True
     mlp_bias: bool = True
     attention_scale: float | None = None
     attention_out_bias: bool | None = None
-    disentangled_buckets: int | None = 256
-    disentangled_max_distance: int = 512
-    disentangled_terms: tuple[str, ...] = DISENTANGLED_TERMS
     qk_norm: bool = False
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     norm_weight_offset: float = 0.0
     embedding_scale: float = 1.0
     post_sublayer_norm: bool = False
+    first_attn_norm: bool = True
     parallel_residual: bool = False
     lm_head_bias: bool = False
     tie_embeddings: bool = True
@@ -290,7 +295,7 @@ class ModelConfig:
                 fail(field, "a non-negative integer")
         for field in ("gated_ffn", "attention_bias", "mlp_bias", "tie_embeddings", "embedding_norm",
                       "pooler", "mlm_head", "qk_norm", "post_sublayer_norm", "parallel_residual",
-                      "rope_interleaved", "lm_head_bias", "rope_truncate"):
+                      "rope_interleaved", "lm_head_bias", "rope_truncate", "first_attn_norm"):
             if not isinstance(getattr(self, field), bool):
                 fail(field, "true or false")
         for field in ("rope_theta", "norm_eps", "lm_head_scale", "embedding_scale", "rope_low_freq_factor",
@@ -321,12 +326,12 @@ class ModelConfig:
             # logarithmic buckets need a larger max distance (bidirectional ones use half).
             if not is_int(self.relative_max_distance) or self.relative_max_distance <= self.relative_buckets // 2:
                 fail("relative_max_distance", f"an integer > relative_buckets // 2 = {self.relative_buckets // 2}")
+        self._validate_disentangled()
         if self.has_encoder and self.n_encoder_layers == 0:
             fail("n_encoder_layers", f"at least 1 for family {self.family!r}")
         if self.has_decoder and self.n_decoder_layers == 0:
             fail("n_decoder_layers", f"at least 1 for family {self.family!r}")
         if self.family == "encoder" and self.n_decoder_layers:
-        self._validate_disentangled()
             fail("n_decoder_layers", "0 for family 'encoder'")
         if self.family == "decoder" and self.n_encoder_layers:
             fail("n_encoder_layers", "0 for family 'decoder' (set family='encoder-decoder')")
@@ -386,8 +391,11 @@ class ModelConfig:
                 fail("local_layers", f"distinct layer indices in [0, {n})")
             if self.sliding_window is None:
                 fail("local_layers", "null unless sliding_window is set")
-        if self.sliding_window is not None and self.family != "decoder":
-            fail("sliding_window", f"null unless family='decoder' (family={self.family!r})")
+        if self.sliding_window is not None and self.family == "encoder-decoder":
+            fail("sliding_window", "null for family 'encoder-decoder' (windows are causal in a decoder, "
+                 "two-sided in an encoder)")
+        if not self.first_attn_norm and self.norm_position != "pre":
+            fail("first_attn_norm", f"true unless norm_position='pre' (norm_position={self.norm_position!r})")
         if self.rotary_dim is not None:
             if self.position != "rope":
                 fail("rotary_dim", f"null unless position='rope' (position={self.position!r})")
@@ -415,14 +423,6 @@ class ModelConfig:
         if self.family == "encoder-decoder" and self.decoder_start_token_id is None:
             fail("decoder_start_token_id", "a token id for family 'encoder-decoder'")
 
-    def _validate_heads_and_training(self) -> None:
-        """The classification head and dropout fields.
-
-        ``n_labels`` > 0 adds a sequence classification head to an encoder (rerankers,
-        cross-encoders, classifiers): the ``classifier_pooling`` state (``cls``: the first token,
-        ``mean``: the mean over real tokens) -> dense [E, E] -> ``classifier_activation`` ->
-        optional LayerNorm (``classifier_norm``, ModernBERT) -> out [E, n_labels]; ``labels`` names
-        the classes (a checkpoint's ``id2label``). BERT's pooler followed by its classifier,
     def _validate_disentangled(self) -> None:
         """The ``disentangled_*`` fields: set only with ``position="disentangled"``, which needs an
         encoder with as many key/value heads as query heads (DeBERTa)."""
@@ -457,6 +457,14 @@ class ModelConfig:
                 or not set(terms) <= set(DISENTANGLED_TERMS):
             fail("disentangled_terms", f"a non-empty tuple of distinct terms from {list(DISENTANGLED_TERMS)}")
 
+    def _validate_heads_and_training(self) -> None:
+        """The classification head and dropout fields.
+
+        ``n_labels`` > 0 adds a sequence classification head to an encoder (rerankers,
+        cross-encoders, classifiers): the ``classifier_pooling`` state (``cls``: the first token,
+        ``mean``: the mean over real tokens) -> dense [E, E] -> ``classifier_activation`` ->
+        optional LayerNorm (``classifier_norm``, ModernBERT) -> out [E, n_labels]; ``labels`` names
+        the classes (a checkpoint's ``id2label``). BERT's pooler followed by its classifier,
         RoBERTa's and DistilBERT's heads and DeBERTa's context pooler all have this form.
         ``*_dropout`` are the probabilities of dropping embeddings (after their norm), attention
         probabilities, sublayer outputs before the residual add, and the FFN's hidden activations.

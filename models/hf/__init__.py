@@ -36,6 +36,7 @@ from .gptj import GPTJ
 from .llama import LLAMA
 from .loader import TensorSource
 from .marian import MARIAN
+from .modernbert import MODERNBERT
 from .mpt import MPT
 from .mt5 import MT5
 from .neox import NEOX
@@ -52,6 +53,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     model_type: arch for arch in (LLAMA, QWEN, GEMMA, GEMMA2, NEOX, PHI3, STABLELM, OPT, FALCON, GPTJ, GPT2, BERT, BLOOM, MPT, T5) for model_type in arch.model_types}
 ARCHITECTURES.update({t: arch for arch in (ROBERTA, DISTILBERT, MT5) for t in arch.model_types})  # encoders (issue 13)
 ARCHITECTURES.update({t: DEBERTA for t in DEBERTA.model_types})  # DeBERTa-v3
+ARCHITECTURES.update({t: MODERNBERT for t in MODERNBERT.model_types})
 ARCHITECTURES.update({t: arch for arch in (BART, MARIAN) for t in arch.model_types})  # BART, mBART, Marian
 
 

@@ -122,3 +122,18 @@ def test_mask_dtype_does_not_matter():
     ref = allowed(torch.tensor([[0, 1, 1]]), 3, True)
     for dtype in (torch.int32, torch.bool, torch.float32):
         assert torch.equal(allowed(torch.tensor([[0, 1, 1]], dtype=dtype), 3, True), ref)
+
+
+def test_two_sided_window_literal():
+    """An encoder's window W = 4 (and 5: W // 2 either way) over a right-padded row: each query
+    sees the real tokens at most 2 positions away on either side (ModernBERT's local layers)."""
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0]])
+    expected = torch.tensor([[1, 1, 1, 0, 0, 0, 0],
+                             [1, 1, 1, 1, 0, 0, 0],
+                             [1, 1, 1, 1, 1, 0, 0],
+                             [0, 1, 1, 1, 1, 1, 0],
+                             [0, 0, 1, 1, 1, 1, 0],
+                             [0, 0, 0, 1, 1, 1, 0],
+                             [0, 0, 0, 1, 1, 1, 0]], dtype=torch.bool)  # the padded query: position 5
+    for window in (4, 5):
+        assert torch.equal(allowed(mask, 7, causal=False, window=window)[0, 0], expected)
