@@ -120,7 +120,7 @@ class _Disentangled(PositionEmitter):
         index = g.fn("DisentangledIndex", attention_mask, length, table, name=f"{name}.disentangled_index")
         with torch.no_grad():
             relative = stack.relative_norm(stack.relative_embeddings.weight).detach().float().cpu()  # [2R, E]
-        return DisentangledGraphBias(index, relative, stack.config.disentangled_terms)
+        return DisentangledGraphBias(index, relative, stack.config.relative_terms)
 
 
 POSITION_EMITTERS: dict[str, PositionEmitter] = {

@@ -312,7 +312,7 @@ class Disentangled(PositionScheme):
         config = stack.config
         return DisentangledBias(relative_index(stack.relative_index, length, attention_mask.shape[-1]),
                                 stack.relative_norm(stack.relative_embeddings.weight),
-                                config.disentangled_terms, config.embedding_dropout)
+                                config.relative_terms, config.embedding_dropout)
 
 
 POSITION_SCHEMES: dict[str, PositionScheme] = {

@@ -41,13 +41,14 @@ class ModelConfig:
     ``position="disentangled"`` is DeBERTa's disentangled attention (He et al., 2021), encoders
     only: one table of 2R relative embeddings per stack, normalised by the stack's norm, which
     each layer projects with its own query and key projections (Qr, Kr [2R, H*D]). Query i and
-    key j add c2p = q_i . Kr[r(i, j)] and p2c = k_j . Qr[r(i, j)] (the ``disentangled_terms``) to
-    q_i . k_j, all three scaled by ``softmax_scale``, which defaults to (D (1 + number of
-    terms)) ** -0.5 here. r(i, j) maps i - j to a row: with ``disentangled_buckets`` R, distances
-    below R / 2 keep their own row and larger ones share log-spaced rows up to
-    ``disentangled_max_distance``; with null buckets, i - j is clipped to +-R, R =
-    ``disentangled_max_distance``. i and j are slot indices, as transformers numbers them (the
-    same relative positions as tfport's mask-counted ones under left or right padding).
+    key j add c2p = q_i . Kr[r(i, j)] and p2c = k_j . Qr[r(i, j)] (``disentangled_terms``, null:
+    both; ``relative_terms`` says which are in effect) to q_i . k_j, all three scaled by
+    ``softmax_scale``, which defaults to (D (1 + number of terms)) ** -0.5 here. r(i, j) maps
+    i - j to a row: with ``disentangled_buckets`` R, distances up to R / 2 keep their own row and
+    larger ones share log-spaced rows up to ``disentangled_max_distance``; with null buckets,
+    i - j is clipped to +-R, R = ``disentangled_max_distance``. i and j are slot indices, as
+    transformers numbers them (the same relative positions as tfport's mask-counted ones under
+    left or right padding).
 
     Attention variants follow from ``n_kv_heads``: equal to ``n_heads`` is multi-head (MHA), 1 is
     multi-query (MQA), anything between that divides ``n_heads`` is grouped-query (GQA).
@@ -138,7 +139,7 @@ class ModelConfig:
     relative_max_distance: int = 128
     disentangled_buckets: int | None = 256
     disentangled_max_distance: int = 512
-    disentangled_terms: tuple[str, ...] = DISENTANGLED_TERMS
+    disentangled_terms: tuple[str, ...] | None = None
     attention_bias: bool = True
     mlp_bias: bool = True
     attention_scale: float | None = None
@@ -201,8 +202,13 @@ class ModelConfig:
         if self.attention_scale is not None:
             return self.attention_scale
         if self.position == "disentangled":  # DeBERTa: the relative terms share the denominator
-            return (self.dim_per_head * (1 + len(self.disentangled_terms))) ** -0.5
+            return (self.dim_per_head * (1 + len(self.relative_terms))) ** -0.5
         return self.dim_per_head**-0.5
+
+    @property
+    def relative_terms(self) -> tuple[str, ...]:
+        """DeBERTa's disentangled terms in effect: ``disentangled_terms``, or both when null."""
+        return DISENTANGLED_TERMS if self.disentangled_terms is None else self.disentangled_terms
 
     @property
     def rotary_channels(self) -> int:
@@ -453,9 +459,10 @@ class ModelConfig:
             fail("disentangled_max_distance", f"an integer >= {least}" + (
                 "" if buckets is None else f" (above disentangled_buckets // 2 + 1, where the "
                 "logarithmic buckets start)"))
-        if not isinstance(terms, tuple) or not terms or len(set(terms)) != len(terms) \
-                or not set(terms) <= set(DISENTANGLED_TERMS):
-            fail("disentangled_terms", f"a non-empty tuple of distinct terms from {list(DISENTANGLED_TERMS)}")
+        if terms is not None and (not isinstance(terms, tuple) or not terms or len(set(terms)) != len(terms)
+                                  or not set(terms) <= set(DISENTANGLED_TERMS)):
+            fail("disentangled_terms", f"a non-empty tuple of distinct terms from {list(DISENTANGLED_TERMS)}, "
+                 "or null (both)")
 
     def _validate_heads_and_training(self) -> None:
         """The classification head and dropout fields.

@@ -39,14 +39,15 @@ def _heads(hf: dict, keys: frozenset[str] | None) -> set[str]:
 
 
 def _terms(hf: dict) -> tuple[str, ...]:
-    """``pos_att_type`` ("p2c|c2p" or a list) as tfport's ``disentangled_terms``."""
+    """``pos_att_type`` ("p2c|c2p" or a list) as tfport's ``disentangled_terms`` (null: both)."""
     value = hf.get("pos_att_type")
     names = [x.strip() for x in value.lower().split("|")] if isinstance(value, str) else value
     if not isinstance(names, list) or not names or not set(names) <= set(DISENTANGLED_TERMS) \
             or len(set(names)) != len(names):
         refuse(hf, "pos_att_type", value, f"expected distinct terms from {list(DISENTANGLED_TERMS)} "
                "(DeBERTa-v3: 'p2c|c2p')")
-    return tuple(t for t in DISENTANGLED_TERMS if t in names)
+    terms = tuple(t for t in DISENTANGLED_TERMS if t in names)
+    return None if terms == DISENTANGLED_TERMS else terms
 
 
 def _refuse_variants(hf: dict) -> None:

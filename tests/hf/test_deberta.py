@@ -110,15 +110,15 @@ def test_configs(deberta):
     config = deberta("v3-classifier")[3].config
     assert (config.position, config.disentangled_buckets, config.disentangled_max_distance) == (
         "disentangled", 8, 16)
-    assert config.disentangled_terms == ("c2p", "p2c") and config.softmax_scale == pytest.approx((8 * 3) ** -0.5)
+    assert config.relative_terms == ("c2p", "p2c") and config.softmax_scale == pytest.approx((8 * 3) ** -0.5)
     assert (config.n_labels, config.labels, config.classifier_activation) == (3, ("a", "b", "c"), "gelu")
     assert config.norm_position == "post" and config.embedding_norm and not config.pooler
     clipped = deberta("c2p-clipped-types")[3].config
-    assert (clipped.disentangled_buckets, clipped.disentangled_max_distance, clipped.disentangled_terms) == (
+    assert (clipped.disentangled_buckets, clipped.disentangled_max_distance, clipped.relative_terms) == (
         None, 6, ("c2p",))
     assert (clipped.type_vocab_size, clipped.classifier_activation, clipped.n_labels) == (2, "tanh", 1)
     default = deberta("p2c-default-distance")[3].config  # max_relative_positions -1: the table size
-    assert (default.disentangled_max_distance, default.disentangled_terms) == (20, ("p2c",))
+    assert (default.disentangled_max_distance, default.relative_terms) == (20, ("p2c",))
     assert default.mlm_head and default.tie_embeddings
 
 
