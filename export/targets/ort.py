@@ -11,6 +11,7 @@ from onnxscript import script, values
 from onnxscript import opset18 as op
 
 from tfport.config import ModelConfig
+from tfport.dtypes import COMPUTE_DTYPES, ONNX_DTYPES
 
 from ..emit import StackInputs
 from ..functions import DOMAIN, tfport
@@ -31,7 +32,8 @@ def FusedGroupQueryAttention(query, key, value, past_key, past_value, seqlens_k,
     """RotaryEmbedding + GroupQueryAttention lowered to ONNX Runtime's fused kernel (target "ort").
 
     PyTorch: as ``GroupQueryAttention`` with RoPE applied to query and key first. query
-    [B, S, H*D]; key, value [B, S, Hkv*D] (not rotated); past_key, past_value [B, Hkv, M, D]: a
+    [B, S, H*D]; key, value [B, S, Hkv*D] (not rotated), or query the packed [B, S, (H + 2 Hkv) * D]
+    with key and value absent (``OrtTarget.finish`` passes the fused projection so); past_key, past_value [B, Hkv, M, D]: a
     preallocated buffer of M >= P + S slots that the runtime binds as both past and present, so
     the new keys/values are written in place (no copy that grows with the context). seqlens_k
     int32 [B] = index of each row's last real token (rows are right-padded); total_sequence_length
@@ -73,12 +75,16 @@ class OrtTarget(PortableTarget):
                              f"channels that is a multiple of 16 (its cos cache width a multiple of 8); "
                              f"rotary_dim={config.rotary_dim} is not")
 
-    def device_refusals(self, dtype: str) -> dict[str, str]:
-        if dtype == "float32":  # ONNX Runtime would run the node on the CPU, copying the cache each step
-            return {"cuda": "target 'ort' on CUDA needs a float16 export (ONNX Runtime's CUDA "
+    def device_refusals(self, dtype: str, kv_dtype: str | None = None) -> dict[str, str]:
+        """GroupQueryAttention runs in the cache dtype (see ``attend``): float32 has no CUDA kernel."""
+        if (kv_dtype or COMPUTE_DTYPES[dtype]) == "float32":  # ORT would run it on the CPU, copying the cache
+            return {"cuda": "target 'ort' on CUDA needs a float16 KV cache (ONNX Runtime's CUDA "
                             "GroupQueryAttention has float16/bfloat16 kernels); re-export with "
-                            "--dtype float16, or use provider='cpu'"}
+                            "--dtype float16 or --kv-dtype float16, or use provider='cpu'"}
         return {}
+
+    def attention_dtype(self, compute_dtype, kv_dtype):
+        return kv_dtype  # the kernel takes query and cache in one dtype (``attend``)
 
     def stack_inputs(self, g, stack, config, inputs, causal, name):
         """Masking and RoPE happen inside the kernel, from seqlens_k and the cos/sin tables."""
@@ -98,49 +104,40 @@ class OrtTarget(PortableTarget):
         return ctx
 
     def attend(self, g, q, k, v, module, ctx, past, name):
-        """[B, S, N*D] straight into ONNX Runtime's kernel; present is the past buffer, updated."""
+        """[B, S, N*D] straight into ONNX Runtime's kernel; present is the past buffer, updated.
+        The kernel takes query, key, value, cache and cos/sin in one dtype: with a cache in
+        another dtype than the model's (``--kv-dtype float16`` on a float32 model) they are cast
+        to the cache's, so attention runs in it, and its output is cast back."""
         h, hkv, d = module.n_heads, module.kv_heads, module.head_dim
         f = ctx.extra
+        rotary = ctx.rotary
+        if g.kv_dtype != g.dtype:
+            to = ONNX_DTYPES[g.kv_dtype]
+            q, k, v, *rotary = (g.op("Cast", x, to=to, name=f"{name}.{part}_to_cache_dtype")
+                                for x, part in zip((q, k, v, *rotary), ("q", "k", "v", "cos", "sin")))
         # ONNX Runtime's kernel keeps key j for query i when i - j < local_window_size, as tfport's
         # window does (measured against the reference; its docs speak of a "left window").
         window = -1 if ctx.window is None else ctx.window
         out, pk, pv = g.fn("FusedGroupQueryAttention", q, k, v, past[0], past[1], f["seqlens_k"],
-                           f["total_sequence_length"], *ctx.rotary, num_heads=h,
+                           f["total_sequence_length"], *rotary, num_heads=h,
                            kv_num_heads=hkv, scale=module.scale, local_window_size=window,
                            softcap=module.softcap or 0.0, rotary_interleaved=int(module.interleaved),
                            outputs=3, name=f"{name}.gqa")
-        g.declare(out, g.dtype, ["batch", "sequence", h * d])  # com.microsoft: no ONNX schema
+        g.declare(out, g.kv_dtype, ["batch", "sequence", h * d])  # com.microsoft: no ONNX schema
         for value in (pk, pv):
-            g.declare(value, g.dtype, ["batch", hkv, "max_sequence", d])
+            g.declare(value, g.kv_dtype, ["batch", hkv, "max_sequence", d])
+        if g.kv_dtype != g.dtype:
+            out = g.op("Cast", out, to=ONNX_DTYPES[g.dtype], name=f"{name}.gqa_to_compute_dtype")
         return out, (pk, pv)
 
     def finish(self, g):
-        """Each residual ``Add`` feeding an ``ai.tfport.RMSNorm`` becomes one
-        ``com.microsoft.SkipSimplifiedLayerNormalization`` (its fourth output is the sum, so the
-        next residual still reads it): ONNX Runtime does not fuse that pair itself, and a decode
-        step has two per layer. float32 graphs (the kernel's float16 rounding differs)."""
-        if g.dtype != "float32":
-            return
-        consumers: dict[str, list] = {}
-        for node in g.nodes:
-            for value in node.input:
-                consumers.setdefault(value, []).append(node)
-        fused = {}
-        for index, node in enumerate(g.nodes):
-            if node.op_type != "Add" or node.domain != "" or len(node.input) != 2:
-                continue
-            norms = [n for n in consumers.get(node.output[0], [])
-                     if n.op_type == "RMSNorm" and n.domain == DOMAIN and n.input[0] == node.output[0]]
-            if len(norms) != 1:
-                continue
-            norm = norms[0]
-            epsilon = next(a.f for a in norm.attribute if a.name == "epsilon")
-            fused[id(node)] = helper.make_node(
-                "SkipSimplifiedLayerNormalization", [node.input[0], node.input[1], norm.input[1]],
-                [norm.output[0], "", "", node.output[0]], domain="com.microsoft", epsilon=epsilon,
-                name=f"{node.name}.skip_norm")
-            fused[id(norm)] = None
-        g.nodes[:] = [fused.get(id(n), n) for n in g.nodes if fused.get(id(n), n) is not None]
+        """Graph rewrites for ONNX Runtime's CPU kernels, each one node less per layer and step:
+        the packed QKV straight into GroupQueryAttention (``_packed_qkv``) and, in float32
+        graphs, residual ``Add`` + RMSNorm as one SkipSimplifiedLayerNormalization
+        (``_skip_norms``)."""
+        _packed_qkv(g)
+        if g.dtype == "float32":  # the kernel's float16 rounding differs from ai.tfport.RMSNorm's
+            _skip_norms(g)
 
     def last_positions(self, g, states, inputs):
         """Rows are right-padded: row b's last new token is at min(seqlens_k[b], S - 1) (a
@@ -210,3 +207,61 @@ def _nbits_storage(g, weight, name: str) -> tuple[str, ...]:
                                            _pack(weight.zero_points, weight.bits).reshape(-1)))
         weight.stored["nbits"] = tuple(stored)
     return weight.stored["nbits"]
+
+
+def _consumers(g) -> dict[str, list]:
+    """value name -> the nodes of ``g`` that read it."""
+    consumers: dict[str, list] = {}
+    for node in g.nodes:
+        for value in node.input:
+            consumers.setdefault(value, []).append(node)
+    return consumers
+
+
+def _packed_qkv(g) -> None:
+    """A ``Split`` of the fused QKV product whose three parts are exactly a
+    FusedGroupQueryAttention's query, key and value goes: the kernel takes the packed
+    [B, S, (H + 2 Hkv) * D] as its query with key and value absent, as its docs allow (the Split
+    measured ~8 us a step per layer at batch 1). Layers that normalise q and k per head (Qwen3)
+    keep their Split."""
+    consumers = _consumers(g)
+    kept = {value for value, _ in g.taps.values()} | {o.name for o in g.outputs}
+    producers = {out: node for node in g.nodes for out in node.output}
+    dropped = set()
+    for node in g.nodes:
+        if node.op_type != "FusedGroupQueryAttention" or node.domain != DOMAIN:
+            continue
+        split = producers.get(node.input[0])
+        if (split is None or split.op_type != "Split" or split.domain != ""
+                or list(split.output) != list(node.input[:3])
+                or any(len(consumers[v]) != 1 or v in kept for v in split.output)):
+            continue
+        node.input[0], node.input[1], node.input[2] = split.input[0], "", ""
+        dropped.add(id(split))
+    g.nodes[:] = [n for n in g.nodes if id(n) not in dropped]
+    used = {value for node in g.nodes for value in node.input}
+    g.initializers[:] = [t for t in g.initializers if t.name in used or t.name in kept]
+
+
+def _skip_norms(g) -> None:
+    """Each residual ``Add`` feeding an ``ai.tfport.RMSNorm`` becomes one
+    ``com.microsoft.SkipSimplifiedLayerNormalization`` (its fourth output is the sum, so the next
+    residual still reads it): ONNX Runtime does not fuse that pair itself, and a decode step has
+    two per layer."""
+    consumers = _consumers(g)
+    fused = {}
+    for node in g.nodes:
+        if node.op_type != "Add" or node.domain != "" or len(node.input) != 2:
+            continue
+        norms = [n for n in consumers.get(node.output[0], [])
+                 if n.op_type == "RMSNorm" and n.domain == DOMAIN and n.input[0] == node.output[0]]
+        if len(norms) != 1:
+            continue
+        norm = norms[0]
+        epsilon = next(a.f for a in norm.attribute if a.name == "epsilon")
+        fused[id(node)] = helper.make_node(
+            "SkipSimplifiedLayerNormalization", [node.input[0], node.input[1], norm.input[1]],
+            [norm.output[0], "", "", node.output[0]], domain="com.microsoft", epsilon=epsilon,
+            name=f"{node.name}.skip_norm")
+        fused[id(norm)] = None
+    g.nodes[:] = [fused.get(id(n), n) for n in g.nodes if fused.get(id(n), n) is not None]
