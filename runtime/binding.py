@@ -57,6 +57,9 @@ class GraphRunner:
         self.spec = spec
         self.device = device_of(session)
         self.device_id = device_id if self.device != "cpu" else 0
+        # What a decode strategy keeps between requests on this session, by the strategy's key
+        # (decoding.inplace: the idle KV buffers and their binding).
+        self.kept: dict[str, object] = {}
 
     @property
     def input_names(self) -> set[str]:

@@ -1,15 +1,22 @@
 """Layout "inplace": one preallocated KV buffer per layer, updated in place (target "ort").
 
-Each layer's key and
-value buffer [B, Hkv, M, D] (M = longest prompt + max_new_tokens) is allocated once per request on
-the session's device and bound as both ``past_key_values.*`` and ``present.*``: the kernel writes
-the new tokens' keys and values into their slots, so a step costs the same at any context length
-and nothing is copied between steps. Prompts are right-padded; ``seqlens_k`` [B] holds the index
-of each row's last token and ``total_sequence_length`` the longest row's length.
+Each layer's key and value buffer [B, Hkv, M, D] (M >= longest prompt + max_new_tokens) lives on
+the session's device and is bound as both ``past_key_values.*`` and ``present.*``: the kernel
+writes the new tokens' keys and values into their slots, so a step costs the same at any context
+length and nothing is copied between steps. Prompts are right-padded; ``seqlens_k`` [B] holds the
+index of each row's last token and ``total_sequence_length`` the longest row's length.
+
+The buffers and their binding outlive a request: when it ends, its ``InplaceDecoder`` is kept on
+the runner and the next request of the same batch size that fits in its M slots reuses it,
+instead of allocating and zeroing B * layers * 2 * Hkv * M * D values again (on the 2-core VM,
+0.7 ms for SmolLM2-135M at M = 81, 19 ms at M = 2048). The slots a request has not written hold
+an earlier request's keys and values; the kernel never reads them (row b attends to its first
+``seqlens_k[b] + 1`` slots only, all written by this request).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -20,20 +27,26 @@ from tfport.dtypes import NUMPY_DTYPES
 from ..binding import PAST, PRESENT, Feed, GraphRunner
 from ..inputs import pad_batch
 
+KEPT = "inplace"  # GraphRunner.kept key of the idle decoder
+
 
 class InplaceDecoder:
-    """The decoder graph with its KV buffers bound once, as past and present, for one request.
+    """The decoder graph with its KV buffers [B, Hkv, slots, D] bound once, as past and present.
 
-    The buffers [B, Hkv, slots, D] live on the session's device for the whole request; a call
-    rebinds only ``input_ids``, ``seqlens_k`` and ``total_sequence_length`` and reads the logits,
-    so the per-step host work does not depend on the number of layers' caches.
+    A call binds ``input_ids``, ``seqlens_k``, ``total_sequence_length`` and a fresh host array
+    for the logits, runs, and returns that array: the per-call host work does not depend on the
+    number of layers (the binding's other outputs are never read back).
     """
 
     def __init__(self, runner: GraphRunner, batch: int, slots: int):
-        self.runner = runner
+        self.session = runner.session  # not the runner, which keeps this decoder (no cycle)
+        self.batch, self.slots = batch, slots
+        logits = next(t for t in runner.spec.outputs if t.name == "logits")
+        self.rows_out = logits.shape[1] if isinstance(logits.shape[1], int) else None  # 1: logits="last"
+        self.vocab = logits.shape[-1]
+        self.logits_dtype = NUMPY_DTYPES[logits.dtype]
         self.cache: dict[str, ort.OrtValue] = {}
         self.binding = runner.session.io_binding()
-        self.binding.bind_output("logits", "cpu")  # first: get_outputs()[0], rebinding keeps it there
         for spec in runner.spec.inputs:
             if spec.name.startswith(PAST):
                 _, heads, _, dim = spec.shape
@@ -45,24 +58,39 @@ class InplaceDecoder:
 
     def __call__(self, input_ids: np.ndarray, seqlens_k: np.ndarray) -> np.ndarray:
         """input_ids [B, S] (right-padded), seqlens_k [B] -> logits float32 [B, S, V], or [B, 1, V]
-        (each row's last new token) from an export with ``logits="last"``.
+        (each row's last new token) from an export with ``logits="last"``; the array is the
+        caller's (a new one each call).
 
         ``seqlens_k[b]`` is the index of row b's last real token counting its cache: a prefill passes
         each prompt's length - 1 (its padded slots are ignored), a decode step the cached length.
         The new keys/values are written in place into the row's slots after its cache.
         """
-        feeds = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
-                 "seqlens_k": seqlens_k.astype(np.int32),
-                 "total_sequence_length": np.array(seqlens_k.max() + 1, dtype=np.int32)}
-        for name, value in feeds.items():
-            self.binding.bind_cpu_input(name, value)
-        self.binding.bind_output("logits", "cpu")  # its shape [B, S, V] changes with S
-        self.runner.session.run_with_iobinding(self.binding)
-        logits = self.binding.get_outputs()[0].numpy()
-        assert logits.shape[::2] == (input_ids.shape[0], self.runner.spec.outputs[0].shape[-1]), logits.shape
+        batch, length = input_ids.shape
+        assert batch == self.batch and seqlens_k.max() < self.slots, (input_ids.shape, seqlens_k, self.slots)
+        binding = self.binding
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(seqlens_k.max() + 1, dtype=np.int32))
+        logits = np.empty((batch, self.rows_out or length, self.vocab), dtype=self.logits_dtype)
+        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        self.session.run_with_iobinding(binding)
         if not np.isfinite(logits).all():
             raise RuntimeError("the decoder produced non-finite logits; the export or its dtype may be broken")
         return logits
+
+
+def lease(runner: GraphRunner, batch: int, slots: int) -> InplaceDecoder:
+    """The runner's idle decoder if it has ``batch`` rows and at least ``slots`` slots, else a new
+    one (the idle one, too small, is dropped). Hand it back with ``keep``."""
+    idle = runner.kept.pop(KEPT, None)
+    if idle is not None and idle.batch == batch and idle.slots >= slots:
+        return idle
+    return InplaceDecoder(runner, batch, slots)
+
+
+def keep(runner: GraphRunner, decoder: InplaceDecoder) -> None:
+    """Keep ``decoder`` as the runner's idle one (one at most: the last handed back)."""
+    runner.kept[KEPT] = decoder
 
 
 class InplaceBuffer:
@@ -74,8 +102,13 @@ class InplaceBuffer:
         ids, mask = pad_batch(rows, pad_token_id, "right")  # [B, S]
         lengths = mask.sum(axis=1)  # real prompt tokens per row
         batch = len(rows)
-        decoder = InplaceDecoder(runner, batch, ids.shape[1] + max_new_tokens)
+        decoder = lease(runner, batch, ids.shape[1] + max_new_tokens)
         logits = decoder(ids, lengths - 1)  # [B, S, V], or [B, 1, V]: each row's last token
         logits = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(batch), lengths - 1]  # [B, V]
-        # Step k's token is row b's token number lengths[b] + k: seqlens_k = its index.
-        return logits, lambda token, step: decoder(token[:, None], lengths + step)[:, -1]
+
+        def advance(token: np.ndarray, step: int) -> np.ndarray:
+            # Step k's token is row b's token number lengths[b] + k: seqlens_k = its index.
+            return decoder(token[:, None], lengths + step)[:, -1]
+
+        weakref.finalize(advance, keep, runner, decoder)  # the request is over when advance goes
+        return logits, advance

@@ -69,6 +69,28 @@ def test_runtime_generates_like_the_reference(fused):
     assert (streamed == tokens).all()
 
 
+def test_kv_buffers_are_reused_across_requests(fused):
+    """When a request ends its KV buffers stay on the runner; the next request of the same batch
+    size that fits in them reuses them (their stale slots unread) and generates as the reference."""
+    model, out = fused
+    runtime = load_model(out)
+    runner = runtime.runners["decoder"]
+    runtime.generate([[5, 17, 33, 8, 61], [44, 9]], max_new_tokens=12, stop_token_ids=())
+    kept = runner.kept["inplace"]
+    pointers = {name: value.data_ptr() for name, value in kept.cache.items()}
+    prompts = [[70, 2, 91], [12, 40, 7, 3]]  # 4 + 8 slots <= 5 + 12
+    tokens = runtime.generate(prompts, max_new_tokens=8, stop_token_ids=())
+    assert runner.kept["inplace"] is kept
+    assert {name: value.data_ptr() for name, value in kept.cache.items()} == pointers
+    for row, prompt in zip(tokens, prompts):
+        assert row.tolist() == generate(model, torch.tensor([prompt]), max_new_tokens=8)[0].tolist()
+    stream = runtime.stream([[9, 8]], max_new_tokens=4, stop_token_ids=())  # batch 1: new buffers
+    next(stream)
+    assert "inplace" not in runner.kept  # leased while the request runs
+    del stream  # an abandoned request hands its buffers back too
+    assert runner.kept["inplace"] is not kept and runner.kept["inplace"].batch == 1
+
+
 @pytest.mark.parametrize("config,needle", [
     (PRESETS["tiny-encoder"], "family='encoder'"),
     (PRESETS["tiny-encoder-decoder"].replace(position="rope"), "family='encoder-decoder'"),
