@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from tfport.contract import DTYPES, LOGITS
+from tfport.contract import DTYPES, KV_DTYPES, LOGITS
 
 from .exporter import MAX_OPSET, MIN_OPSET, export_checkpoint_or_preset
 from .quantize import BITS as QUANTIZE_FORMATS
@@ -20,10 +20,11 @@ def run_export(args: argparse.Namespace) -> int:
         args.source, args.out, seed=args.seed, dtype=args.dtype, opset=args.opset, target=args.target,
         validate=not args.no_validate, tokenizer=args.tokenizer, overwrite=args.force,
         show_progress=None if not args.progress else True, quantize=args.quantize,
-        block_size=args.block_size, symmetric=args.symmetric, logits=args.logits)
+        block_size=args.block_size, symmetric=args.symmetric, logits=args.logits, kv_dtype=args.kv_dtype)
     graphs = ", ".join(g.file for g in manifest.graphs.values())
+    cache = f", KV cache {manifest.kv_dtype}" if manifest.kv_dtype != manifest.dtype and "decoder" in manifest.graphs else ""
     print(f"exported {manifest.config.family} model to {args.out}: {graphs} "
-          f"({manifest.dtype}, opset {manifest.opset})")
+          f"({manifest.dtype}{cache}, opset {manifest.opset})")
     return 0
 
 
@@ -35,7 +36,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                                   "or .gguf file (llama)")
     p.add_argument("--out", required=True, help="output directory (written atomically)")
     p.add_argument("--seed", type=int, default=0, help="seed for a preset's random weights")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="weights and activations (default float32); bfloat16 stores the weights as "
+                        "bfloat16 and computes in float32 on every provider")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="KV cache dtype of a decoder (default: float16 for --dtype float16, else "
+                        "float32); float16 halves the bytes per cached token of a float32 or bfloat16 model")
     p.add_argument("--opset", type=int, default=None,
                    help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default 18; 23 for --target onnx23)")
     p.add_argument("--target", choices=list(TARGETS), default=DEFAULT_TARGET,

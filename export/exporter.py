@@ -20,8 +20,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tfport.config import ModelConfig
-from tfport.contract import (CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphSpec, Manifest,
-                             cache_names, graph_specs)
+from tfport.contract import (CHAT_TEMPLATE_FILE, CONFIG_FILE, DTYPES, MANIFEST_FILE, TOKENIZER_FILE, GraphSpec,
+                             Manifest, cache_names, graph_specs)
+from tfport.dtypes import ONNX_DTYPES, cache_dtype
 from tfport.embedding import EmbeddingSettings
 from tfport.generation import GenerationDefaults
 from tfport.files import atomic_directory, check_output_dir
@@ -148,10 +149,14 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
     g.quantizer = _quantizer(target, quantization)
     inputs = _declare(g, spec)
     n = config.n_decoder_layers
+    # The self-attention cache is handed to the target in its own dtype (the target decides where
+    # it is cast); the cross-attention K/V are read in the compute dtype.
+    g.kv_dtype = spec.input(cache_names(0, "past_key_values", kind)[0]).dtype
     pasts = [tuple(inputs[name] for name in cache_names(i, "past_key_values", kind)) for i in range(n)]
     memories = None
     if seq2seq:
-        memories = [tuple(inputs[name] for name in cache_names(i, "past_key_values", "encoder")) for i in range(n)]
+        memories = [tuple(_in_compute_dtype(g, inputs[name]) for name in cache_names(i, "past_key_values", "encoder"))
+                    for i in range(n)]
     table = _token_table(g, model.decoder.embed.tokens)
     states, presents = emit.stack(g, model.decoder, config, target, inputs, token_table=table,
                                   causal=True, pasts=pasts, memories=memories, progress=progress,
@@ -167,13 +172,25 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
 BUILDERS = {"encoder": build_encoder_graph, "decoder": build_decoder_graph}
 
 
+def _in_compute_dtype(g: GraphBuilder, value: str) -> str:
+    """``value`` (a graph input) cast to the compute dtype where it is in another (a KV cache)."""
+    if g.value_dtypes.get(value, g.dtype) == g.dtype:
+        return value
+    return g.op("Cast", value, to=ONNX_DTYPES[g.dtype], name=f"{value}.compute")
+
+
 def _quantizer(target: Target, quantization: QuantScheme | None) -> WeightQuantizer | None:
     return None if quantization is None else WeightQuantizer(quantization, target)
 
 
-def _check_options(config: ModelConfig, dtype: str, opset: int, target: Target) -> None:
-    if dtype not in ("float32", "float16"):
-        raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'float16'")
+def _check_options(config: ModelConfig, dtype: str, opset: int, target: Target,
+                   kv_dtype: str | None = None) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {list(DTYPES)}")
+    if kv_dtype is not None and not config.has_decoder:
+        raise ValueError(f"kv_dtype={kv_dtype!r}: family={config.family!r} models have no KV cache "
+                         "(leave kv_dtype unset)")
+    cache_dtype(dtype, kv_dtype)  # ValueError naming kv_dtype
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
         raise ValueError(f"opset={opset!r}: expected an integer in [{MIN_OPSET}, {MAX_OPSET}] "
                          f"(the function library needs opset 18 or newer)")
@@ -236,7 +253,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
                  embedding: EmbeddingSettings | None = None, generation: GenerationDefaults | None = None,
                  overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  show_progress: bool | None = None, quantize: str | QuantScheme | None = None,
-                 block_size: int = 32, symmetric: bool = False, logits: str = "all") -> Manifest:
+                 block_size: int = 32, symmetric: bool = False, logits: str = "all",
+                 kv_dtype: str | None = None) -> Manifest:
     """Export ``model`` (a tfport reference module with ``.config``) to ``out_dir``.
 
     Writes ``manifest.json``, ``config.json``, one ``.onnx`` per graph of the family (and
@@ -259,6 +277,13 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
 
     ``logits="last"`` makes the decoder return only the logits the next token is picked from
     ([B, 1, V], ``tfport.contract.LOGITS``): a prefill skips the head for the rest of the prompt.
+
+    ``dtype`` "bfloat16" stores the weights as bfloat16 and computes in float32 (ONNX Runtime's
+    CPU provider has no bfloat16 kernels for the products; ``tfport.dtypes``). ``kv_dtype``
+    ("float32" or "float16"; default float16 for float16 exports, float32 otherwise) is the KV
+    cache's dtype: with float16 on a float32 or bfloat16 model, new keys and values are rounded
+    to float16 as they enter the cache and attention reads them from it (half the bytes per
+    cached token; the target says where the cast happens).
     """
     if validate:
         _require_validator()
@@ -267,8 +292,13 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     scheme = resolve_scheme(quantize, block_size, symmetric)
     if opset is None:
         opset = target.default_opset if scheme is None else target.quantized_opset(target.default_opset)
-    _check_options(config, dtype, opset, target)
+    _check_options(config, dtype, opset, target, kv_dtype)
+    kv_dtype = cache_dtype(dtype, kv_dtype)
     if scheme is not None:
+        if dtype == "bfloat16":
+            raise ValueError(f"quantize={scheme.name!r} with dtype='bfloat16': quantised weights replace "
+                             "the stored ones and bfloat16 graphs compute in float32; export with "
+                             "dtype='float32' (same activations)")
         target.check_quantized(scheme, opset)
     out_dir = check_output_dir(out_dir, "out_dir", overwrite)
     if embedding is not None and (config.family != "encoder" or not isinstance(embedding, EmbeddingSettings)):
@@ -276,9 +306,9 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
                          f"(family={config.family!r})")
     if tokenizer is not None:
         _check_tokenizer(Path(tokenizer))
-    specs = graph_specs(config, dtype, target.layout, logits)
+    specs = graph_specs(config, dtype, target.layout, logits, kv_dtype)
     manifest = Manifest(config=config, dtype=dtype, opset=opset, target=target.name, layout=target.layout,
-                        device_refusals=target.device_refusals(dtype),
+                        device_refusals=target.device_refusals(dtype, kv_dtype), kv_dtype=kv_dtype,
                         tokenizer=TOKENIZER_FILE if tokenizer is not None else None,
                         chat_template=CHAT_TEMPLATE_FILE if chat_template is not None else None,
                         graphs=specs, quantization=None if scheme is None else scheme.to_dict(),

@@ -13,16 +13,20 @@ import json
 from collections import Counter
 from collections.abc import Mapping
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from tfport.contract import TensorSpec
-from tfport.dtypes import NUMPY_DTYPES, ONNX_DTYPES
+from tfport.dtypes import COMPUTE_DTYPES, NUMPY_DTYPES, ONNX_DTYPES, cache_dtype
 
 from .functions import DOMAIN, DOMAIN_VERSION, OnnxFunction, function_protos
 
 TAPS_KEY = "tfport.taps"  # metadata: reference point -> (graph value, dtype), for localisation
+# How initializers of each dtype are held in numpy (ml_dtypes' bfloat16 rounds to nearest even,
+# as torch's .to(torch.bfloat16) does, so stored weights equal the bfloat16 reference's).
+STORAGE_DTYPES = {**NUMPY_DTYPES, "bfloat16": ml_dtypes.bfloat16}
 
 
 def to_numpy(tensor) -> np.ndarray:
@@ -36,10 +40,17 @@ def ir_version_for(opset: int) -> int:
 
 
 class GraphBuilder:
-    """Collects nodes and initializers; ``op`` returns the name(s) of the new node's outputs."""
+    """Collects nodes and initializers; ``op`` returns the name(s) of the new node's outputs.
+
+    ``dtype`` is the export dtype: weights are stored in it (``storage``) and activations are
+    computed in ``self.dtype`` (``tfport.dtypes.COMPUTE_DTYPES``: float32 for bfloat16, whose
+    weights are then cast in the graph); ``kv_dtype`` is the KV cache's (the exporter sets it).
+    """
 
     def __init__(self, name: str, dtype: str):
-        self.name, self.dtype = name, dtype
+        self.name, self.storage, self.dtype = name, dtype, COMPUTE_DTYPES[dtype]
+        self.kv_dtype = cache_dtype(dtype)
+        self.value_dtypes: dict[str, str] = {}  # values whose dtype is not self.dtype's default
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -59,10 +70,17 @@ class GraphBuilder:
         return hint if count == 1 else f"{hint}_{count - 1}"
 
     def weight(self, name: str, array: np.ndarray, dtype: str | None = None) -> str:
-        """Add an initializer (cast to ``dtype``, default the model dtype) and return its name."""
-        target = NUMPY_DTYPES[dtype or self.dtype]
+        """Add an initializer (cast to ``dtype``) and return its name. Without ``dtype``, a
+        weight of the model: stored in ``storage`` and, where that is not the compute dtype
+        (bfloat16), returned through a Cast to it (ONNX Runtime folds it when the session opens)."""
+        stored = dtype or self.storage
         name = self.fresh(name)
-        self.initializers.append(numpy_helper.from_array(np.array(array, dtype=target, order="C"), name))
+        self.initializers.append(numpy_helper.from_array(
+            np.array(array, dtype=STORAGE_DTYPES[stored], order="C"), name))
+        if dtype is None and stored != self.dtype:  # at the front: before any node a rewrite moves
+            self.nodes.insert(0, helper.make_node("Cast", [name], [f"{name}.compute"], to=ONNX_DTYPES[self.dtype],
+                                                  name=self.fresh(f"{name}.compute")))
+            return f"{name}.compute"
         return name
 
     def tap(self, point: str, value: str, dtype: str | None = None) -> str:
@@ -89,15 +107,23 @@ class GraphBuilder:
     def declare(self, value: str, dtype: str, shape: list) -> str:
         """State ``value``'s type where ONNX shape inference cannot (outputs of contrib ops)."""
         self.value_info.append(helper.make_tensor_value_info(value, ONNX_DTYPES[dtype], shape))
+        return self.set_dtype(value, dtype)
+
+    def set_dtype(self, value: str, dtype: str) -> str:
+        """Note that ``value`` is of ``dtype`` (e.g. a KV cache in its own dtype), so that
+        ``add_output`` casts it only where its spec asks for another."""
+        self.value_dtypes[value] = dtype
         return value
 
     def add_input(self, spec: TensorSpec) -> str:
         self.inputs.append(helper.make_tensor_value_info(spec.name, ONNX_DTYPES[spec.dtype], list(spec.shape)))
-        return spec.name
+        return self.set_dtype(spec.name, spec.dtype)
 
     def add_output(self, value: str, spec: TensorSpec) -> None:
-        """Expose ``value`` as the graph output ``spec`` (cast to its dtype if needed)."""
-        source_dtype = self.dtype if spec.dtype in ("float32", "float16") else spec.dtype
+        """Expose ``value`` as the graph output ``spec`` (cast to its dtype if needed): float
+        values are in the compute dtype unless ``set_dtype`` said otherwise."""
+        floating = spec.dtype in ("float32", "float16", "bfloat16")
+        source_dtype = self.value_dtypes.get(value, self.dtype if floating else spec.dtype)
         if spec.dtype != source_dtype:
             self.op("Cast", value, outputs=[spec.name], to=ONNX_DTYPES[spec.dtype], name=f"cast_{spec.name}")
         else:

@@ -49,8 +49,9 @@ class Attention(nn.Module):
     Self-attention projects ``x`` [B, S, E] with one ``qkv`` matrix into H query and Hkv key and
     value heads. Cross-attention projects queries from ``x`` and keys/values from the encoder
     memory once per request (``project_memory``). The taps ``rotary_q``, ``rotary_k``,
-    ``content_term`` and ``context`` expose the rotated queries/keys, the position scheme's bias
-    from them (DeBERTa) and the attention context to forward hooks.
+    ``content_term``, ``context``, ``cached_k`` and ``cached_v`` expose the rotated queries/keys,
+    the position scheme's bias from them (DeBERTa), the attention context and the new keys/values
+    entering the cache to forward hooks.
     """
 
     def __init__(self, config: ModelConfig, cross: bool = False):
@@ -76,6 +77,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_weight_offset)
             self.k_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_weight_offset)
         self.rotary_q, self.rotary_k, self.context = Tap(), Tap(), Tap()
+        # The new keys and values [B, Hkv, S, D] as they enter the cache (self-attention): a hook
+        # can round them to a cache dtype (the parity reference of --kv-dtype exports).
+        self.cached_k, self.cached_v = Tap(), Tap()
         self.content_term = Tap()  # the position scheme's bias from q and k (DeBERTa), if any
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -111,6 +115,7 @@ class Attention(nn.Module):
             if rope is not None:
                 q = self.rotary_q(apply_rope(q, *rope, self.interleaved))
                 k = self.rotary_k(apply_rope(k, *rope, self.interleaved))
+            k, v = self.cached_k(k), self.cached_v(v)
             if past is not None:
                 k = torch.cat([past[0], k], dim=2)  # [B, Hkv, P+S, D]
                 v = torch.cat([past[1], v], dim=2)

@@ -21,7 +21,9 @@ Graphs per family (dims are named as in the ONNX files):
   graph also takes ``encoder_attention_mask`` int64 [batch, encoder_sequence] and
   ``past_key_values.{i}.encoder.key|value`` [batch, Hkv, encoder_sequence, D].
 
-User-facing outputs are float32 whatever the export dtype; KV caches are in the export dtype.
+User-facing outputs are float32 whatever the export dtype; KV caches are in the export's cache
+dtype (``kv_dtype``: by default float16 for float16 exports, float32 otherwise;
+``tfport.dtypes.CACHE_DTYPES``).
 
 How a decoder graph takes its KV cache is its *cache layout* (``LAYOUTS``); each export target
 (tfport.export.targets) picks one, the manifest records it, and the runtime picks its decode
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig
+from .dtypes import CACHE_DTYPES, COMPUTE_DTYPES, cache_dtype
 from .integrity import FileRecord, export_settings, parse_file_records
 
 FORMAT_NAME = "tfport"
@@ -55,7 +58,8 @@ MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-DTYPES = ("float32", "float16")
+DTYPES = tuple(COMPUTE_DTYPES)  # export dtypes: float32, float16, bfloat16 (weights stored bfloat16)
+KV_DTYPES = tuple(dict.fromkeys(d for allowed in CACHE_DTYPES.values() for d in allowed))
 
 
 @dataclass(frozen=True)
@@ -153,13 +157,15 @@ LOGITS = ("all", "last")
 
 
 def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "concat",
-                logits: str = "all") -> dict[str, GraphSpec]:
+                logits: str = "all", kv_dtype: str | None = None) -> dict[str, GraphSpec]:
     """The graphs an export of ``config`` contains, keyed ``"encoder"`` / ``"decoder"``;
-    ``logits`` (``LOGITS``) says which positions the decoder's logits cover."""
+    ``logits`` (``LOGITS``) says which positions the decoder's logits cover; caches are in
+    ``kv_dtype`` (None: the export dtype's default, ``tfport.dtypes.cache_dtype``)."""
     if logits not in LOGITS:
         raise ValueError(f"logits={logits!r}: expected one of {list(LOGITS)}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {list(DTYPES)}")
+    cache = cache_dtype(dtype, kv_dtype)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {sorted(LAYOUTS)}")
     graphs: dict[str, GraphSpec] = {}
@@ -176,10 +182,10 @@ def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "conc
             outputs.append(TensorSpec("class_logits", "float32", ("batch", config.n_labels)))
         if config.family == "encoder-decoder":
             outputs += _cache_specs(config, config.n_decoder_layers, "present", "encoder",
-                                    "sequence", dtype)
+                                    "sequence", cache)
         graphs["encoder"] = GraphSpec("encoder", "encoder.onnx", tuple(inputs), tuple(outputs))
     if config.has_decoder:
-        inputs, outputs = LAYOUTS[layout](config, dtype)
+        inputs, outputs = LAYOUTS[layout](config, cache)
         if logits == "last":
             outputs[0] = TensorSpec("logits", "float32", ("batch", 1, config.vocab_size))
         graphs["decoder"] = GraphSpec("decoder", "decoder.onnx", tuple(inputs), tuple(outputs))
@@ -208,18 +214,21 @@ class Manifest:
     # to_dict: format, bits, block_size, symmetric, embeddings), None for float weights.
     quantization: dict[str, Any] | None = None
     logits: str = "all"  # LOGITS: the decoder returns every position's logits or the last one's
+    kv_dtype: str | None = None  # the KV cache dtype (None: the dtype's default, set on creation)
 
     def __post_init__(self) -> None:
+        if self.dtype in DTYPES:
+            object.__setattr__(self, "kv_dtype", cache_dtype(self.dtype, self.kv_dtype))
         if not self.graphs:
             object.__setattr__(self, "graphs", graph_specs(self.config, self.dtype, self.layout,
-                                                           self.logits))
+                                                           self.logits, self.kv_dtype))
 
     @property
     def settings(self) -> str:
         """Canonical JSON of what the graphs are built for; its sha256 is in each graph's
         metadata (``tfport.integrity.export_settings``)."""
         return export_settings(self.config, self.dtype, self.opset, self.target, self.layout,
-                               self.device_refusals)
+                               self.device_refusals, self.kv_dtype)
 
     def required_files(self) -> list[str]:
         """Files the runtime reads besides the manifest: graphs, config, tokenizer, template."""
@@ -240,6 +249,7 @@ class Manifest:
             "files": {name: record.to_dict() for name, record in self.files.items()},
             **({"quantization": dict(self.quantization)} if self.quantization else {}),
             **({"logits": self.logits} if self.logits != "all" else {}),
+            "kv_dtype": self.kv_dtype,
         }
 
     def write(self, directory: str | Path) -> Path:
@@ -288,6 +298,8 @@ class Manifest:
         except (TypeError, ValueError) as err:
             raise ValueError(f"{path}: {err}") from None
         _check_field(path, data, "dtype", data["dtype"] in DTYPES, f"one of {list(DTYPES)}")
+        _check_field(path, data, "kv_dtype", data.get("kv_dtype") in (None, *CACHE_DTYPES[data["dtype"]]),
+                     f"one of {list(CACHE_DTYPES[data['dtype']])} for dtype {data['dtype']!r}")
         opset = data["opset"]
         _check_field(path, data, "opset", isinstance(opset, int) and not isinstance(opset, bool)
                      and opset > 0, "a positive integer")
@@ -306,7 +318,7 @@ class Manifest:
                            layout=data["layout"], device_refusals=refusals,
                            tokenizer=data.get("tokenizer"), chat_template=data.get("chat_template"),
                            files=files, quantization=data.get("quantization"),
-                           logits=data.get("logits", "all"))
+                           logits=data.get("logits", "all"), kv_dtype=data.get("kv_dtype"))
         except ValueError as err:  # a config the layout cannot serve
             raise ValueError(f"{path}: {err}") from None
         for name, graph in manifest.graphs.items():

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig
+from .dtypes import CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -160,11 +161,14 @@ def _canonical_config(config: ModelConfig) -> dict[str, Any]:
 
 
 def export_settings(config: ModelConfig, dtype: str, opset: int, target: str, layout: str,
-                    device_refusals: Mapping[str, str]) -> str:
+                    device_refusals: Mapping[str, str], kv_dtype: str | None = None) -> str:
     """Canonical JSON of what a graph is built for (sorted keys, no spaces; the config as
-    ``_canonical_config``)."""
+    ``_canonical_config``); ``kv_dtype`` is recorded when it is not ``dtype``'s default cache
+    dtype, so exports made before the option keep their fingerprints."""
     settings = {"config": _canonical_config(config), "dtype": dtype, "opset": opset,
                 "target": target, "layout": layout, "device_refusals": dict(device_refusals)}
+    if kv_dtype is not None and dtype in CACHE_DTYPES and kv_dtype != CACHE_DTYPES[dtype][0]:
+        settings["kv_dtype"] = kv_dtype
     return json.dumps(settings, sort_keys=True, separators=(",", ":"))
 
 

@@ -57,24 +57,33 @@ class Prepared:
 
 
 class CaseInputs:
-    """Makes the ``Prepared`` runs of a case for one export (its config, dtype and cache layout).
+    """Makes the ``Prepared`` runs of a case for one export (its config, KV cache dtype
+    ``kv_dtype`` and cache layout) and its reference ``model`` (in the export's dtype).
 
     ``run_encoder(prepared) -> outputs`` runs the export's encoder graph: a seq2seq decoder case
     takes the cross-attention K/V the encoder graph computed, as the runtime does.
     """
 
-    def __init__(self, model: nn.Module, config: ModelConfig, dtype: str, layout: str,
+    def __init__(self, model: nn.Module, config: ModelConfig, kv_dtype: str, layout: str,
                  run_encoder: Callable[[Prepared], dict[str, np.ndarray]]):
-        self.model, self.config, self.dtype = model, config, dtype
+        self.model, self.config, self.kv_dtype = model, config, kv_dtype
+        self.model_dtype = next(model.parameters()).dtype
         self.layout = LAYOUT_INPUTS[layout]
         self.run_encoder = run_encoder
 
     def _ids(self, rng: np.random.Generator, shape) -> np.ndarray:
         return rng.integers(3, self.config.vocab_size, size=shape, dtype=np.int64)
 
-    def _kv(self, rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
+    def random_cache(self, rng: np.random.Generator, batch: int, length: int, scale: float = 1.0) -> np.ndarray:
+        """A random cache [B, Hkv, length, D] in the cache dtype whose values the reference's
+        dtype holds exactly too (rounded to the model dtype first: bfloat16 then float16 is exact)."""
         c = self.config
-        return rng.standard_normal((batch, c.kv_heads, length, c.dim_per_head)).astype(self.dtype)
+        values = torch.from_numpy(rng.standard_normal((batch, c.kv_heads, length, c.dim_per_head)) * scale)
+        return values.to(self.model_dtype).float().numpy().astype(self.kv_dtype)
+
+    def _reference_kv(self, array: np.ndarray) -> torch.Tensor:
+        """A cache array as the reference module takes it (its dtype)."""
+        return torch.from_numpy(array).to(self.model_dtype)
 
     def prepare(self, case: Case) -> list[Prepared]:
         """The graph runs of ``case``: the encoder, the decoder, or both (seq2seq)."""
@@ -126,12 +135,12 @@ class CaseInputs:
         mask = _mask(case.batch, padding, total)
         ids = self._ids(rng, (case.batch, case.new))
         position_ids = positions_from_mask(torch.from_numpy(mask), case.new).numpy()
-        past = [self._kv(rng, case.batch, case.past) for _ in range(2 * c.n_decoder_layers)]
+        past = [self.random_cache(rng, case.batch, case.past) for _ in range(2 * c.n_decoder_layers)]
         feeds = {"input_ids": ids, "attention_mask": mask}
         if c.uses_position_ids:
             feeds["position_ids"] = position_ids
         feeds.update(_cache_feeds("past_key_values", kind, past, c.n_decoder_layers))
-        cache = KVCache([(torch.from_numpy(past[2 * i]), torch.from_numpy(past[2 * i + 1]))
+        cache = KVCache([(self._reference_kv(past[2 * i]), self._reference_kv(past[2 * i + 1]))
                          for i in range(c.n_decoder_layers)]) if case.past else None
         t_ids, t_mask, t_pos = (torch.from_numpy(x) for x in (ids, mask, position_ids))
         memory = None
@@ -140,7 +149,7 @@ class CaseInputs:
             kv = [outputs[name] for i in range(c.n_decoder_layers) for name in cache_names(i, "present", "encoder")]
             feeds["encoder_attention_mask"] = encoder.feeds["attention_mask"]
             feeds.update(_cache_feeds("past_key_values", "encoder", kv, c.n_decoder_layers))
-            memory = [(torch.from_numpy(kv[2 * i]), torch.from_numpy(kv[2 * i + 1]))
+            memory = [(self._reference_kv(kv[2 * i]), self._reference_kv(kv[2 * i + 1]))
                       for i in range(c.n_decoder_layers)]
             memory_mask = torch.from_numpy(encoder.feeds["attention_mask"])
 
@@ -198,7 +207,7 @@ class InplaceInputs:
         for name, past in portable.feeds.items():
             if not name.startswith("past_key_values."):
                 continue
-            buffer = (rng.standard_normal((batch, c.kv_heads, slots, c.dim_per_head)) * 100).astype(maker.dtype)
+            buffer = maker.random_cache(rng, batch, slots, scale=100.0)
             for b in range(batch):
                 n_past = real[b, :case.past].sum()
                 buffer[b][:, :n_past] = past[b][:, real[b, :case.past]]

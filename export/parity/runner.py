@@ -7,7 +7,6 @@ runs both sides and compares every output at real positions (``cases``).
 
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 
@@ -17,10 +16,12 @@ import torch
 from torch import nn
 
 from tfport.contract import Manifest
+from tfport.dtypes import COMPUTE_DTYPES
 from tfport.models.masks import MASK_VALUE
 
-from .cases import TOLERANCES, Case, CaseResult, Diff, _compare
+from .cases import CACHE_ULPS, TOLERANCES, Case, CaseResult, Diff, _compare
 from .inputs import CaseInputs, Prepared
+from .reference import TORCH_DTYPES, reference_module
 
 PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
 
@@ -61,6 +62,20 @@ def cuda_available() -> tuple[bool, str]:
 
 
 
+def _tolerance(manifest: Manifest, provider: str) -> tuple[float, float]:
+    """(rtol, atol) of an export: its dtype's, or the looser of that and its cache dtype's where
+    the target runs attention in the cache dtype (``Target.attention_dtype``)."""
+    from ..targets import TARGETS
+
+    tolerance = TOLERANCES[(manifest.dtype, provider)]
+    target = TARGETS.get(manifest.target)
+    compute = COMPUTE_DTYPES[manifest.dtype]
+    if target is not None and target.attention_dtype(compute, manifest.kv_dtype) != compute:
+        other = TOLERANCES[(target.attention_dtype(compute, manifest.kv_dtype), provider)]
+        tolerance = (max(tolerance[0], other[0]), max(tolerance[1], other[1]))
+    return tolerance
+
+
 class Runner:
     """Sessions of one export plus its reference module, for running cases."""
 
@@ -71,14 +86,15 @@ class Runner:
         self.config = self.manifest.config
         self.provider = provider
         self.dtype = self.manifest.dtype
-        self.tolerance = TOLERANCES[(self.dtype, provider)]
+        self.kv_dtype = self.manifest.kv_dtype
+        self.tolerance = _tolerance(self.manifest, provider)
         self.sessions = {name: self._session(self.export_dir / g.file, provider)
                          for name, g in self.manifest.graphs.items()}
         self._device = "cuda" if provider == "cuda" else "cpu"
-        self.torch_dtype = torch.float16 if self.dtype == "float16" else torch.float32
-        if self.torch_dtype != torch.float32:  # a converted copy: never round the caller's weights
-            self.model = copy.deepcopy(self.model).to(self.torch_dtype)
-        self.inputs = CaseInputs(self.model, self.config, self.dtype, self.manifest.layout,
+        self.torch_dtype = TORCH_DTYPES[self.dtype]
+        # A converted copy where the dtype or the cache rounding differ: never the caller's weights.
+        self.model = reference_module(self.model, self.dtype, self.kv_dtype)
+        self.inputs = CaseInputs(self.model, self.config, self.kv_dtype, self.manifest.layout,
                                  self.run_onnx)
 
     def _session(self, path: Path, provider: str) -> ort.InferenceSession:
@@ -135,6 +151,10 @@ class Runner:
         actual = self.run_onnx(prepared)
         result = CaseResult(prepared.case or case, prepared.graph, self.provider)
         for name, tensor in prepared.reference().items():
+            tolerance = self.tolerance
+            if name.startswith("present"):  # the cache holds what its dtype can: round it the same way
+                tensor = tensor.to(TORCH_DTYPES[self.kv_dtype])
+                tolerance = (max(tolerance[0], CACHE_ULPS.get(self.kv_dtype, 0.0)), tolerance[1])
             expected = tensor.float().numpy()
             real = self._real(name, expected, prepared)
             if name == "logits" and actual[name].shape[1] == 1 < expected.shape[1]:  # logits="last"
@@ -142,7 +162,7 @@ class Runner:
                 last = self.inputs.layout.last_positions(prepared)
                 expected, real = expected[rows, last][:, None], real[rows, last][:, None]
             result.diffs.append(_compare(name, expected, actual[name].astype(np.float32), real,
-                                         self.tolerance, logits=name == "logits"))
+                                         tolerance, logits=name == "logits"))
         return result
 
     def run(self, case: Case) -> list[CaseResult]:

@@ -17,6 +17,7 @@ from onnxscript.values import OnnxFunction
 from torch import nn
 
 from tfport.config import ModelConfig
+from tfport.dtypes import ONNX_DTYPES
 
 from ..emit import StackInputs, heads
 from ..graph import GraphBuilder, to_numpy
@@ -39,9 +40,15 @@ class PortableTarget:
     def check(self, config: ModelConfig, dtype: str, opset: int) -> None:
         """Raise ``ValueError`` naming the option and the reason if this target cannot export it."""
 
-    def device_refusals(self, dtype: str) -> dict[str, str]:
-        """Devices this target's graphs of ``dtype`` must not run on -> the reason (manifest)."""
+    def device_refusals(self, dtype: str, kv_dtype: str | None = None) -> dict[str, str]:
+        """Devices this target's graphs of ``dtype`` with a ``kv_dtype`` KV cache (None: the
+        dtype's default) must not run on -> the reason (manifest)."""
         return {}
+
+    def attention_dtype(self, compute_dtype: str, kv_dtype: str) -> str:
+        """The dtype self-attention over the cache computes in, for ``compute_dtype`` activations:
+        here the compute dtype (the cache is cast to it, ``attend``)."""
+        return compute_dtype
 
     def check_quantized(self, scheme, opset: int) -> None:
         """Raise ``ValueError`` if this target cannot lower ``scheme`` (export/quantize.QuantScheme)
@@ -164,9 +171,27 @@ class PortableTarget:
         if past is None:
             return g.fn(f"{prefix}ScaledDotProductAttention", q, k, v, bias, scale=module.scale,
                         **capped, name=f"{name}.sdpa"), None
+        if g.kv_dtype != g.dtype:  # a cache in its own dtype (--kv-dtype float16 on a float32 model)
+            present = self.append_to_cache(g, k, v, past, name)
+            k, v = (g.op("Cast", p, to=ONNX_DTYPES[g.dtype], name=f"{name}.cache_read") for p in present)
+            return g.fn(f"{prefix}ScaledDotProductAttention", q, k, v, bias, scale=module.scale,
+                        **capped, name=f"{name}.sdpa"), present
         out, pk, pv = g.fn(f"{prefix}GroupQueryAttention", q, k, v, past[0], past[1], bias,
                            scale=module.scale, **capped, outputs=3, name=f"{name}.gqa")
         return out, (pk, pv)
+
+    def append_to_cache(self, g: GraphBuilder, k: str, v: str, past: tuple[str, str], name: str
+                        ) -> tuple[str, str]:
+        """New keys and values [B, Hkv, S, D] cast to the cache dtype ``g.kv_dtype`` (rounded as
+        they enter the cache) and appended to the past [B, Hkv, P, D] in it -> present
+        [B, Hkv, P+S, D]. Attention then reads the present cast back, so a step attends to the
+        values later steps read, and the copy of the past is in the cache's smaller dtype."""
+        present = []
+        for new, old, part in ((k, past[0], "key"), (v, past[1], "value")):
+            stored = g.op("Cast", new, to=ONNX_DTYPES[g.kv_dtype], name=f"{name}.{part}_to_cache")
+            joined = g.op("Concat", old, stored, axis=2, name=f"{name}.present_{part}")  # [B, Hkv, P+S, D]
+            present.append(g.set_dtype(joined, g.kv_dtype))
+        return present[0], present[1]
 
     def finish(self, g: GraphBuilder) -> None:
         """Last rewrites of a complete graph before it is built (none for portable)."""

@@ -84,12 +84,13 @@ def rope_tables(inv_freq: torch.Tensor, n_positions: int, factor: float = 1.0) -
 
 
 def rope_cache(g: GraphBuilder, stack, name: str, local: bool = False, long: bool = False) -> tuple[str, str]:
-    """The stack's cos and sin tables as initializers (model dtype); ``local``: those of the
-    sliding-window layers (their own base, Gemma 3); ``long``: longrope's long factors."""
+    """The stack's cos and sin tables as initializers in the compute dtype (float32 for a
+    bfloat16 export: they are not weights, and its activations are float32); ``local``: those of
+    the sliding-window layers (their own base, Gemma 3); ``long``: longrope's long factors."""
     prefix = "local_" if local else "long_" if long else ""
     factor = 1.0 if local else stack.config.rope_attention_factor
     cos, sin = rope_tables(getattr(stack, f"{prefix}inv_freq"), stack.config.max_positions, factor)
-    return g.weight(f"{name}.{prefix}rope_cos", cos), g.weight(f"{name}.{prefix}rope_sin", sin)
+    return g.weight(f"{name}.{prefix}rope_cos", cos, g.dtype), g.weight(f"{name}.{prefix}rope_sin", sin, g.dtype)
 
 
 class Onnx23Target(PortableTarget):

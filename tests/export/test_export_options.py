@@ -49,7 +49,7 @@ def test_target_opsets(tmp_path, opset):
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    ({"dtype": "bfloat16"}, "dtype='bfloat16'"),
+    ({"dtype": "float64"}, "dtype='float64': expected one of"),
     ({"opset": 17}, "opset=17"),
     ({"tokenizer": "/nonexistent/tokenizer.json"}, "tokenizer="),
 ])

@@ -23,15 +23,15 @@ PROVIDER_DTYPES = [
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """``exported(config, dtype, target) -> (model, export_dir)``, cached per argument set."""
+    """``exported(config, dtype, target, kv_dtype) -> (model, export_dir)``, cached per argument set."""
     cache = {}
 
-    def get(config, dtype="float32", target="portable"):
-        key = (config, dtype, target)
+    def get(config, dtype="float32", target="portable", kv_dtype=None):
+        key = (config, dtype, target, kv_dtype)
         if key not in cache:
             model = build_model(config, seed=1234)
             out = tmp_path_factory.mktemp("parity") / "export"
-            export_model(model, out, dtype=dtype, target=target, validate=False)
+            export_model(model, out, dtype=dtype, target=target, validate=False, kv_dtype=kv_dtype)
             cache[key] = (model, out)
         return cache[key]
 

@@ -6,13 +6,11 @@ names the first diverging layer and piece."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from tests.matrix import target_matrix
-from tfport.export.parity import CASES, TOLERANCES, Runner, first_divergence
+from tfport.export.parity import CASES, TOLERANCES, Runner, first_divergence, reference_module
 from tfport.export.targets import TARGETS
 from tfport.models.generate import generate, generate_seq2seq
 from tfport.runtime import load_model
@@ -92,16 +90,18 @@ def test_greedy_tokens_match(exported, target, config, provider, dtype):
     check_greedy(*exported(config, dtype, target), config.family, provider, dtype)
 
 
-def check_greedy(model, out, family: str, provider: str, dtype: str) -> None:
-    if dtype == "float16":
-        model = copy.deepcopy(model).to(torch.float16)  # the export cache shares the fp32 one
+def check_greedy(model, out, family: str, provider: str, dtype: str, kv_dtype: str | None = None,
+                 tolerance: tuple[float, float] | None = None) -> None:
+    """The runtime's greedy tokens against the reference in ``dtype`` (a copy: the export cache
+    shares the float32 module) whose cache is rounded to ``kv_dtype`` as the export's is."""
+    model = reference_module(model, dtype, kv_dtype)
     runtime = load_model(out, provider=provider)
     prompts = [[5, 17, 33, 8, 61], [44, 9], [70, 2, 91, 12], [30, 31, 32, 33, 34, 35, 36]]
     steps = 10
     # The runtime decodes the prompts as one left-padded batch; the reference runs each alone.
     actual = runtime.generate(prompts, max_new_tokens=steps, stop_token_ids=())
     assert actual.shape == (len(prompts), steps)
-    rtol, atol = TOLERANCES[(dtype, provider)]
+    rtol, atol = tolerance or TOLERANCES[(dtype, provider)]
     seen = set()
     for row, ids in enumerate(prompts):
         prompt = torch.tensor([ids])
