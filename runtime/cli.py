@@ -92,6 +92,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--stop", type=parse_stop_ids, default=None, metavar="ID[,ID]",
                      help="stop ids (default: every eos id of the export's generation_config.json, "
                           "else the config's eos_token_id)")
+    gen.add_argument("--forced-bos", type=int, default=None, metavar="ID",
+                     help="the first generated token of a seq2seq model, e.g. mBART-50's target "
+                          "language code (default: the export's generation_config.json)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     gen.set_defaults(func=run_generate)
 
@@ -149,7 +152,8 @@ def _open(args: argparse.Namespace) -> tuple[Model, list[list[int]]]:
 def run_generate(args: argparse.Namespace) -> int:
     model, prompts = _open(args)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=args.stop)
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=args.stop,
+                   forced_bos_token_id=args.forced_bos)
     text = args.text is not None
     if args.stream:
         if len(prompts) != 1:

@@ -154,7 +154,9 @@ class Model:
     def stream(self, input_ids: Prompts, attention_mask: np.ndarray | None = None, *,
                max_new_tokens: int = 16, stop_token_ids: Sequence[int] | None = None,
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-               seed: int | np.random.Generator | None = None) -> Iterator[np.ndarray]:
+               seed: int | np.random.Generator | None = None,
+               forced_bos_token_id: int | tuple[()] | None = None,
+               forced_eos_token_id: int | Sequence[int] | None = None) -> Iterator[np.ndarray]:
         """Tokens int64 [B] per step, as they are produced (see ``generate`` for arguments).
 
         Arguments are checked now, before the first token is asked for.
@@ -170,8 +172,44 @@ class Model:
         rows = split_prompts(input_ids, attention_mask)
         check_vocab(rows, config.vocab_size)
         first, static = self._first_decoder_inputs(rows, int(max_new_tokens))
+        forced = self.forced_tokens(forced_bos_token_id, forced_eos_token_id, int(max_new_tokens),
+                                    one_token_start=max(len(row) for row in first) == 1)
         return generate_steps(strategy_for(self.manifest.layout), runner, first, int(max_new_tokens),
-                              params, rng, stops, config.pad_token_id, static)
+                              params, rng, stops, config.pad_token_id, static, forced)
+
+    def forced_tokens(self, forced_bos_token_id: int | tuple[()] | None = None,
+                      forced_eos_token_id: int | Sequence[int] | None = None, max_new_tokens: int = 16,
+                      one_token_start: bool = True) -> dict[int, tuple[int, ...]]:
+        """The steps ``generate`` forces -> the ids allowed there, as transformers' ForcedBOS /
+        ForcedEOS logits processors do: ``forced_bos_token_id`` at step 0 when the decoder starts
+        from one token (``one_token_start``: a seq2seq model's start token, or a one-token
+        prompt), ``forced_eos_token_id`` (an id or several) at the last of ``max_new_tokens``
+        steps, where transformers' ``max_length`` (prompt + ``max_new_tokens``) runs out; a forced
+        eos wins when both fall on one step. Each None takes the export's generation_config.json
+        (none without one); ``()`` forces nothing."""
+        defaults = self.generation or GenerationDefaults()
+        bos = self._forced_ids("forced_bos_token_id", forced_bos_token_id,
+                               () if defaults.forced_bos_token_id is None else (defaults.forced_bos_token_id,))
+        if len(bos) > 1:
+            raise ValueError(f"forced_bos_token_id={forced_bos_token_id!r}: expected one token id, () or None")
+        eos = self._forced_ids("forced_eos_token_id", forced_eos_token_id, defaults.forced_eos_token_ids)
+        forced = {0: bos} if bos and one_token_start else {}
+        if eos:
+            forced[max_new_tokens - 1] = eos
+        return forced
+
+    def _forced_ids(self, argument: str, value, default: tuple[int, ...]) -> tuple[int, ...]:
+        if value is None:
+            return default
+        ids = [value] if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) \
+                or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
+            raise TypeError(f"{argument}={value!r}: expected a token id, a sequence of them, () for "
+                            "none or None for the export's")
+        bad = [int(i) for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"{argument}: {bad} outside [0, {self.config.vocab_size})")
+        return tuple(int(i) for i in ids)
 
     def _first_decoder_inputs(self, rows: list[np.ndarray], max_new_tokens: int
                               ) -> tuple[list[np.ndarray], dict]:
@@ -200,6 +238,8 @@ class Model:
                  max_new_tokens: int = 16, stop_token_ids: Sequence[int] | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: int | np.random.Generator | None = None,
+                 forced_bos_token_id: int | tuple[()] | None = None,
+                 forced_eos_token_id: int | Sequence[int] | None = None,
                  callback: StepCallback | None = None, progress: bool = False) -> np.ndarray:
         """Continue prompts -> generated tokens int64 [B, N], N <= max_new_tokens.
 
@@ -213,6 +253,10 @@ class Model:
         ``top_p`` from ``seed``; each left at None takes the export's generation_config.json
         default (greedy when it has none or says ``do_sample: false``) (an int or a ``numpy.random.Generator``). ``callback(step,
         tokens [B])`` runs after each step; ``progress`` shows a tqdm bar on stderr.
+        ``forced_bos_token_id`` (the first token of a seq2seq model: mBART-50's target language)
+        and ``forced_eos_token_id`` (the only choice at the last step) default to the export's
+        generation_config.json, as transformers' generate does; ``()`` forces nothing
+        (``forced_tokens``).
         """
         if callback is not None and not callable(callback):
             raise TypeError(f"callback={callback!r}: expected a function callback(step, tokens) "
@@ -221,7 +265,8 @@ class Model:
             raise TypeError(f"progress={progress!r}: expected true or false")
         steps = self.stream(input_ids, attention_mask, max_new_tokens=max_new_tokens,
                             stop_token_ids=stop_token_ids, temperature=temperature, top_k=top_k,
-                            top_p=top_p, seed=seed)
+                            top_p=top_p, seed=seed, forced_bos_token_id=forced_bos_token_id,
+                            forced_eos_token_id=forced_eos_token_id)
         tokens = []
         with tqdm(total=int(max_new_tokens), desc="generate", unit="tok", file=sys.stderr,
                   disable=not progress, leave=False) as bar:

@@ -142,3 +142,12 @@ def next_token(logits: np.ndarray, params: SamplingParams,
     scaled = apply_temperature(logits, params.temperature)
     filtered = top_p_filter(top_k_filter(scaled, params.top_k), params.top_p)
     return sample(softmax(filtered), rng)
+
+
+def force_tokens(logits: np.ndarray, token_ids: tuple[int, ...]) -> np.ndarray:
+    """Logits [B, V] that allow only ``token_ids``: 0 for them, -inf for every other token, as
+    transformers' ForcedBOS / ForcedEOS logits processors set them (greedy then picks the first of
+    several, sampling any of them alike)."""
+    forced = np.full(logits.shape, -np.inf, dtype=np.float32)
+    forced[:, list(token_ids)] = 0.0
+    return forced

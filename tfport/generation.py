@@ -1,7 +1,8 @@
 """A checkpoint's generation defaults: ``generation_config.json`` in an export.
 
-Hugging Face checkpoints ship their stop ids (Llama 3 Instruct stops on any of three) and sampling
-defaults in ``generation_config.json`` (and sometimes a list ``eos_token_id`` in ``config.json``).
+Hugging Face checkpoints ship their stop ids (Llama 3 Instruct stops on any of three), sampling
+defaults and forced tokens (BART's ``forced_eos_token_id``, mBART-50's ``forced_bos_token_id``) in
+``generation_config.json`` (and sometimes in ``config.json``).
 The exporter keeps them in the export under the same name, in the subset below; the runtime uses
 them wherever the caller passes nothing (``stop_token_ids=None``, ``temperature=None`` ...).
 Torch-free: read by the exporter and the runtime alike.
@@ -25,18 +26,32 @@ HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0
 @dataclass(frozen=True)
 class GenerationDefaults:
     """``eos_token_ids``: every id that ends a row (stop ids); ``do_sample`` false is greedy,
-    true samples with ``temperature``, ``top_k`` (0: all) and ``top_p``."""
+    true samples with ``temperature``, ``top_k`` (0: all) and ``top_p``.
+
+    Forced tokens, as transformers' ForcedBOS / ForcedEOS logits processors apply them:
+    ``forced_bos_token_id`` is the first generated token when the decoder input is one token (a
+    seq2seq model's start token: mBART-50's target language code); ``forced_eos_token_ids`` are
+    the only tokens allowed at the last of ``max_new_tokens`` steps (BART, Marian: a row still
+    running when the length runs out ends with eos). Every other logit is -inf there and the
+    forced ones 0, so greedy picks the first of several and sampling any of them.
+    """
 
     eos_token_ids: tuple[int, ...] = ()
     do_sample: bool = False
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 1.0
+    forced_bos_token_id: int | None = None
+    forced_eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        ids = self.eos_token_ids
-        if not isinstance(ids, tuple) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-            raise ValueError(f"generation.eos_token_ids={ids!r}: expected a tuple of token ids")
+        for field in ("eos_token_ids", "forced_eos_token_ids"):
+            ids = getattr(self, field)
+            if not isinstance(ids, tuple) or not all(_is_id(i) for i in ids):
+                raise ValueError(f"generation.{field}={ids!r}: expected a tuple of token ids")
+        if self.forced_bos_token_id is not None and not _is_id(self.forced_bos_token_id):
+            raise ValueError(f"generation.forced_bos_token_id={self.forced_bos_token_id!r}: expected a "
+                             "token id or null")
         if not isinstance(self.do_sample, bool):
             raise ValueError(f"generation.do_sample={self.do_sample!r}: expected true or false")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
@@ -58,22 +73,35 @@ class GenerationDefaults:
     def from_hf(cls, generation: dict | None, config: dict | None, vocab_size: int) -> "GenerationDefaults | None":
         """From a checkpoint's ``generation_config.json`` and ``config.json`` (dicts or None):
         eos ids from the first that names any (an int or a list; ids outside the vocabulary are
-        dropped), sampling fields from the generation config with transformers' defaults. None
-        when neither says anything."""
+        dropped), forced bos / eos ids likewise (``ValueError`` for one outside the vocabulary:
+        transformers could not force it either), sampling fields from the generation config with
+        transformers' defaults. None when neither says anything."""
         generation = generation or {}
         config = config or {}
         eos = generation.get("eos_token_id", config.get("eos_token_id"))
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         ids = tuple(dict.fromkeys(i for i in eos if isinstance(i, int) and 0 <= i < vocab_size))
+        forced = {}
+        for name in ("forced_bos_token_id", "forced_eos_token_id"):
+            value = generation.get(name, config.get(name))
+            values = [value] if isinstance(value, int) else list(value or [])
+            if not all(_is_id(i) and i < vocab_size for i in values) or (name == "forced_bos_token_id"
+                                                                        and len(values) > 1):
+                raise ValueError(f"{name}={value!r}: expected {'a token id' if 'bos' in name else 'token ids'} "
+                                 f"in [0, {vocab_size}) or null")
+            forced[name] = values
         fields = {k: generation.get(k) if generation.get(k) is not None else v for k, v in HF_DEFAULTS.items()}
         if not ids and not generation:
             return None
         return cls(eos_token_ids=ids, do_sample=bool(fields["do_sample"]), temperature=float(fields["temperature"]),
-                   top_k=int(fields["top_k"]), top_p=float(fields["top_p"]))
+                   top_k=int(fields["top_k"]), top_p=float(fields["top_p"]),
+                   forced_bos_token_id=forced["forced_bos_token_id"][0] if forced["forced_bos_token_id"] else None,
+                   forced_eos_token_ids=tuple(forced["forced_eos_token_id"]))
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["eos_token_id"] = list(data.pop("eos_token_ids"))  # the name transformers reads
+        data["eos_token_id"] = list(data.pop("eos_token_ids"))  # the names transformers reads
+        data["forced_eos_token_id"] = list(data.pop("forced_eos_token_ids")) or None
         return data
 
     def write(self, directory: str | Path) -> Path:
@@ -88,13 +116,24 @@ class GenerationDefaults:
         if not path.is_file():
             return None
         data = read_json_object(path)
-        known = {"eos_token_id", "do_sample", "temperature", "top_k", "top_p"}
+        known = {"eos_token_id", "do_sample", "temperature", "top_k", "top_p", "forced_bos_token_id",
+                 "forced_eos_token_id"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{path}: unknown field(s) {unknown}; known fields are {sorted(known)}")
-        eos = data.get("eos_token_id", [])
-        eos = [eos] if isinstance(eos, int) else eos
-        if not isinstance(eos, list):
-            raise ValueError(f"{path}: eos_token_id={eos!r}: expected a token id or a list of them")
-        rest = {k: v for k, v in data.items() if k != "eos_token_id"}
-        return cls(eos_token_ids=tuple(eos), **rest)
+        lists = {}
+        for name in ("eos_token_id", "forced_eos_token_id"):
+            ids = data.get(name)
+            ids = [ids] if isinstance(ids, int) else [] if ids is None else ids
+            if not isinstance(ids, list):
+                raise ValueError(f"{path}: {name}={ids!r}: expected a token id or a list of them")
+            lists[name + "s"] = tuple(ids)
+        rest = {k: v for k, v in data.items() if k not in ("eos_token_id", "forced_eos_token_id")}
+        try:
+            return cls(**lists, **rest)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,17 +1,21 @@
 """BART and mBART import against transformers' BartForConditionalGeneration and
 MBartForConditionalGeneration (tiny, random, every parameter and ``final_logits_bias``
 perturbed): teacher-forced logits on a right-padded batch, decode steps on the cache, and greedy
-generation of the export under the runtime; then what the importer refuses."""
+generation of the export under the runtime with forced bos / eos tokens; then what the importer
+refuses."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 
 from tfport.export import export_model
+from tfport.generation import GenerationDefaults
 from tfport.models.hf import hf_config_to_tfport, load_hf_model
 from tfport.runtime import load_model
 
@@ -21,6 +25,7 @@ from .test_t5 import close
 transformers = pytest.importorskip("transformers", reason="compared against transformers")
 
 PAD, EOS, START = 1, 2, 2  # BART's ids: <pad> 1, </s> 2, decoding starts from </s>
+FORCED_BOS = 7  # a forced first token, as mBART-50's target language code
 SIZES = dict(vocab_size=99, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
              decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, max_position_embeddings=40,
              pad_token_id=PAD, bos_token_id=0, eos_token_id=EOS, decoder_start_token_id=START)
@@ -91,19 +96,41 @@ def check_teacher_forced_and_cache(hf, model, encoder_ids, encoder_mask, decoder
 
 def check_export_generates(hf, model, directory, encoder_ids, encoder_mask, steps: int = 8) -> None:
     """Greedy tokens of the export under the runtime (ragged prompts, which it pads on the right)
-    equal transformers' generate with its own cache. ``min_new_tokens`` keeps transformers from
-    stopping, and the runtime is given no stop ids; neither forces eos at the last step (BART's and
-    Marian's ``forced_eos_token_id``: the runtime has no such option)."""
-    export_model(model, directory)  # validated against the imported module
+    equal transformers' generate with its own cache. The export carries the checkpoint's
+    generation config, whose ``forced_eos_token_id`` (BART's and Marian's default) forces eos at
+    the last step, where transformers' max_length runs out. The runtime is given no stop ids;
+    ``min_new_tokens`` keeps transformers from stopping (it masks eos, which the forced eos
+    overrides at the last step). Then per call, on both sides: a forced first token (mBART-50's
+    target language code), and no forced eos (``()``; transformers: a generation config without it)."""
+    eos, vocab = model.config.eos_token_id, model.config.vocab_size
+    generation = GenerationDefaults.from_hf(hf.generation_config.to_dict(), None, vocab)
+    assert generation.forced_eos_token_ids == (eos,)
+    export_model(model, directory, generation=generation)  # validated against the imported module
+    runtime = load_model(directory)
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(encoder_ids, encoder_mask)]
-    tokens = load_model(directory).generate(rows, max_new_tokens=steps, stop_token_ids=())
-    hf.generation_config.forced_eos_token_id = None  # (a None argument would take the model's)
-    expected = hf.generate(input_ids=encoder_ids, attention_mask=encoder_mask, max_new_tokens=steps,
-                           min_new_tokens=steps, do_sample=False, num_beams=1)
-    assert expected[:, 0].tolist() == [model.config.decoder_start_token_id] * len(rows)
-    # min_new_tokens masks eos in transformers only: a greedy eos here would differ for that reason.
-    assert model.config.eos_token_id not in tokens, "eos was the greedy choice; pick another seed"
-    assert tokens.tolist() == expected[:, 1:].tolist()
+    results = {}
+    for forced_bos, forced_eos in ((None, None), (FORCED_BOS, None), (None, ())):
+        tokens = runtime.generate(rows, max_new_tokens=steps, stop_token_ids=(), forced_bos_token_id=forced_bos,
+                                  forced_eos_token_id=forced_eos)
+        # transformers takes its model's value for a None argument or field: switch it off there
+        hf.generation_config.forced_eos_token_id = None if forced_eos == () else eos
+        expected = hf.generate(input_ids=encoder_ids, attention_mask=encoder_mask, max_new_tokens=steps,
+                               min_new_tokens=steps, do_sample=False, num_beams=1, forced_bos_token_id=forced_bos)
+        assert expected[:, 0].tolist() == [model.config.decoder_start_token_id] * len(rows)
+        # min_new_tokens masks eos in transformers only: a greedy eos here would differ for that reason.
+        assert eos not in tokens[:, :-1], "eos was the greedy choice; pick another seed"
+        assert tokens.tolist() == expected[:, 1:].tolist(), (forced_bos, forced_eos)
+        results[forced_bos, forced_eos] = tokens
+    hf.generation_config.forced_eos_token_id = eos
+    free = results[None, ()]  # nothing forced: the forced runs differ where they force
+    assert eos not in free and FORCED_BOS not in free[:, 0]
+    assert (results[None, None][:, -1] == eos).all() and (results[FORCED_BOS, None][:, 0] == FORCED_BOS).all()
+    with pytest.raises(ValueError, match=rf"forced_bos_token_id: \[{vocab}\] outside \[0, {vocab}\)"):
+        runtime.generate(rows, forced_bos_token_id=vocab)
+    with pytest.raises(ValueError, match=r"forced_bos_token_id=\(3, 4\): expected one token id"):
+        runtime.generate(rows, forced_bos_token_id=(3, 4))
+    with pytest.raises(TypeError, match=r"forced_eos_token_id='2': expected a token id"):
+        runtime.generate(rows, forced_eos_token_id="2")
 
 
 @torch.no_grad()
@@ -128,6 +155,13 @@ def test_logits_and_decode_steps_match(pair):
 def test_exported_graphs_generate_like_transformers(pair, tmp_path):
     name, hf, model = pair
     check_export_generates(hf, model, tmp_path / name, ENCODER_IDS, ENCODER_MASK)
+    if name == "mbart":  # tfport generate --forced-bos: the runtime's tokens, from the command line
+        row = ENCODER_IDS[0].tolist()
+        expected = load_model(tmp_path / name).generate([row], max_new_tokens=8, forced_bos_token_id=FORCED_BOS)
+        cli = [sys.executable, "-m", "tfport", "generate", str(tmp_path / name), "--ids", ",".join(map(str, row)),
+               "--max-new-tokens", "8", "--forced-bos", str(FORCED_BOS)]
+        printed = subprocess.run(cli, capture_output=True, text=True, check=True).stdout.split()
+        assert printed == [",".join(map(str, expected[0].tolist()))] and expected[0, 0] == FORCED_BOS
 
 
 @pytest.mark.xfail(strict=True, reason="BART's encoder positions are the slot index whatever the mask; "
@@ -176,6 +210,13 @@ def test_legacy_fields_that_agree_are_accepted():
                                             decoder_start_token_id=None, architectures=["MBartForConditionalGeneration"],
                                             **legacy))
     assert mbart.norm_position == "pre" and mbart.decoder_start_token_id == 0  # bos, as generate falls back
+
+
+@pytest.mark.parametrize("field", ["forced_bos_token_id", "forced_eos_token_id"])
+def test_forced_ids_outside_the_vocabulary_are_refused(field):
+    """transformers could not force them either; the export refuses rather than drop them."""
+    with pytest.raises(ValueError, match=rf"{field}=99: expected .*in \[0, 99\)"):
+        GenerationDefaults.from_hf({field: 99}, None, 99)
 
 
 def test_sequence_classification_head_is_refused_by_name(tmp_path):
