@@ -29,7 +29,7 @@ def _name_list(text: str) -> tuple[str, ...]:
 _OPTIONS = {"preset": "preset", "batch": "batches", "contexts": "contexts",
             "new_tokens": "new_tokens", "repeats": "repeats", "threads": "threads",
             "targets": "targets", "provider": "provider", "seed": "seed",
-            "read_mib": "read_mib", "gemv_mib": "gemv_mib"}
+            "read_mib": "read_mib", "gemv_mib": "gemv_mib", "settle_ms": "settle_ms"}
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
@@ -109,6 +109,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, help="seed of the weights and the prompts")
     p.add_argument("--read-mib", type=int, help="numpy read kernel's array, MiB (>= 512)")
     p.add_argument("--gemv-mib", type=int, help="ORT GEMV's weight, MiB")
+    p.add_argument("--settle-ms", type=int,
+                   help="pause before each timed run, ms (default 200; the side before may still spin)")
     p.add_argument("--json", help="write the results as JSON here (atomically)")
     compare = p.add_argument_group(
         "engine comparison (batch 1, one prompt length; any of these options selects it)")

@@ -158,7 +158,8 @@ def run_compare(settings: BenchSettings, source_name: str, formats: tuple[str, .
         sides += peers
         vocab = source.model.config.vocab_size
         prompts = np.random.default_rng(settings.seed).integers(min(100, vocab // 2), vocab, size=(1, context))
-        timings = measure([(lambda n, s=s: s.run(prompts, n)) for s in sides], steps, settings.repeats)
+        timings = measure([(lambda n, s=s: s.run(prompts, n)) for s in sides], steps, settings.repeats,
+                          settings.settle_ms)
         meta = [dataclasses.replace(s, run=None) for s in sides]
         del sides, peers  # close the sessions before the bandwidth is measured
     bandwidth = measure_bandwidth(settings)

@@ -46,6 +46,10 @@ class BenchSettings:
     decode steps run with C, C+1, ... tokens already cached. ``targets`` are export targets
     (``"portable"`` is the exporter's default). ``read_mib`` sizes the numpy read kernel's array
     (use >= 512 MiB so no cache holds it) and ``gemv_mib`` the ONNX Runtime GEMV's weight.
+    ``settle_ms`` is a pause before each timed run: the engine timed before may still hold a core
+    (ONNX Runtime's idle pool threads spin for milliseconds after a run). On the 2-core VM,
+    12 interleaved rounds, a prefill right after the other engine's 2-thread run took 1.27x
+    (tfport int4) and 1.48x (onnxruntime-genai int4) the median time it took after 300 ms idle.
     """
 
     preset: str = "llama-55m"
@@ -61,12 +65,15 @@ class BenchSettings:
     read_mib: int = 1024
     gemv_mib: int = 256
     bandwidth_repeats: int = 20  # best of many: load from other processes only lowers it
+    settle_ms: int = 200
 
     def __post_init__(self) -> None:
         for name in ("batches", "contexts"):
             values = getattr(self, name)
             if not values or any(not _is_int(v) or v < 1 for v in values):
                 raise ValueError(f"{name}={values!r}: expected one or more positive integers")
+        if not _is_int(self.settle_ms) or self.settle_ms < 0:
+            raise ValueError(f"settle_ms={self.settle_ms!r}: expected a non-negative integer")
         for name in ("new_tokens", "repeats", "threads", "read_mib", "gemv_mib",
                      "bandwidth_repeats"):
             value = getattr(self, name)
@@ -96,7 +103,8 @@ def _is_int(value: object) -> bool:
 
 DEFAULT = BenchSettings()
 QUICK = BenchSettings(preset="tiny-decoder", batches=(1, 2), contexts=(8, 32), new_tokens=4,
-                      repeats=1, threads=1, read_mib=16, gemv_mib=8, bandwidth_repeats=2)
+                      repeats=1, threads=1, read_mib=16, gemv_mib=8, bandwidth_repeats=2,
+                      settle_ms=0)
 
 
 # ------------------------------------------------------------------------------------ memory
@@ -225,16 +233,18 @@ def time_torch(module: nn.Module, prompts: np.ndarray, steps: int) -> RunTiming:
                      torch.stack(tokens, dim=1).cpu().numpy())
 
 
-def measure(runs: Sequence[Callable[[int], RunTiming]], steps: int, repeats: int
-            ) -> list[list[RunTiming]]:
+def measure(runs: Sequence[Callable[[int], RunTiming]], steps: int, repeats: int,
+            settle_ms: int = 0) -> list[list[RunTiming]]:
     """Each of ``runs`` once untimed (a few steps, same shapes), then ``repeats`` rounds of one
-    timed run each, alternating, so that a burst of load from other processes hits every side.
-    Returns the timed runs per entry of ``runs``."""
+    timed run each, alternating, so that a burst of load from other processes hits every side;
+    ``settle_ms`` pause before each timed run, so that none starts while the previous side's
+    threads still spin. Returns the timed runs per entry of ``runs``."""
     for run in runs:
         run(min(steps, 4))
     timings: list[list[RunTiming]] = [[] for _ in runs]
     for _ in range(repeats):
         for run, timed in zip(runs, timings):
+            time.sleep(settle_ms / 1e3)
             timed.append(run(steps))
     return timings
 

@@ -136,7 +136,7 @@ def time_cells(models: dict[str, Any], module: nn.Module, settings: BenchSetting
                 for target, model in models.items()]
             if settings.torch:
                 sides.append(("torch", None, lambda n: time_torch(module, prompts, n)))
-            timings = measure([run for _, _, run in sides], steps, repeats)
+            timings = measure([run for _, _, run in sides], steps, repeats, settings.settle_ms)
             for (side, target, _), runs in zip(sides, timings):
                 row = make_row(side, target, batch, context, runs, kv_bytes)
                 log.info("%s batch %d context %d: prefill %.1f ms, step %.2f ms (%.1f tokens/s)",
