@@ -36,6 +36,8 @@ def test_graph_keeps_named_function_over_the_fused_kernel(fused):
     assert "FusedGroupQueryAttention" in called and "GroupQueryAttention" not in called
     body = next(f for f in proto.functions if f.name == "FusedGroupQueryAttention")
     assert [(n.domain, n.op_type) for n in body.node] == [("com.microsoft", "GroupQueryAttention")]
+    calls = [n for n in proto.graph.node if n.op_type == "FusedGroupQueryAttention"]
+    assert calls and all(n.input[1] == n.input[2] == "" for n in calls)  # packed QKV, no Split
     inputs = [i.name for i in proto.graph.input]
     assert inputs[:3] == ["input_ids", "seqlens_k", "total_sequence_length"]
     assert "attention_mask" not in inputs and "position_ids" not in inputs
