@@ -91,6 +91,11 @@ def _classifier(g: GraphBuilder, states: str, attention_mask: str, head: nn.Modu
         count = g.op("ReduceSum", weights, g.const([1], name="axis1"), keepdims=0)  # [B, 1]
         count = g.op("Max", count, g.const(1.0, g.dtype, "one_f"), name="classifier.count")
         pooled = g.op("Div", total, count, name="classifier.mean")  # [B, E]
+    return _classifier_head(g, pooled, head, config)
+
+
+def _classifier_head(g: GraphBuilder, pooled: str, head: nn.Module, config: ModelConfig) -> str:
+    """Pooled states [B, E] -> logits [B, n_labels] (``ClassifierHead.classify``)."""
     h = emit.linear(g, pooled, head.dense, "classifier.dense")
     if config.classifier_activation == "tanh":
         h = g.op("Tanh", h, name="classifier.act")
@@ -110,10 +115,8 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
     inputs = _declare(g, spec)
     body = model.encoder
     table = _token_table(g, body.embed.tokens)
-    if config.uses_position_ids:  # positions count real tokens: cumsum(mask) - 1, at least 0
-        counts = g.op("CumSum", inputs["attention_mask"], g.const(1, name="axis"), name="positions.cumsum")
-        inputs["position_ids"] = g.op("Max", g.op("Sub", counts, g.const(1, name="one")),
-                                      g.const(0, name="zero"), name="positions")
+    if config.uses_position_ids:
+        inputs["position_ids"] = _mask_positions(g, inputs["attention_mask"])
     states, _ = emit.stack(g, body, config, target, inputs, token_table=table, causal=False,
                            progress=progress, name="encoder")
     values = {"last_hidden_state": states}
@@ -169,7 +172,63 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
     return g
 
 
-BUILDERS = {"encoder": build_encoder_graph, "decoder": build_decoder_graph}
+def build_classifier_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
+                           progress=None, quantization: QuantScheme | None = None) -> GraphBuilder:
+    """Classifier graph of an EncoderDecoderLM with a classification head
+    (``EncoderDecoderLM.classify``): the encoder, the decoder over input_ids shifted right with
+    the cross-attention K/V computed in place, the head at each row's last real eos."""
+    config: ModelConfig = model.config
+    g = GraphBuilder("classifier", dtype)
+    g.quantizer = _quantizer(target, quantization)
+    inputs = _declare(g, spec)
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    table = _token_table(g, model.encoder.embed.tokens)  # both stacks read the one table
+    encoder_inputs = dict(inputs)
+    if config.uses_position_ids:
+        encoder_inputs["position_ids"] = _mask_positions(g, mask)
+    states, _ = emit.stack(g, model.encoder, config, target, encoder_inputs, token_table=table, causal=False,
+                           progress=progress, name="encoder")
+    memories = [emit.cross_memory(g, states, layer.cross_attn, f"decoder.layers.{i}.cross_attn")
+                for i, layer in enumerate(model.decoder.layers)]
+    # decoder input: [start, ids[:, :-1]] [B, S]; no padding mask (causal attention keeps each
+    # eos from later slots), so its positions are the slots 0..S-1
+    ones = g.op("Expand", g.const(1, name="one_i64"), g.op("Shape", ids), name="classifier.decoder_mask")
+    slots = _mask_positions(g, ones)  # [B, S]: 0..S-1
+    real = g.op("Cast", mask, to=onnx.TensorProto.BOOL, name="classifier.real")  # [B, S]
+    kept = g.op("Slice", ids, g.const([0], name="zero_1d"), g.const([-1], name="minus_one_1d"),
+                g.const([1], name="axis_1d"), name="classifier.drop_last")  # [B, S-1]
+    if config.classifier_decoder_start == "last_token":  # mBART: each row's last real token
+        start = g.op("GatherElements", ids, _last_slot(g, real, slots, "last_real"), axis=1)  # [B, 1]
+        shifted = g.op("Concat", start, kept, axis=1, name="classifier.shift_right")
+    else:
+        shifted = g.op("Pad", kept, g.const([0, 1, 0, 0], name="shift_pads"),
+                       g.const(config.decoder_start_token_id, name="decoder_start"), name="classifier.shift_right")
+    decoder_inputs = {"input_ids": shifted, "attention_mask": ones, "encoder_attention_mask": mask}
+    if config.uses_position_ids:
+        decoder_inputs["position_ids"] = slots
+    states, _ = emit.stack(g, model.decoder, config, target, decoder_inputs, token_table=table, causal=True,
+                           memories=memories, progress=progress, name="decoder")
+    eos = g.op("And", g.op("Equal", ids, g.const(config.eos_token_id, name="eos")), real,
+               name="classifier.eos")  # [B, S]
+    last = _last_slot(g, eos, slots, "last_eos")  # -1 (the last slot) for a row without eos
+    pooled = g.op("GatherND", states, last, batch_dims=1, name="classifier.pool")  # [B, E]
+    _outputs(g, spec, {"class_logits": _classifier_head(g, pooled, model.classifier, config)})
+    return g
+
+
+def _last_slot(g: GraphBuilder, where: str, slots: str, name: str) -> str:
+    """int64 [B, 1]: each row's last slot where ``where`` [B, S] holds, -1 where it never does."""
+    return g.op("ReduceMax", g.op("Where", where, slots, g.const(-1, name="none")), g.const([1], name="axis1"),
+                keepdims=1, name=f"classifier.{name}")
+
+
+def _mask_positions(g: GraphBuilder, mask: str) -> str:
+    """Positions [B, S] that count real tokens: cumsum(mask) - 1, at least 0."""
+    counts = g.op("CumSum", mask, g.const(1, name="axis"), name="positions.cumsum")
+    return g.op("Max", g.op("Sub", counts, g.const(1, name="one")), g.const(0, name="zero"), name="positions")
+
+
+BUILDERS = {"encoder": build_encoder_graph, "decoder": build_decoder_graph, "classifier": build_classifier_graph}
 
 
 def _in_compute_dtype(g: GraphBuilder, value: str) -> str:
@@ -190,6 +249,9 @@ def _check_options(config: ModelConfig, dtype: str, opset: int, target: Target,
     if kv_dtype is not None and not config.has_decoder:
         raise ValueError(f"kv_dtype={kv_dtype!r}: family={config.family!r} models have no KV cache "
                          "(leave kv_dtype unset)")
+    if kv_dtype is not None and config.n_labels:
+        raise ValueError(f"kv_dtype={kv_dtype!r}: a classification export (n_labels={config.n_labels}) "
+                         "keeps no KV cache (leave kv_dtype unset)")
     cache_dtype(dtype, kv_dtype)  # ValueError naming kv_dtype
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
         raise ValueError(f"opset={opset!r}: expected an integer in [{MIN_OPSET}, {MAX_OPSET}] "
@@ -314,7 +376,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
                         graphs=specs, quantization=None if scheme is None else scheme.to_dict(),
                         logits=logits)
     model = model.eval()
-    n_layers = config.n_encoder_layers * ("encoder" in specs) + config.n_decoder_layers * ("decoder" in specs)
+    n_layers = config.n_encoder_layers * ("encoder" in specs) + config.n_decoder_layers * ("decoder" in specs) \
+        + (config.n_encoder_layers + config.n_decoder_layers) * ("classifier" in specs)
     if show_progress is None:
         show_progress = n_layers * config.d_model * config.d_model > 64 * 2**20
     with atomic_directory(out_dir) as tmp:

@@ -71,12 +71,13 @@ def _gguf_source(path: Path) -> Source:
 
 def _generation(directory: Path, model: nn.Module) -> GenerationDefaults | None:
     """A Hugging Face checkpoint's stop ids and sampling defaults (``generation_config.json``,
-    else a list ``eos_token_id`` in ``config.json``); None for tfport checkpoints."""
+    else a list ``eos_token_id`` in ``config.json``); None for tfport checkpoints and models that
+    do not generate."""
     from tfport.models.hf import is_hf_checkpoint
     from tfport.models.hf.configs import CONFIG_FILE, read_json
 
-    if not is_hf_checkpoint(directory) or model.config.family == "encoder":
-        return None
+    if not is_hf_checkpoint(directory) or model.config.family == "encoder" or model.config.n_labels:
+        return None  # an encoder, or a classifier: nothing generates
     generation = directory / GENERATION_CONFIG_FILE
     return GenerationDefaults.from_hf(read_json(generation) if generation.is_file() else None,
                                       read_json(directory / CONFIG_FILE), model.config.vocab_size)

@@ -43,9 +43,12 @@ CLASSIFIER_ACTIVATIONS = {"tanh": torch.tanh, **ACTIVATIONS}
 
 def pool_states(x: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> torch.Tensor:
     """[B, S, E] -> [B, E]: the first token's state (``cls``; rows are right-padded) or the mean
-    over real tokens (``mean``)."""
+    over real tokens (``mean``). (``last_eos`` pools from the token ids:
+    ``EncoderDecoderLM.classify``.)"""
     if pooling == "cls":
         return x[:, 0]
+    if pooling != "mean":
+        raise ValueError(f"pooling={pooling!r}: expected 'cls' or 'mean' over encoder states")
     weights = attention_mask.to(x.dtype)[:, :, None]  # [B, S, 1]
     return (x * weights).sum(1) / weights.sum(1).clamp(min=1.0)
 
@@ -65,7 +68,11 @@ class ClassifierHead(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """States [B, S, E], attention_mask [B, S] -> logits [B, n_labels]."""
-        h = self.act(self.dense(pool_states(x, attention_mask, self.pooling)))
+        return self.classify(pool_states(x, attention_mask, self.pooling))
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Pooled states [B, E] -> logits [B, n_labels]."""
+        h = self.act(self.dense(pooled))
         if self.norm is not None:
             h = self.norm(h)
         return self.out(self.dropout(h))

@@ -7,6 +7,10 @@ cross-encoders (``*ForSequenceClassification`` checkpoints), and ``tfport classi
 Texts (or text pairs: query and passage) are tokenized as the checkpoint's tokenizer.json does,
 truncated to the model's limit (a logged warning names truncated rows; pairs lose tokens from the
 longer side first), and run in batches, longest first.
+
+Encoders classify with their encoder graph (``class_logits`` beside the states); an
+encoder-decoder classifier (BART-large-MNLI: ``classify(premise, pairs=hypotheses)``) with its
+``classifier`` graph, which reads the decoder at each row's last eos token.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .texts import BATCH_SIZE, batches
 
 if TYPE_CHECKING:
@@ -65,11 +70,33 @@ def _check_head(model: Model) -> None:
                          f"family {model.config.family!r}); export a *ForSequenceClassification checkpoint")
 
 
+def class_logits(model: Model, input_ids: Prompts, attention_mask: np.ndarray | None = None,
+                 token_type_ids: Prompts | None = None) -> np.ndarray:
+    """Logits float32 [B, n_labels] of token ids (arguments as ``Model.encode``)."""
+    if "classifier" not in model.runners:
+        return model.encode(input_ids, attention_mask, token_type_ids).class_logits
+    if token_type_ids is not None:
+        raise ValueError("token_type_ids: this export takes none (an encoder-decoder classifier)")
+    config = model.config
+    rows = split_prompts(input_ids, attention_mask)
+    check_vocab(rows, config.vocab_size)
+    check_length("input_ids", max(len(r) for r in rows), config.max_positions, "the longest row")
+    missing = [i for i, row in enumerate(rows) if config.eos_token_id not in row]
+    if missing:
+        raise ValueError(f"input_ids: rows {missing} hold no eos_token_id={config.eos_token_id}; this "
+                         "classifier reads the decoder at each row's last one (the checkpoint's "
+                         "tokenizer ends every text with it)")
+    ids, mask = pad_batch(rows, config.pad_token_id, "right")
+    out = model.runners["classifier"].run({"input_ids": ids, "attention_mask": mask},
+                                          host_outputs=["class_logits"])
+    return out["class_logits"].numpy()
+
+
 def classify_ids(model: Model, input_ids, attention_mask: np.ndarray | None = None,
                  token_type_ids=None) -> Classification:
     """Classification of token ids (arguments as ``Model.encode``)."""
     _check_head(model)
-    return result(model, model.encode(input_ids, attention_mask, token_type_ids).class_logits)
+    return result(model, class_logits(model, input_ids, attention_mask, token_type_ids))
 
 
 def classify(model: Model, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None, *,
@@ -86,9 +113,8 @@ def classify(model: Model, texts: str | Sequence[str], pairs: str | Sequence[str
     logits = np.zeros((len(encoded.ids), model.config.n_labels), np.float32)
     types = model.config.type_vocab_size > 0
     for rows in batches(len(encoded.ids), [len(i) for i in encoded.ids], batch_size, progress, "classify"):
-        out = model.encode([encoded.ids[r] for r in rows],
-                           token_type_ids=[encoded.type_ids[r] for r in rows] if types else None)
-        logits[rows] = out.class_logits
+        logits[rows] = class_logits(model, [encoded.ids[r] for r in rows],
+                                    token_type_ids=[encoded.type_ids[r] for r in rows] if types else None)
     return result(model, logits)
 
 
@@ -104,7 +130,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("model_dir", metavar="DIR", help="directory written by 'tfport export'")
     p.add_argument("--text", action="append", required=True, help="a text (repeatable)")
     p.add_argument("--pair", action="append",
-                   help="its pair (repeatable: one per --text, or one for all texts)")
+                   help="its pair (repeatable: one per --text, one for all texts, or several for "
+                        "one --text: a premise against hypotheses)")
     p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="rows per encoder call (default 32)")
     p.add_argument("--provider", choices=PROVIDERS, default="cpu",
                    help="execution provider (default: cpu; auto tries CUDA)")
@@ -116,13 +143,15 @@ def run_classify(args: argparse.Namespace) -> int:
     from .model import load_model
 
     model = load_model(args.model_dir, args.provider, intra_op_threads=args.threads)
-    pairs = args.pair
+    texts, pairs = args.text, args.pair
     if pairs is not None and len(pairs) == 1:
         pairs = pairs[0]
-    elif pairs is not None and len(pairs) != len(args.text):
-        raise ValueError(f"--pair: {len(pairs)} given for {len(args.text)} --text; expected one per "
-                         "--text, or one for all")
-    out = model.classify(args.text, pairs, batch_size=args.batch_size)
+    elif pairs is not None and len(texts) == 1:
+        texts = texts[0]
+    elif pairs is not None and len(pairs) != len(texts):
+        raise ValueError(f"--pair: {len(pairs)} given for {len(texts)} --text; expected one per "
+                         "--text, one for all, or several for one --text")
+    out = model.classify(texts, pairs, batch_size=args.batch_size)
     for row in out.to_rows():
         print(json.dumps(row))
     return 0

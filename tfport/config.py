@@ -24,7 +24,10 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "disentangled", "none")
 DISENTANGLED_TERMS = ("c2p", "p2c")  # content-to-position, position-to-content (DeBERTa)
 ENCODER_ONLY_POSITIONS = ("disentangled",)  # no causal or cached form
-CLASSIFIER_POOLINGS = ("cls", "mean")
+CLASSIFIER_POOLINGS = ("cls", "mean", "last_eos")  # last_eos: encoder-decoder (BART)
+# An encoder-decoder classifier's first decoder input: decoder_start_token_id (BART), or each row's
+# last real token (mBART's shift_tokens_right: the language id its tokenizer appends).
+CLASSIFIER_DECODER_STARTS = ("start_token", "last_token")
 CLASSIFIER_ACTIVATIONS = ("tanh", "gelu", "gelu_tanh", "relu", "silu")
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "longrope", "yarn", "dynamic")
 ALIBI_SLOPES = ("press", "mpt")
@@ -163,12 +166,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     decoder_start_token_id: int | None = None
-    # Sequence classification head (encoder family; _validate_heads_and_training says more).
+    # Sequence classification head (encoder, encoder-decoder; _validate_heads_and_training says more).
     n_labels: int = 0
     labels: tuple[str, ...] | None = None
     classifier_pooling: str = "cls"
     classifier_activation: str = "tanh"
     classifier_norm: bool = False
+    classifier_decoder_start: str = "start_token"
     # Dropout probabilities, applied in train() mode only (eval mode and exports have none).
     embedding_dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -473,6 +477,12 @@ class ModelConfig:
         optional LayerNorm (``classifier_norm``, ModernBERT) -> out [E, n_labels]; ``labels`` names
         the classes (a checkpoint's ``id2label``). BERT's pooler followed by its classifier,
         RoBERTa's and DistilBERT's heads and DeBERTa's context pooler all have this form.
+        An encoder-decoder classifies as BART's ``ForSequenceClassification`` does
+        (``classifier_pooling="last_eos"``, the only pooling it takes): the decoder reads the
+        input ids shifted right over the encoder's states, and the head reads the decoder's state
+        at each row's last ``eos_token_id``. The decoder's first input is ``decoder_start_token_id`` (``classifier_decoder_start="start_token"``,
+        BART) or each row's last real token (``"last_token"``: mBART, whose tokenizer ends each
+        text with its language id).
         ``*_dropout`` are the probabilities of dropping embeddings (after their norm), attention
         probabilities, sublayer outputs before the residual add, and the FFN's hidden activations.
         """
@@ -481,8 +491,23 @@ class ModelConfig:
 
         if isinstance(self.n_labels, bool) or not isinstance(self.n_labels, int) or self.n_labels < 0:
             fail("n_labels", "a non-negative integer")
-        if self.n_labels and self.family != "encoder":
-            fail("n_labels", f"0 unless family='encoder' (family={self.family!r})")
+        if self.n_labels and self.family == "decoder":
+            fail("n_labels", "0 unless family is 'encoder' or 'encoder-decoder' (family='decoder')")
+        if self.classifier_pooling == "last_eos" and self.family != "encoder-decoder":
+            fail("classifier_pooling", f"'cls' or 'mean' for family {self.family!r} ('last_eos' reads the "
+                 "decoder of an encoder-decoder)")
+        if self.n_labels and self.family == "encoder-decoder":
+            if self.classifier_pooling != "last_eos":
+                fail("classifier_pooling", "'last_eos' for family 'encoder-decoder' (the decoder's state at "
+                     "each row's last eos token, as BART's sequence classification)")
+            if self.eos_token_id is None:
+                fail("eos_token_id", "a token id with classifier_pooling='last_eos' (the head reads the "
+                     "decoder at each row's last one)")
+        if self.classifier_decoder_start not in CLASSIFIER_DECODER_STARTS:
+            fail("classifier_decoder_start", f"one of {list(CLASSIFIER_DECODER_STARTS)}")
+        if self.classifier_decoder_start != "start_token" and not (self.family == "encoder-decoder" and self.n_labels):
+            fail("classifier_decoder_start", "'start_token' unless an encoder-decoder has a classification "
+                 "head (n_labels > 0)")
         if self.labels is not None:
             if not isinstance(self.labels, tuple) or not all(isinstance(x, str) for x in self.labels):
                 fail("labels", "a tuple of label names or null")

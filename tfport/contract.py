@@ -20,6 +20,11 @@ Graphs per family (dims are named as in the ONNX files):
   For encoder-decoder models the self-attention cache is ``...{i}.decoder.key|value``, and the
   graph also takes ``encoder_attention_mask`` int64 [batch, encoder_sequence] and
   ``past_key_values.{i}.encoder.key|value`` [batch, Hkv, encoder_sequence, D].
+* ``classifier`` -- the whole export of an encoder-decoder with a sequence classification head
+  (``n_labels``; BART's ``ForSequenceClassification``), which does not generate: ``input_ids``
+  int64 [batch, sequence], ``attention_mask`` int64 [batch, sequence] (right-padded; each row
+  holds ``eos_token_id``) -> ``class_logits`` float32 [batch, n_labels]. Encoder, decoder over
+  the ids shifted right, head at each row's last eos, in one graph.
 
 User-facing outputs are float32 whatever the export dtype; KV caches are in the export's cache
 dtype (``kv_dtype``: by default float16 for float16 exports, float32 otherwise;
@@ -158,7 +163,8 @@ LOGITS = ("all", "last")
 
 def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "concat",
                 logits: str = "all", kv_dtype: str | None = None) -> dict[str, GraphSpec]:
-    """The graphs an export of ``config`` contains, keyed ``"encoder"`` / ``"decoder"``;
+    """The graphs an export of ``config`` contains, keyed ``"encoder"`` / ``"decoder"`` (or
+    ``"classifier"`` alone: an encoder-decoder with ``n_labels``);
     ``logits`` (``LOGITS``) says which positions the decoder's logits cover; caches are in
     ``kv_dtype`` (None: the export dtype's default, ``tfport.dtypes.cache_dtype``)."""
     if logits not in LOGITS:
@@ -169,6 +175,10 @@ def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "conc
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {sorted(LAYOUTS)}")
     graphs: dict[str, GraphSpec] = {}
+    if config.family == "encoder-decoder" and config.n_labels:  # classifies, does not generate
+        inputs = (_ids("input_ids", "sequence"), _ids("attention_mask", "sequence"))
+        outputs = (TensorSpec("class_logits", "float32", ("batch", config.n_labels)),)
+        return {"classifier": GraphSpec("classifier", "classifier.onnx", inputs, outputs)}
     if config.has_encoder:
         inputs = [_ids("input_ids", "sequence"), _ids("attention_mask", "sequence")]
         if config.type_vocab_size:

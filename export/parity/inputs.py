@@ -88,6 +88,8 @@ class CaseInputs:
     def prepare(self, case: Case) -> list[Prepared]:
         """The graph runs of ``case``: the encoder, the decoder, or both (seq2seq)."""
         rng = np.random.default_rng(case.seed)
+        if self.config.family == "encoder-decoder" and self.config.n_labels:  # the classifier graph alone
+            return [self._classifier(case, rng)]
         if self.config.family == "encoder":
             return [self._encoder(case, rng)]
         if self.config.family == "decoder":
@@ -124,6 +126,20 @@ class CaseInputs:
 
         real = mask.astype(bool)
         return Prepared("encoder", feeds, reference, real, real)
+
+    def _classifier(self, case: Case, rng: np.random.Generator) -> Prepared:
+        """A seq2seq classifier's run: random ids right-padded as the runtime pads them, each
+        row ending with eos and row 0 holding another one before (the head reads the last)."""
+        c = self.config
+        length = case.encoder_length
+        mask = _mask(case.batch, "right" if case.padding != "none" else "none", length)
+        ids = np.where(mask == 1, self._ids(rng, (case.batch, length)), c.pad_token_id)
+        ids[np.arange(case.batch), mask.sum(axis=1) - 1] = c.eos_token_id
+        ids[0, 0] = c.eos_token_id
+        t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
+        real = np.ones((case.batch, length), dtype=bool)
+        return Prepared("classifier", {"input_ids": ids, "attention_mask": mask},
+                        lambda: {"class_logits": self.model.classify(t_ids, t_mask)}, real, real)
 
     def _decoder(self, case: Case, rng: np.random.Generator, encoder: Prepared | None = None) -> Prepared:
         """Random past [B, Hkv, P, D], S new tokens, the mask over P + S; for seq2seq the cross

@@ -8,6 +8,13 @@ have biases; q/k/v are stacked into ``qkv`` (cross-attention: ``q`` and stacked 
 is tied to ``shared`` (unless ``tie_word_embeddings`` is false and the file has ``lm_head``) and
 adds ``final_logits_bias`` [1, V] (tfport's ``lm_head_bias``) when the file holds it.
 
+``*ForSequenceClassification`` (BART-large-MNLI's zero-shot head): ``classification_head``
+(dense, tanh, out_proj) becomes tfport's ClassifierHead with ``classifier_pooling="last_eos"``:
+the decoder reads the input ids shifted right, and the head reads its state at each row's last
+eos (``EncoderDecoderLM.classify``); labels from ``id2label``. BART's decoder starts from
+``decoder_start_token_id``; mBART's (its own ``shift_tokens_right``) from each row's last real
+token, the language id its tokenizer appends (``classifier_decoder_start="last_token"``).
+
 Positions: transformers reads row ``k + 2`` of each table for position k (the offset fairseq left
 for its padding rows), so tfport keeps the rows from 2 on and counts from 0, as
 ``roberta`` does with its rows after ``padding_idx``. Transformers' positions are the slot index
@@ -25,6 +32,7 @@ import math
 from tfport.config import ModelConfig
 
 from .configs import hf_activation, hf_field, refuse, token_ids
+from .heads import classifier_fields
 from .rules import QKV, Architecture, Rule, Transform, concat_rows, params
 
 OFFSET = 2  # BartLearnedPositionalEmbedding: position k reads row k + 2
@@ -35,9 +43,9 @@ LOGITS_BIAS = Transform("final_logits_bias [1, V] -> [V]", lambda shape, c: [(1,
                         lambda ts, shape, c: ts[0].reshape(shape))
 
 BIAS_KEY = "final_logits_bias"
-# BartForSequenceClassification's head (top-level ``classification_head.*``, named with the base
-# prefix once normalised: it is no head of these rules).
-CLASSIFIER_KEY = "model.classification_head.out_proj.weight"
+# BartForSequenceClassification's head: top-level ``classification_head.*``.
+CLASSIFIER_KEY = "classification_head.out_proj.weight"
+CLASSIFIER_CLASSES = ("BartForSequenceClassification", "MBartForSequenceClassification")
 # Fields of the first BART configs (transformers < 3.1) that transformers now ignores: the
 # model_type decides. tfport refuses a config whose field says otherwise than that model_type's
 # computation rather than guess which of the two the weights were trained with.
@@ -61,13 +69,22 @@ def shared_sizes(hf: dict) -> dict:
 def head_fields(hf: dict, keys: frozenset[str] | None, lm_classes: tuple[str, ...]) -> dict:
     """``tie_embeddings`` (``tie_word_embeddings``) and ``lm_head_bias``: whether the file holds
     ``final_logits_bias`` (without keys: whether the class is one with an LM head, which keeps it
-    as a buffer). A sequence classification head is refused by name."""
-    if keys is not None and CLASSIFIER_KEY in keys:
-        refuse(hf, "architectures", hf.get("architectures"), "the sequence classification head "
-               "(classification_head.*, read at the decoder's last eos) has no tfport counterpart")
+    as a buffer)."""
     classes = hf.get("architectures") or []
     bias = BIAS_KEY in keys if keys is not None else any(c in lm_classes for c in classes)
     return dict(tie_embeddings=hf.get("tie_word_embeddings", True) is not False, lm_head_bias=bias)
+
+
+def classifier_head(hf: dict, keys: frozenset[str] | None) -> dict:
+    """``n_labels``, ``labels`` and the pooling of a sequence classification head, when the file
+    holds ``classification_head`` (without keys: when the class is a ``*ForSequenceClassification``)."""
+    present = CLASSIFIER_KEY in keys if keys is not None else \
+        (hf.get("architectures") or [""])[0] in CLASSIFIER_CLASSES
+    if not present:
+        return {}
+    start = "last_token" if hf.get("model_type") == "mbart" else "start_token"
+    return dict(classifier_fields(hf, True), classifier_pooling="last_eos", classifier_activation="tanh",
+                classifier_decoder_start=start)
 
 
 def start_token(hf: dict, ids: dict, default: int | None) -> int:
@@ -102,7 +119,7 @@ def _bart_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         position="learned", max_positions=hf_field(hf, "max_position_embeddings", default=1024),
         embedding_norm=True, embedding_scale=scale, attention_bias=True, mlp_bias=True,
         **head_fields(hf, keys, ("BartForConditionalGeneration", "MBartForConditionalGeneration")),
-        decoder_start_token_id=start_token(hf, ids, ids["bos_token_id"]), **ids)
+        **classifier_head(hf, keys), decoder_start_token_id=start_token(hf, ids, ids["bos_token_id"]), **ids)
 
 
 def bart_stack(stack: str, hf: str, cross: bool, positions: list[Rule], norms: bool) -> list[Rule]:
@@ -159,10 +176,13 @@ def _stack(name: str, cross: bool) -> list[Rule]:
 
 BART = Architecture(
     model_types=("bart", "mbart"),
-    classes=("BartModel", "BartForConditionalGeneration", "MBartModel", "MBartForConditionalGeneration"),
+    classes=("BartModel", "BartForConditionalGeneration", "MBartModel", "MBartForConditionalGeneration",
+             *CLASSIFIER_CLASSES),
     base_prefix="model.",
     config=_bart_config,
-    rules=(*bart_head(), *_stack("encoder", cross=False), *_stack("decoder", cross=True)),
+    rules=(*bart_head(), *_stack("encoder", cross=False), *_stack("decoder", cross=True),
+           *params("classifier.dense", "classification_head.dense"),
+           *params("classifier.out", "classification_head.out_proj")),
     ignored={r"model\.(encoder|decoder)\.version": "fairseq's version buffer (transformers ignores it too)"},
     duplicates=TOKEN_COPIES,
 )

@@ -192,8 +192,7 @@ def bart_config(**changes) -> dict:
     (dict(decoder_attention_heads=2), r"decoder_attention_heads=2.*share one width.*encoder_attention_heads=4"),
     (dict(decoder_ffn_dim=64), r"decoder_ffn_dim=64.*encoder_ffn_dim=48"),
     (dict(activation_function="gelu_10"), r"activation='gelu_10'"),
-    (dict(architectures=["BartForSequenceClassification"]),
-     r"BartForSequenceClassification.*its head has no tfport counterpart"),
+    (dict(architectures=["BartForQuestionAnswering"]), r"BartForQuestionAnswering.*its head has no tfport counterpart"),
 ])
 def test_refuses_what_tfport_cannot_compute(changes, match):
     with pytest.raises(ValueError, match=match):
@@ -219,15 +218,16 @@ def test_forced_ids_outside_the_vocabulary_are_refused(field):
         GenerationDefaults.from_hf({field: 99}, None, 99)
 
 
-def test_sequence_classification_head_is_refused_by_name(tmp_path):
-    """Without its class in config.json, the head's tensors still say what it is."""
-    hf = perturbed_model("BartConfig", "BartForSequenceClassification", 5, **SIZES)
+def test_question_answering_head_is_refused_by_name(tmp_path):
+    """Without its class in config.json, the head's tensors still say what it is (sequence
+    classification is supported: test_bart_classify.py)."""
+    hf = perturbed_model("BartConfig", "BartForQuestionAnswering", 5, **SIZES)
     hf.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"BartForSequenceClassification"):
+    with pytest.raises(ValueError, match=r"BartForQuestionAnswering"):
         load_hf_model(tmp_path)
     path = tmp_path / "config.json"
     path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "architectures"}))
-    with pytest.raises(ValueError, match=r"sequence classification head.*no tfport counterpart"):
+    with pytest.raises(ValueError, match=r"qa_outputs"):
         load_hf_model(tmp_path)
 
 
