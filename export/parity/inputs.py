@@ -116,7 +116,7 @@ class CaseInputs:
             if not seq2seq:
                 out = self.model(t_ids, t_mask, **kwargs)
                 found = {"last_hidden_state": out.last_hidden_state, "pooler_output": out.pooler_output,
-                         "logits": out.logits}
+                         "logits": out.logits, "class_logits": out.class_logits}
                 return {k: v for k, v in found.items() if v is not None}
             states = self.model.encode(t_ids, t_mask)
             found = {"last_hidden_state": states.float()}
