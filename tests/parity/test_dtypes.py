@@ -22,6 +22,8 @@ from tfport.contract import Manifest
 from tfport.export.parity import CASES, TOLERANCES, CaseInputs, Runner
 from tfport.export.targets import TARGETS
 from tfport.runtime import load_model
+from tfport.runtime.binding import empty_cache
+from tfport.runtime.decoding.inplace import InplaceDecoder
 
 from .test_parity import check_greedy, check_outputs
 
@@ -82,8 +84,12 @@ def test_float16_cache_of_a_float32_model(exported, target, config):
     runner = Runner(model, out, "cpu")
     check_outputs(model, out, "cpu")
     check_greedy(model, out, config.family, "cpu", "float32", "float16", runner.tolerance)
-    runtime = load_model(out)
-    assert runtime.manifest.kv_dtype == "float16"
+    runner = load_model(out).runners["decoder"]  # the buffers the runtime binds are float16
+    if manifest.layout == "inplace":
+        buffers = InplaceDecoder(runner, 2, 8).cache.values()
+        assert buffers and {b.data_type() for b in buffers} == {"tensor(float16)"}
+    else:
+        assert {a.dtype for a in empty_cache(runner.spec, 2).values()} == {np.dtype(np.float16)}
 
 
 def _prefill_logits_error(runner: Runner, inputs: CaseInputs) -> float:
