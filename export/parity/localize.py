@@ -83,7 +83,7 @@ def localize(runner: Runner, case: Case) -> list[Diff]:
     return diffs
 
 
-PIECES = (("rotary_", "rotary"), ("context", "attention"), ("attn_norm", "norm"), ("cross_norm", "norm"),
+PIECES = (("rotary_", "rotary"), ("content_term", "disentangled position bias"), ("context", "attention"), ("attn_norm", "norm"), ("cross_norm", "norm"),
           ("ffn_norm", "norm"), ("attn", "attention output"), ("cross_attn", "cross-attention"),
           ("ffn", "FFN"), ("bias", "mask / position bias (ALiBi, relative)"), ("embed", "embeddings"),
           ("norm", "final norm"))

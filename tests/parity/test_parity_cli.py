@@ -74,3 +74,14 @@ def test_config_mismatch_is_refused(tmp_path, capsys):
     code = main(["parity", str(tmp_path / "out"), "--against", "tiny-decoder-mqa"])
     assert code == 2
     assert "config differs" in capsys.readouterr().err
+
+
+def test_first_divergence_names_the_piece():
+    from tfport.export.parity.cases import Diff
+    from tfport.export.parity.localize import first_divergence
+
+    ok = Diff("encoder.layers.0.attn.content_term", 0.0, 0.0, True)
+    bad = Diff("encoder.layers.2.attn.content_term", 0.5, 0.1, False)
+    assert first_divergence([ok]) is None
+    assert first_divergence([ok, bad]).startswith("layer 2 of encoder, disentangled position bias")
+    assert first_divergence([Diff("decoder.layers.1.ffn_norm", 1.0, 1.0, False)]).startswith("layer 1 of decoder, norm")
