@@ -19,13 +19,15 @@ class Tap(nn.Identity):
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                      scale: float, softcap: float | None = None, dropout: float = 0.0) -> torch.Tensor:
+                      scale: float, softcap: float | None = None, dropout: float = 0.0,
+                      probs_tap: nn.Module | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + bias) v with H query heads sharing Hkv key/value heads.
 
     q [B, H, S, D], k and v [B, Hkv, T, D], bias float32 [B, 1 or H, S, T] -> [B, S, H*D].
     Query heads h*G .. h*G+G-1 (G = H / Hkv) read key/value head h. Scores and softmax are
     float32 whatever the input dtype. K and V are broadcast, never copied per query head.
     ``softcap`` c replaces the scaled scores s by c * tanh(s / c) before the bias is added.
+    ``probs_tap`` (a ``Tap``) sees the probabilities [B, H, S, T] (calibration hooks read them).
     """
     b, h, s, d = q.shape
     hkv = k.shape[1]
@@ -36,6 +38,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores + bias
     probs = scores.softmax(dim=-1)
+    if probs_tap is not None:
+        probs = probs_tap(probs)
     if dropout:  # training only: the module passes 0 in eval mode
         probs = F.dropout(probs, dropout)
     probs = probs.to(v.dtype).reshape(b, hkv, h // hkv, s, -1)
@@ -49,9 +53,9 @@ class Attention(nn.Module):
     Self-attention projects ``x`` [B, S, E] with one ``qkv`` matrix into H query and Hkv key and
     value heads. Cross-attention projects queries from ``x`` and keys/values from the encoder
     memory once per request (``project_memory``). The taps ``rotary_q``, ``rotary_k``,
-    ``content_term``, ``context``, ``cached_k`` and ``cached_v`` expose the rotated queries/keys,
-    the position scheme's bias from them (DeBERTa), the attention context and the new keys/values
-    entering the cache to forward hooks.
+    ``content_term``, ``context``, ``cached_k``, ``cached_v`` and ``probs`` expose the rotated
+    queries/keys, the position scheme's bias from them (DeBERTa), the attention context, the new
+    keys/values entering the cache and the attention probabilities to forward hooks.
     """
 
     def __init__(self, config: ModelConfig, cross: bool = False):
@@ -81,6 +85,7 @@ class Attention(nn.Module):
         # can round them to a cache dtype (the parity reference of --kv-dtype exports).
         self.cached_k, self.cached_v = Tap(), Tap()
         self.content_term = Tap()  # the position scheme's bias from q and k (DeBERTa), if any
+        self.probs = Tap()  # the attention probabilities [B, H, S, T] (export.calibrate reads them)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         b, s, _ = x.shape
@@ -122,5 +127,5 @@ class Attention(nn.Module):
         if content_bias is not None:
             bias = bias + self.content_term(content_bias.bias(self, q, k))  # [B, H, S, T]
         dropout = self.dropout if self.training else 0.0
-        out = self.context(grouped_attention(q, k, v, bias, self.scale, self.softcap, dropout))
+        out = self.context(grouped_attention(q, k, v, bias, self.scale, self.softcap, dropout, self.probs))
         return self.out(out), (k, v)
