@@ -115,12 +115,11 @@ def _compare(name: str, expected: np.ndarray, actual: np.ndarray, real: np.ndarr
 def token_agreement(expected: np.ndarray, actual: np.ndarray, real: np.ndarray, tie: float) -> float:
     """Fraction of real positions whose argmax agrees, counting near-ties as agreement.
 
-    A position where the reference's top two logits are within ``tie`` of each other has no
-    well-defined argmax at that precision; it agrees if the runtime picks either of the two.
+    Tokens whose reference logits are within ``tie`` of the reference's largest have no
+    well-defined order at that precision: the runtime's pick agrees if it is one of them (a
+    bfloat16 reference rounds logits of size ~1 to steps of 2^-7, so several can tie exactly).
     """
-    top2 = np.argsort(expected, axis=-1)[..., -2:]
-    gap = np.take_along_axis(expected, top2, -1)
-    near_tie = (gap[..., 1] - gap[..., 0]) <= tie
-    picked = actual.argmax(-1)
-    agree = (picked == top2[..., 1]) | (near_tie & (picked == top2[..., 0]))
+    picked = actual.argmax(-1)[..., None]
+    best = expected.max(-1)
+    agree = best - np.take_along_axis(expected, picked, -1)[..., 0] <= tie
     return float(agree[real].mean()) if real.any() else 1.0
