@@ -21,7 +21,8 @@ from ..binding import Feed, GraphRunner
 from .concat import ConcatCache
 from .inplace import InplaceBuffer
 
-# advance(tokens int64 [B], step) -> logits float32 [B, V] after feeding those tokens.
+# advance(tokens int64 [B], step) -> logits float32 [B, V] after feeding those tokens (the
+# array may be the strategy's buffer, overwritten by the next call: read it before).
 Advance = Callable[[np.ndarray, int], np.ndarray]
 
 
