@@ -19,11 +19,18 @@ TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {
     # fp32 on CUDA: TF32 is off in ORT by default, but cuBLAS picks other reduction orders.
     ("float32", "cuda"): (1e-3, 1e-3),
     # fp16: 11-bit mantissa (~5e-4 relative per rounding); the reference runs the module in fp16
-    # too, but rounds at different points (fused vs unfused kernels), so a few ulps per layer.
+    # too, but rounds at different points (fused vs unfused kernels; on the CPU provider ONNX
+    # Runtime computes products, norms and softmax in float32 between float16 activations), so a
+    # few ulps per layer. Worst over the CPU matrix (every target x family x position x attention):
+    # 6.6e-3, MLM logits of a tied vocabulary matrix.
     ("float16", "cpu"): (2e-2, 2e-2),
     ("float16", "cuda"): (2e-2, 2e-2),
-    ("bfloat16", "cpu"): (5e-2, 5e-2),  # PROVISIONAL
-    ("bfloat16", "cuda"): (5e-2, 5e-2),
+    # bf16: 8-bit mantissa (~4e-3 relative per rounding, 8x float16's). The graph computes in
+    # float32 from bfloat16 weights; the reference is the bfloat16 module, which rounds every
+    # activation, so its own rounding is most of the difference. Worst over the CPU matrix: 4.4e-2
+    # (the same MLM logits; float16 needed 6.6e-3 there); 8e-2 keeps a margin of 1.8x.
+    ("bfloat16", "cpu"): (8e-2, 8e-2),
+    ("bfloat16", "cuda"): (8e-2, 8e-2),
 }
 # Relative spacing of a cache dtype (one unit in the last place): where an export's cache is
 # rounded to another dtype than its activations (``kv_dtype``), the graph and the reference round
