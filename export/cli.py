@@ -7,6 +7,7 @@ import logging
 
 from tfport.contract import DTYPES, KV_DTYPES, LOGITS
 
+from .calibrate import BUILTIN, DEFAULT_TOKENS, HEAD_BITS, Calibration
 from .exporter import MAX_OPSET, MIN_OPSET, export_checkpoint_or_preset
 from .quantize import BITS as QUANTIZE_FORMATS
 from .quantize import BLOCK_SIZES
@@ -16,11 +17,18 @@ log = logging.getLogger(__name__)
 
 
 def run_export(args: argparse.Namespace) -> int:
+    calibration = None
+    if args.calibration is not None:
+        calibration = Calibration(args.calibration, args.calibration_tokens or DEFAULT_TOKENS)
+    elif args.calibration_tokens is not None:
+        raise ValueError(f"--calibration-tokens={args.calibration_tokens}: applies with --calibration "
+                         f"({BUILTIN} or a text file)")
     manifest = export_checkpoint_or_preset(
         args.source, args.out, seed=args.seed, dtype=args.dtype, opset=args.opset, target=args.target,
         validate=not args.no_validate, tokenizer=args.tokenizer, overwrite=args.force,
         show_progress=None if not args.progress else True, quantize=args.quantize,
-        block_size=args.block_size, symmetric=args.symmetric, logits=args.logits, kv_dtype=args.kv_dtype)
+        block_size=args.block_size, symmetric=args.symmetric, logits=args.logits, kv_dtype=args.kv_dtype,
+        calibration=calibration, head_bits=args.head_bits)
     graphs = ", ".join(g.file for g in manifest.graphs.values())
     cache = f", KV cache {manifest.kv_dtype}" if manifest.kv_dtype != manifest.dtype and "decoder" in manifest.graphs else ""
     print(f"exported {manifest.config.family} model to {args.out}: {graphs} "
@@ -58,6 +66,17 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                         "Q4_0/Q4_1/Q8_0 blocks, not re-quantised")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=32,
                    help="values per scale along each weight row (default 32)")
+    p.add_argument("--calibration", metavar="TEXT",
+                   help=f"choose int4/int8 codes with GPTQ on the model's activations over a text "
+                        f"({BUILTIN}: the text shipped in export/data/calibration.txt, or a UTF-8 text "
+                        f"file; needs the source's tokenizer) instead of round-to-nearest (the default); "
+                        f"same graph layout")
+    p.add_argument("--calibration-tokens", type=int, metavar="N",
+                   help=f"tokens of the calibration text to read (default {DEFAULT_TOKENS}, or all of a "
+                        f"shorter text)")
+    p.add_argument("--head-bits", type=int, choices=HEAD_BITS,
+                   help="bits of the LM head and token table (mixed precision: 8 keeps them int8 while "
+                        "the other products are int4; default: as --quantize)")
     p.add_argument("--logits", choices=LOGITS, default="all",
                    help="decoder logits for every position (all, default) or only the one the next "
                         "token is picked from (last: [B, 1, V]; a prefill skips the head for the rest)")

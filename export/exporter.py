@@ -29,6 +29,7 @@ from tfport.files import atomic_directory, check_output_dir
 from tfport.integrity import graph_metadata, record_files
 
 from . import emit
+from .calibrate import Calibration, calibrated_scheme
 from .graph import GraphBuilder
 from .quantize import QuantScheme, WeightQuantizer, fake_quantize, resolve_scheme
 from .targets import DEFAULT_TARGET, Target, get_target
@@ -316,7 +317,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
                  overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  show_progress: bool | None = None, quantize: str | QuantScheme | None = None,
                  block_size: int = 32, symmetric: bool = False, logits: str = "all",
-                 kv_dtype: str | None = None) -> Manifest:
+                 kv_dtype: str | None = None, calibration: str | Calibration | None = None,
+                 head_bits: int | None = None) -> Manifest:
     """Export ``model`` (a tfport reference module with ``.config``) to ``out_dir``.
 
     Writes ``manifest.json``, ``config.json``, one ``.onnx`` per graph of the family (and
@@ -335,7 +337,10 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
     product, the token table and a tied head as blockwise round-to-nearest codes (``block_size``
     values per scale, zero points unless ``symmetric``), lowered by the target
     (``project_quantized``); validation then compares against the module with its weights
-    replaced by the dequantised values (``quantize.fake_quantize``).
+    replaced by the dequantised values (``quantize.fake_quantize``). ``calibration`` ("builtin",
+    a text file's path or an ``export.calibrate.Calibration``; needs ``tokenizer``) chooses the
+    codes with GPTQ on the module's activations over that text instead (same layout);
+    ``head_bits`` (8 or 4) quantises the LM head and token table with that many bits.
 
     ``logits="last"`` makes the decoder return only the logits the next token is picked from
     ([B, 1, V], ``tfport.contract.LOGITS``): a prefill skips the head for the rest of the prompt.
@@ -368,6 +373,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
                          f"(family={config.family!r})")
     if tokenizer is not None:
         _check_tokenizer(Path(tokenizer))
+    if calibration is not None or head_bits is not None:  # GPTQ, mixed precision (export/calibrate.py)
+        scheme = calibrated_scheme(model, scheme, calibration, tokenizer, dtype, head_bits, show_progress)
     specs = graph_specs(config, dtype, target.layout, logits, kv_dtype)
     manifest = Manifest(config=config, dtype=dtype, opset=opset, target=target.name, layout=target.layout,
                         device_refusals=target.device_refusals(dtype, kv_dtype), kv_dtype=kv_dtype,

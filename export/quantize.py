@@ -144,6 +144,55 @@ class BlockQuantized:
         return (self.codes.astype(np.int16) - (1 << (self.bits - 1))).astype(np.int8)
 
 
+def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized:
+    """Matrices [N_i, K] of one format stacked along N -> [sum N_i, K]."""
+    first = parts[0]
+
+    def stack(attr: str):
+        return None if getattr(first, attr) is None else np.concatenate([getattr(p, attr) for p in parts])
+
+    return BlockQuantized(stack("codes"), stack("scales"), stack("zero_points"), first.bits, first.block_size,
+                          stack("offsets"))
+
+
+class RowIndex:
+    """Quantised matrices found again by their rows' exact float32 values: how a quantisation
+    chosen ahead of time (a GGUF file's blocks, ``export.gguf_keep``; calibrated GPTQ,
+    ``export.calibrate``) reaches the weights the exporter projects with, which may be several
+    matrices' rows concatenated (QKV, gate + up) or a module's rows in another order."""
+
+    def __init__(self):
+        self.matrices: list[BlockQuantized] = []
+        self.rows: dict[bytes, tuple[int, int]] = {}  # float32 row bytes -> (matrix, row)
+
+    def add(self, values: np.ndarray, quantized: BlockQuantized) -> None:
+        """Index ``quantized`` under ``values`` [N, K], the float values its rows stand for."""
+        assert values.shape == quantized.shape, (values.shape, quantized.shape)
+        self.matrices.append(quantized)
+        for row, value in enumerate(np.ascontiguousarray(values, dtype=np.float32)):
+            self.rows.setdefault(value.tobytes(), (len(self.matrices) - 1, row))
+
+    def find(self, rows: np.ndarray) -> BlockQuantized | None:
+        """The blocks of ``rows`` [N, K] if every row was indexed and all of them in one format
+        (bits, block size, zero points, offsets); None otherwise."""
+        found = [self.rows.get(row.tobytes()) for row in np.ascontiguousarray(rows, dtype=np.float32)]
+        if None in found:
+            return None
+        parts = [self.matrices[m] for m, _ in found]
+        formats = {(p.bits, p.block_size, p.scales.dtype, p.zero_points is None, p.offsets is None) for p in parts}
+        if len(formats) != 1:
+            return None
+        first = parts[0]
+
+        def gather(attr: str):
+            if getattr(first, attr) is None:
+                return None
+            return np.stack([getattr(part, attr)[i] for part, (_, i) in zip(parts, found)])
+
+        return BlockQuantized(gather("codes"), gather("scales"), gather("zero_points"), first.bits,
+                              first.block_size, gather("offsets"))
+
+
 def pack_nibbles(values: np.ndarray) -> np.ndarray:
     """uint8 [..., 2M] with values < 16 -> uint8 [..., M], the first of each pair in the low nibble
     (ONNX int4/uint4 and MatMulNBits' order). An odd last axis is padded with 0."""
@@ -202,24 +251,36 @@ def _rtn(blocks: np.ndarray, bits: int, symmetric: bool, dtype, factor: float):
         else:
             scale = np.abs(blocks).max(axis=-1) * factor / (half - 1)
         scale = _nonzero(scale.astype(dtype))
-        codes = np.clip(np.rint(blocks / scale.astype(np.float32)[..., None]), -half, half - 1) + half
-        return scale, None, codes.astype(np.uint8)
+        return scale, None, nearest_codes(blocks, scale.astype(np.float32)[..., None], None, bits)
     low = np.minimum(blocks.min(axis=-1), 0.0) * factor
     high = np.maximum(blocks.max(axis=-1), 0.0) * factor
     scale = _nonzero(((high - low) / levels).astype(dtype))
     scale32 = scale.astype(np.float32)
     zero_points = np.clip(np.rint(-low / scale32), 0, levels).astype(np.uint8)
-    codes = np.clip(np.rint(blocks / scale32[..., None]) + zero_points[..., None], 0, levels)
-    return scale, zero_points, codes.astype(np.uint8)
+    return scale, zero_points, nearest_codes(blocks, scale32[..., None], zero_points[..., None], bits)
 
 
-def _best_rtn(blocks: np.ndarray, bits: int, symmetric: bool, dtype, factors) -> tuple:
-    """``_rtn`` at each factor, keeping per block the one with the least squared error."""
+def nearest_codes(values: np.ndarray, scale: np.ndarray, zero_points: np.ndarray | None,
+                  bits: int) -> np.ndarray:
+    """uint8 codes nearest ``values`` for float32 ``scale`` and uint8 ``zero_points`` (None:
+    symmetric, signed codes -2^(bits-1) .. 2^(bits-1) - 1 stored plus 2^(bits-1)), broadcast."""
+    half, levels = 1 << (bits - 1), (1 << bits) - 1
+    if zero_points is None:
+        return (np.clip(np.rint(values / scale), -half, half - 1) + half).astype(np.uint8)
+    return np.clip(np.rint(values / scale) + zero_points, 0, levels).astype(np.uint8)
+
+
+def _best_rtn(blocks: np.ndarray, bits: int, symmetric: bool, dtype, factors,
+              importance: np.ndarray | None = None) -> tuple:
+    """``_rtn`` at each factor, keeping per block the one with the least squared error (each
+    value's error times ``importance`` [bs], when given: calibrated quantisation weights it by
+    the input's mean square, ``export.calibrate``)."""
     best = None
     for factor in factors:
         scale, zero_points, codes = _rtn(blocks, bits, symmetric, dtype, factor)
         zp = (1 << (bits - 1)) if zero_points is None else zero_points[..., None].astype(np.float32)
-        error = np.square((codes.astype(np.float32) - zp) * scale.astype(np.float32)[..., None] - blocks).sum(-1)
+        error = np.square((codes.astype(np.float32) - zp) * scale.astype(np.float32)[..., None] - blocks)
+        error = (error if importance is None else error * importance).sum(-1)
         if best is None:
             best = [scale, zero_points, codes, error]
             continue

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from tfport.contract import Manifest
+from tfport.contract import TOKENIZER_FILE, Manifest
 from tfport.files import write_text_atomic
 
 from ..quantize import fake_quantize
@@ -19,10 +20,17 @@ from .localize import first_divergence
 from .runner import Runner, cuda_available
 
 
-def reference_scheme(quantization: dict, against: str):
-    """The quantisation a manifest records, to fake-quantise the reference with."""
+def reference_scheme(quantization: dict, against: str, model=None, tokenizer=None, calibration=None,
+                     dtype: str = "float32"):
+    """The quantisation a manifest records, to fake-quantise the reference with: a calibrated or
+    mixed-precision one (export/calibrate.py) is recomputed from ``model`` with ``tokenizer`` and
+    the calibration text (``calibration``: the file, unless it was the built-in text)."""
     from ..quantize import QuantScheme
 
+    if "sha256" in quantization:
+        from ..calibrate import recorded_scheme
+
+        return recorded_scheme(quantization, model, tokenizer, dtype, calibration)
     if quantization.get("format") == "keep":
         from ..gguf_keep import KeptQuantization
 
@@ -83,7 +91,11 @@ def run_parity(args: argparse.Namespace) -> int:
         if args.accuracy:
             print_accuracy(args.model_dir, model, source.tokenizer)
         # The exact check: the module with the export's dequantised weights.
-        model = fake_quantize(model, reference_scheme(manifest.quantization, args.against), manifest.dtype)
+        shipped = Path(args.model_dir) / TOKENIZER_FILE  # the tokenizer the export was calibrated with
+        tokenizer = shipped if shipped.is_file() else source.tokenizer
+        scheme = reference_scheme(manifest.quantization, args.against, model, tokenizer, args.calibration,
+                                  manifest.dtype)
+        model = fake_quantize(model, scheme, manifest.dtype)
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     for provider in providers:
         if provider not in ("cpu", "cuda"):
@@ -138,4 +150,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                    help="a quantised export: also its perplexity on a fixed text and greedy agreement "
                         "against the unquantised --against (parity itself compares with the "
                         "fake-quantised module: the same dequantised weights)")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="the text file a calibrated export was calibrated on (to recompute its "
+                        "quantised weights; not needed for the built-in text)")
     p.set_defaults(func=run_parity)

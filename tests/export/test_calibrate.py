@@ -1,0 +1,229 @@
+"""Calibrated quantisation (export/calibrate.py): GPTQ with the export's block layout.
+
+Accuracy: a tiny decoder (perturbed random weights) is calibrated on the built-in text and
+measured on held-out activations (tests/data/perplexity.txt, which calibration never reads):
+every product's output error, the attention context, and the logits, against round-to-nearest.
+Exactness: calibrated exports are validated by ``export_model`` against the fake-quantised module
+(the same dequantised weights, float32 tolerances) and ``tfport parity`` recomputes the
+calibration from the manifest. Real-weight accuracy (SmolLM2, MiniLM) is in the README.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from tests.matrix import matrix_config
+from tfport.contract import MANIFEST_FILE, Manifest
+from tfport.export import export_model
+from tfport.export import calibrate as C
+from tfport.export.quantize import QuantScheme, fake_quantize
+
+HELD_OUT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
+
+
+def word_tokenizer(vocab_size: int, path: Path | None = None):
+    """A word-level tokenizer of the calibration text's most frequent words (the rest [UNK])."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = re.findall(r"\w+|[^\w\s]", C.Calibration().read())
+    common = [w for w, _ in collections.Counter(words).most_common(vocab_size - 4)]
+    vocab = {s: i for i, s in enumerate(["[PAD]", "[BOS]", "[EOS]", "[UNK]"] + common)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    if path is not None:
+        tokenizer.save(str(path))
+    return tokenizer
+
+
+def perturbed(config):
+    from tfport.models import build_model
+
+    model = build_model(config, seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    """(model, calibration sequences, held-out sequences): d_model 64 (so 2,048 calibration
+    tokens are many more than any product's K), 256 positions."""
+    torch.manual_seed(0)
+    config = matrix_config("decoder", "rope", "gqa").replace(d_model=64, max_positions=256)
+    tokenizer = word_tokenizer(config.vocab_size)
+    fit = C.token_sequences(C.Calibration().read(), tokenizer, config, 2048)
+    held = C.token_sequences(HELD_OUT.read_text(), tokenizer, config, 512)
+    return perturbed(config), fit, held
+
+
+# ------------------------------------------------------------------------------- accuracy
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_gptq_reduces_every_products_error_on_held_out_activations(decoder, symmetric):
+    """sum over held-out tokens |(W - Q) x|^2 per product (value rows with their attention-averaged
+    inputs), GPTQ against round-to-nearest with the same blocks and scale search."""
+    model, fit, held = decoder
+    scheme = QuantScheme(4, 16, symmetric)
+    calibrated, rtn = C.calibrate(model, scheme, fit), C.calibrate(model, scheme, None)
+    ratios = {}
+    for name, rows in C.collect_hessians(model, held).items():
+        w = model.get_parameter(name).detach().numpy()
+        error = []
+        for quantization in (calibrated, rtn):
+            d = quantization.quantize(w).dequantize() - w
+            error.append(sum(np.einsum("nk,kl,nl->", d[a:b], h.float().numpy(), d[a:b]) for a, b, h in rows))
+        ratios[name] = error[0] / error[1]
+    assert max(ratios.values()) < 0.8, ratios
+    assert np.exp(np.mean(np.log(list(ratios.values())))) < 0.4, ratios
+    x = torch.from_numpy(np.concatenate(held))[None]
+    with torch.no_grad():
+        reference = model(x)[0]
+        mse = [float(((fake_quantize(model, q)(x)[0] - reference) ** 2).mean()) for q in (calibrated, rtn)]
+    assert mse[0] < 0.6 * mse[1], mse
+
+
+def test_value_rows_weighted_by_attention_beat_the_plain_hessian(decoder):
+    """Only the value rows of each qkv quantised (GPTQ): with the attention-averaged inputs' Hessian
+    the held-out attention context is closer to float than with the plain input Hessian."""
+    model, fit, held = decoder
+    hessians = C.collect_hessians(model, fit)
+
+    def contexts(module) -> list[torch.Tensor]:
+        out = []
+        hooks = [m.context.register_forward_hook(lambda _, args, o: out.append(o))
+                 for n, m in module.named_modules() if n.endswith(".attn")]
+        with torch.no_grad():
+            for ids in held:
+                C._run(module, ids)
+        for hook in hooks:
+            hook.remove()
+        return out
+
+    reference = contexts(model)
+    error = {}
+    for label in ("attention", "plain"):
+        quantized = copy.deepcopy(model)
+        with torch.no_grad():
+            for name, rows in hessians.items():
+                if ".qkv." not in name:
+                    continue
+                weight = quantized.get_parameter(name)
+                values = weight.detach().numpy().copy()
+                assert len(rows) == 1 + model.config.kv_heads  # q and k rows, then one group per value head
+                for start, end, hessian in rows[1:]:
+                    h = hessian if label == "attention" else rows[0][2]
+                    values[start:end] = C.gptq_rows(values[start:end], h, 4, 16, False).dequantize()
+                weight.copy_(torch.from_numpy(values))
+        error[label] = sum(float(((a - b) ** 2).sum()) for a, b in zip(contexts(quantized), reference))
+    assert error["attention"] < 0.97 * error["plain"], error
+
+
+def test_gptq_rows_keeps_the_layout_and_rounds_scales_first():
+    """Same shapes as round-to-nearest (a short last block included); float16 scales are rounded
+    before the codes are chosen, so dequantising reproduces the values GPTQ compensated for."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 40)).astype(np.float32)
+    rows = rng.standard_normal((6, 40)).astype(np.float32)
+    q = C.gptq_rows(rows, torch.from_numpy(x.T @ x / 256), 4, 16, False, "float16")
+    assert q.codes.shape == (6, 40) and q.scales.shape == (6, 3) and q.scales.dtype == np.float16
+    assert q.zero_points.shape == (6, 3) and int(q.codes.max()) <= 15
+    with pytest.raises(ValueError, match=r"hessian: expected shape \(40, 40\)"):
+        C.gptq_rows(rows, torch.eye(8), 4, 16, False)
+
+
+def test_sentences_and_sequences():
+    assert C.sentences("One. Two? Three!\n\nA code line\nand more") == ["One.", "Two?", "Three!",
+                                                                        "A code line and more"]
+    config = matrix_config("decoder", "rope", "gqa")  # max_positions 64
+    sequences = C.token_sequences(C.Calibration().read(), word_tokenizer(config.vocab_size), config, 100)
+    assert [len(s) for s in sequences] == [64, 36]
+
+
+# ------------------------------------------------------------------------------- exports
+@pytest.mark.parametrize("target", ["portable", "ort"])
+def test_calibrated_export_is_exact_and_parity_recomputes_it(target, tmp_path):
+    """export_model validates against the fake-quantised module; tfport parity recomputes the
+    calibration from the manifest (and refuses a manifest whose codes it cannot reproduce)."""
+    from tfport.cli import main
+    from tfport.export.parity.cli import reference_scheme
+    from tfport.models.checkpoint import save_checkpoint
+
+    config = matrix_config("decoder", "rope", "gqa").replace(d_model=64, tie_embeddings=True)
+    model = perturbed(config)
+    tokenizer = word_tokenizer(config.vocab_size, tmp_path / "tokenizer.json")
+    checkpoint = tmp_path / "checkpoint"
+    save_checkpoint(model, checkpoint)
+    (checkpoint / "tokenizer.json").write_text(tokenizer.to_str())
+    out = tmp_path / "q"
+    assert main(["export", str(checkpoint), "--out", str(out), "--target", target, "--quantize", "int4",
+                 "--block-size", "16", "--calibration", "builtin", "--calibration-tokens", "512",
+                 "--head-bits", "8"]) == 0
+    quantization = Manifest.read(out).quantization
+    assert quantization["method"] == "gptq" and quantization["head_bits"] == 8
+    assert quantization["calibration"]["text"] == "builtin" and quantization["calibration"]["tokens"] == 512
+    assert main(["parity", str(out), "--against", str(checkpoint)]) == 0
+    # the tied table (gather and head) is int8, every other product int4
+    graph = onnx.load(str(out / "decoder.onnx"))
+    if target == "ort":
+        bits = {n.name: a.i for n in graph.graph.node for a in n.attribute if a.name == "bits"}
+        assert {b for name, b in bits.items() if "lm_head" in name or "embed" in name} == {8}, bits
+        assert {b for name, b in bits.items() if "lm_head" not in name and "embed" not in name} == {4}, bits
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    manifest["quantization"]["sha256"] = "0" * 64
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="other codes than the export's"):
+        reference_scheme(manifest["quantization"], str(checkpoint), model, tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("family,position", [("encoder", "learned"), ("encoder-decoder", "relative")])
+def test_other_families_export_exactly(family, position, tmp_path):
+    """Encoders read the text sentence by sentence; encoder-decoders calibrate both stacks and the
+    cross-attention (its value rows weighted by the cross-attention probabilities)."""
+    config = matrix_config(family, position, "mha")
+    model = perturbed(config)
+    word_tokenizer(config.vocab_size, tmp_path / "tokenizer.json")
+    manifest = export_model(model, tmp_path / "q", quantize="int4", block_size=16,
+                            calibration=C.Calibration("builtin", 512), tokenizer=tmp_path / "tokenizer.json")
+    assert manifest.quantization["method"] == "gptq" and manifest.quantization["calibration"]["tokens"] == 512
+
+
+# ------------------------------------------------------------------------------- refusals
+def test_refusals_name_the_option(tmp_path):
+    model = perturbed(matrix_config("decoder", "rope", "gqa"))
+    tokenizer = tmp_path / "tokenizer.json"
+    word_tokenizer(model.config.vocab_size, tokenizer)
+    with pytest.raises(ValueError, match="calibration='builtin': applies to quantize='int4' or 'int8'"):
+        export_model(model, tmp_path / "a", calibration="builtin", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="calibration='builtin': reading the text needs the model's tokenizer"):
+        export_model(model, tmp_path / "b", quantize="int4", calibration="builtin")
+    with pytest.raises(ValueError, match="calibration='missing.txt': expected 'builtin' or the path of a text file"):
+        export_model(model, tmp_path / "c", quantize="int4", calibration="missing.txt", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="calibration_tokens=8: expected an integer >= 16"):
+        C.Calibration(tokens=8)
+    with pytest.raises(ValueError, match="head_bits=3: expected None or one of"):
+        export_model(model, tmp_path / "d", quantize="int4", head_bits=3)
+    assert not any((tmp_path / n).exists() for n in "abcd")  # refused before anything was written
+
+
+def test_cli_refusals(tmp_path, capsys):
+    from tfport.cli import main
+
+    out = str(tmp_path / "q")
+    assert main(["export", "tiny-decoder", "--out", out, "--quantize", "int4", "--calibration-tokens", "64"]) == 2
+    assert "--calibration-tokens=64: applies with --calibration" in capsys.readouterr().err
+    assert main(["export", "tiny-decoder", "--out", out, "--quantize", "int4", "--calibration", "builtin"]) == 2
+    assert "needs the model's tokenizer" in capsys.readouterr().err
+    assert main(["export", "tiny-decoder", "--out", out, "--calibration", "builtin"]) == 2
+    assert "applies to quantize='int4' or 'int8'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["export", "tiny-decoder", "--out", out, "--quantize", "int4", "--head-bits", "3"])
+    assert not Path(out).exists()
