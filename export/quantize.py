@@ -273,8 +273,8 @@ def nearest_codes(values: np.ndarray, scale: np.ndarray, zero_points: np.ndarray
 def _best_rtn(blocks: np.ndarray, bits: int, symmetric: bool, dtype, factors,
               importance: np.ndarray | None = None) -> tuple:
     """``_rtn`` at each factor, keeping per block the one with the least squared error (each
-    value's error times ``importance`` [bs], when given: calibrated quantisation weights it by
-    the input's mean square, ``export.calibrate``)."""
+    value's error times ``importance``, broadcast against the blocks [n, Kb, bs], when given:
+    calibrated quantisation weights it by the input's mean square, ``export.calibrate``)."""
     best = None
     for factor in factors:
         scale, zero_points, codes = _rtn(blocks, bits, symmetric, dtype, factor)
