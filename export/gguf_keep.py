@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .quantize import BlockQuantized, QuantScheme
+from .quantize import BlockQuantized, QuantScheme, RowIndex
 
 log = logging.getLogger(__name__)
 
@@ -84,42 +84,28 @@ class KeptQuantization:
         self.path = Path(path)
         self.fallback = fallback or QuantScheme(8, BLOCK, symmetric=True)
         file = GGUFFile(self.path)
-        self.tensors: dict[str, BlockQuantized] = {}
-        self.rows: dict[bytes, tuple[str, int]] = {}  # float32 row bytes -> (tensor, row)
+        self.index = RowIndex()  # the file's rows by their float32 values
         self.kinds: dict[str, str] = {}
         for name in file.tensor_names():
             kind = file.tensor_type(name)
             if kind not in BLOCK_BYTES or len(file.shape(name)) != 2:
                 continue
             blocks = decode_blocks(kind, file.blocks(name))
-            self.tensors[name], self.kinds[name] = blocks, kind
-            for index, row in enumerate(gguf_values(blocks)):
-                self.rows.setdefault(row.tobytes(), (name, index))
+            self.index.add(gguf_values(blocks), blocks)
+            self.kinds[name] = kind
         self.kept = self.requantized = 0  # weight matrices so far
 
     def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> BlockQuantized:
         """The file's blocks of ``rows`` [N, K] if every row is one of its rows, all of one ggml
-        type; otherwise ``rows`` re-quantised with ``fallback``."""
-        rows = np.ascontiguousarray(rows, dtype=np.float32)
-        found = [self.rows.get(row.tobytes()) for row in rows]
-        kinds = {self.kinds[f[0]] for f in found if f is not None}
-        if scale_dtype != "float32" or None in found or len(kinds) != 1:
+        type (one block format); otherwise ``rows`` re-quantised with ``fallback``."""
+        found = self.index.find(rows) if scale_dtype == "float32" else None
+        if found is None:
             self.requantized += 1
             log.info("keep: a [%d, %d] weight is not stored in one of %s: re-quantised as %s",
                      *rows.shape, sorted(BLOCK_BYTES), self.fallback.name)
             return self.fallback.quantize(rows, scale_dtype)
         self.kept += 1
-        parts = [self.tensors[name] for name, _ in found]
-        index = [i for _, i in found]
-        first = parts[0]
-
-        def gather(attr: str):
-            if getattr(first, attr) is None:
-                return None
-            return np.stack([getattr(part, attr)[i] for part, i in zip(parts, index)])
-
-        return BlockQuantized(gather("codes"), gather("scales"), gather("zero_points"), first.bits,
-                              first.block_size, gather("offsets"))
+        return found
 
     def to_dict(self) -> dict:
         return {"format": "keep", "source": self.path.name, "types": sorted(set(self.kinds.values())),
