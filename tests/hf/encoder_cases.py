@@ -96,3 +96,21 @@ def save_with_tokenizer(model, case: EncoderCase, directory: Path) -> Path:
     model.save_pretrained(directory)
     fast.save_pretrained(directory)
     return directory
+
+
+def imports(cases: dict[str, EncoderCase], tmp_path_factory):
+    """``get(name)`` -> (case, transformers model, saved directory, tfport module), built once per
+    name: the body of each test module's fixture."""
+    from tfport.models.hf import load_hf_model
+
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            case = cases[name]
+            hf = build(case)
+            directory = save_with_tokenizer(hf, case, tmp_path_factory.mktemp(name))
+            cache[name] = (case, hf, directory, load_hf_model(directory))
+        return cache[name]
+
+    return get

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from tfport.models.hf import hf_config_to_tfport, load_hf_model
+from tfport.models.hf import hf_config_to_tfport
 
 from .cases import TOLERANCE
-from .encoder_cases import EncoderCase, batch, build, save_with_tokenizer
+from .encoder_cases import EncoderCase, batch, imports
 
 transformers = pytest.importorskip("transformers", reason="compared against transformers, which the "
                                    "'dev' extra installs")
@@ -47,17 +47,7 @@ CASES = {case.name: case for case in [
 @pytest.fixture(scope="module")
 def deberta(tmp_path_factory):
     """``deberta(name)`` -> (case, transformers model, saved directory, tfport module), cached."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            case = CASES[name]
-            hf = build(case)
-            directory = save_with_tokenizer(hf, case, tmp_path_factory.mktemp(name))
-            cache[name] = (case, hf, directory, load_hf_model(directory))
-        return cache[name]
-
-    return get
+    return imports(CASES, tmp_path_factory)
 
 
 def inputs(case: EncoderCase, padding: str, seed: int) -> dict[str, torch.Tensor]:

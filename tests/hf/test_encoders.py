@@ -15,10 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from tfport.models.hf import load_hf_model
-
 from .cases import TOLERANCE
-from .encoder_cases import CASES, batch, build, save_with_tokenizer
+from .encoder_cases import CASES, batch, imports
 
 transformers = pytest.importorskip("transformers", reason="compared against transformers, which the "
                                    "'dev' extra installs")
@@ -27,17 +25,7 @@ transformers = pytest.importorskip("transformers", reason="compared against tran
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """``imported(name)`` -> (case, transformers model, saved directory, tfport module), cached."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            case = CASES[name]
-            hf = build(case)
-            directory = save_with_tokenizer(hf, case, tmp_path_factory.mktemp(name))
-            cache[name] = (case, hf, directory, load_hf_model(directory))
-        return cache[name]
-
-    return get
+    return imports(CASES, tmp_path_factory)
 
 
 def close(actual, expected, what: str, real=None) -> None:
