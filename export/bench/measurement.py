@@ -237,15 +237,19 @@ def measure(runs: Sequence[Callable[[int], RunTiming]], steps: int, repeats: int
             settle_ms: int = 0) -> list[list[RunTiming]]:
     """Each of ``runs`` once untimed (a few steps, same shapes), then ``repeats`` rounds of one
     timed run each, alternating, so that a burst of load from other processes hits every side;
+    round r starts at side r mod n, so that no side always runs first or after the same other
+    (on the 2-core VM, in a fixed order, one graph loaded twice measured 3% apart, and which of
+    tfport's and onnxruntime-genai's int4 graphs ran faster (by ~5%) followed their order);
     ``settle_ms`` pause before each timed run, so that none starts while the previous side's
     threads still spin. Returns the timed runs per entry of ``runs``."""
     for run in runs:
         run(min(steps, 4))
     timings: list[list[RunTiming]] = [[] for _ in runs]
-    for _ in range(repeats):
-        for run, timed in zip(runs, timings):
+    for round_ in range(repeats):
+        for i in range(len(runs)):
+            side = (round_ + i) % len(runs)
             time.sleep(settle_ms / 1e3)
-            timed.append(run(steps))
+            timings[side].append(runs[side](steps))
     return timings
 
 
