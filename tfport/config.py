@@ -17,18 +17,16 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .config_checks import (CLASSIFIER_ACTIVATIONS, CLASSIFIER_DECODER_STARTS,  # noqa: F401 (re-exported)
+                            CLASSIFIER_POOLINGS, DISENTANGLED_TERMS, is_int, reject,
+                            validate_disentangled, validate_heads_and_training)
+
 FAMILIES = ("encoder", "decoder", "encoder-decoder")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "disentangled", "none")
-DISENTANGLED_TERMS = ("c2p", "p2c")  # content-to-position, position-to-content (DeBERTa)
 ENCODER_ONLY_POSITIONS = ("disentangled",)  # no causal or cached form
-CLASSIFIER_POOLINGS = ("cls", "mean", "last_eos")  # last_eos: encoder-decoder (BART)
-# An encoder-decoder classifier's first decoder input: decoder_start_token_id (BART), or each row's
-# last real token (mBART's shift_tokens_right: the language id its tokenizer appends).
-CLASSIFIER_DECODER_STARTS = ("start_token", "last_token")
-CLASSIFIER_ACTIVATIONS = ("tanh", "gelu", "gelu_tanh", "relu", "silu")
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "longrope", "yarn", "dynamic")
 ALIBI_SLOPES = ("press", "mpt")
 
@@ -166,7 +164,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     decoder_start_token_id: int | None = None
-    # Sequence classification head (encoder, encoder-decoder; _validate_heads_and_training says more).
+    # Sequence classification head (encoder, encoder-decoder; tfport.config_checks.validate_heads_and_training says more).
     n_labels: int = 0
     labels: tuple[str, ...] | None = None
     classifier_pooling: str = "cls"
@@ -181,7 +179,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self._validate()
-        self._validate_heads_and_training()
+        validate_heads_and_training(self)
 
     # ----------------------------------------------------------------------------- derived values
     @property
@@ -278,14 +276,11 @@ class ModelConfig:
     # -------------------------------------------------------------------------------- validation
     def _validate(self) -> None:
         def fail(field: str, expected: str) -> None:
-            raise ValueError(f"config.{field}={getattr(self, field)!r}: expected {expected}")
+            reject(self, field, expected)
 
         def choice(field: str, options: tuple) -> None:
             if getattr(self, field) not in options:
                 fail(field, f"one of {list(options)}")
-
-        def is_int(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
 
         def is_number(value) -> bool:
             return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
@@ -336,7 +331,7 @@ class ModelConfig:
             # logarithmic buckets need a larger max distance (bidirectional ones use half).
             if not is_int(self.relative_max_distance) or self.relative_max_distance <= self.relative_buckets // 2:
                 fail("relative_max_distance", f"an integer > relative_buckets // 2 = {self.relative_buckets // 2}")
-        self._validate_disentangled()
+        validate_disentangled(self)
         if self.has_encoder and self.n_encoder_layers == 0:
             fail("n_encoder_layers", f"at least 1 for family {self.family!r}")
         if self.has_decoder and self.n_decoder_layers == 0:
@@ -432,94 +427,3 @@ class ModelConfig:
                 fail(field, f"a token id in [0, {self.vocab_size}) or null")
         if self.family == "encoder-decoder" and self.decoder_start_token_id is None:
             fail("decoder_start_token_id", "a token id for family 'encoder-decoder'")
-
-    def _validate_disentangled(self) -> None:
-        """The ``disentangled_*`` fields: set only with ``position="disentangled"``, which needs an
-        encoder with as many key/value heads as query heads (DeBERTa)."""
-        def fail(field: str, expected: str) -> None:
-            raise ValueError(f"config.{field}={getattr(self, field)!r}: expected {expected}")
-
-        def is_int(value) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        buckets, distance, terms = (self.disentangled_buckets, self.disentangled_max_distance,
-                                    self.disentangled_terms)
-        if self.position != "disentangled":
-            for field in ("disentangled_buckets", "disentangled_max_distance", "disentangled_terms"):
-                if getattr(self, field) != self.__dataclass_fields__[field].default:
-                    fail(field, f"the default unless position='disentangled' (position={self.position!r})")
-            return
-        if self.family != "encoder":  # ENCODER_ONLY_POSITIONS
-            fail("position", f"another position for family {self.family!r}: 'disentangled' (DeBERTa) "
-                 "is bidirectional and uncached, for family 'encoder'")
-        if self.kv_heads != self.n_heads:
-            fail("n_kv_heads", f"null or n_heads={self.n_heads} with position='disentangled' (each "
-                 "query head reads its own relative keys)")
-        if buckets is not None and (not is_int(buckets) or buckets < 4 or buckets % 2):
-            fail("disentangled_buckets", "an even integer >= 4, or null (relative positions clipped, "
-                 "not bucketed)")
-        least = 1 if buckets is None else buckets // 2 + 2
-        if not is_int(distance) or distance < least:
-            fail("disentangled_max_distance", f"an integer >= {least}" + (
-                "" if buckets is None else f" (above disentangled_buckets // 2 + 1, where the "
-                "logarithmic buckets start)"))
-        if terms is not None and (not isinstance(terms, tuple) or not terms or len(set(terms)) != len(terms)
-                                  or not set(terms) <= set(DISENTANGLED_TERMS)):
-            fail("disentangled_terms", f"a non-empty tuple of distinct terms from {list(DISENTANGLED_TERMS)}, "
-                 "or null (both)")
-
-    def _validate_heads_and_training(self) -> None:
-        """The classification head and dropout fields.
-
-        ``n_labels`` > 0 adds a sequence classification head to an encoder (rerankers,
-        cross-encoders, classifiers): the ``classifier_pooling`` state (``cls``: the first token,
-        ``mean``: the mean over real tokens) -> dense [E, E] -> ``classifier_activation`` ->
-        optional LayerNorm (``classifier_norm``, ModernBERT) -> out [E, n_labels]; ``labels`` names
-        the classes (a checkpoint's ``id2label``). BERT's pooler followed by its classifier,
-        RoBERTa's and DistilBERT's heads and DeBERTa's context pooler all have this form.
-        An encoder-decoder classifies as BART's ``ForSequenceClassification`` does
-        (``classifier_pooling="last_eos"``, the only pooling it takes): the decoder reads the
-        input ids shifted right over the encoder's states, and the head reads the decoder's state
-        at each row's last ``eos_token_id``. The decoder's first input is ``decoder_start_token_id`` (``classifier_decoder_start="start_token"``,
-        BART) or each row's last real token (``"last_token"``: mBART, whose tokenizer ends each
-        text with its language id).
-        ``*_dropout`` are the probabilities of dropping embeddings (after their norm), attention
-        probabilities, sublayer outputs before the residual add, and the FFN's hidden activations.
-        """
-        def fail(field: str, expected: str) -> None:
-            raise ValueError(f"config.{field}={getattr(self, field)!r}: expected {expected}")
-
-        if isinstance(self.n_labels, bool) or not isinstance(self.n_labels, int) or self.n_labels < 0:
-            fail("n_labels", "a non-negative integer")
-        if self.n_labels and self.family == "decoder":
-            fail("n_labels", "0 unless family is 'encoder' or 'encoder-decoder' (family='decoder')")
-        if self.classifier_pooling == "last_eos" and self.family != "encoder-decoder":
-            fail("classifier_pooling", f"'cls' or 'mean' for family {self.family!r} ('last_eos' reads the "
-                 "decoder of an encoder-decoder)")
-        if self.n_labels and self.family == "encoder-decoder":
-            if self.classifier_pooling != "last_eos":
-                fail("classifier_pooling", "'last_eos' for family 'encoder-decoder' (the decoder's state at "
-                     "each row's last eos token, as BART's sequence classification)")
-            if self.eos_token_id is None:
-                fail("eos_token_id", "a token id with classifier_pooling='last_eos' (the head reads the "
-                     "decoder at each row's last one)")
-        if self.classifier_decoder_start not in CLASSIFIER_DECODER_STARTS:
-            fail("classifier_decoder_start", f"one of {list(CLASSIFIER_DECODER_STARTS)}")
-        if self.classifier_decoder_start != "start_token" and not (self.family == "encoder-decoder" and self.n_labels):
-            fail("classifier_decoder_start", "'start_token' unless an encoder-decoder has a classification "
-                 "head (n_labels > 0)")
-        if self.labels is not None:
-            if not isinstance(self.labels, tuple) or not all(isinstance(x, str) for x in self.labels):
-                fail("labels", "a tuple of label names or null")
-            if len(self.labels) != self.n_labels:
-                fail("labels", f"{self.n_labels} names (n_labels), got {len(self.labels)}")
-        if self.classifier_pooling not in CLASSIFIER_POOLINGS:
-            fail("classifier_pooling", f"one of {list(CLASSIFIER_POOLINGS)}")
-        if self.classifier_activation not in CLASSIFIER_ACTIVATIONS:
-            fail("classifier_activation", f"one of {list(CLASSIFIER_ACTIVATIONS)}")
-        if not isinstance(self.classifier_norm, bool):
-            fail("classifier_norm", "true or false")
-        for field in ("embedding_dropout", "attention_dropout", "residual_dropout", "ffn_dropout"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                fail(field, "a probability in [0, 1)")
