@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,25 +23,13 @@ from tfport.runtime import load_model
 from tfport.runtime.classify import classify_ids
 
 from .cases import perturbed_model
-from .test_bart import EOS, PAD, SIZES
+from .test_bart import EOS, PAD, SIZES, Case
 from .test_t5 import close
 
 transformers = pytest.importorskip("transformers", reason="compared against transformers")
 
 MNLI = {0: "contradiction", 1: "neutral", 2: "entailment"}  # BART-large-MNLI's id2label
 LANGUAGE = "en_XX"  # mBART's tokenizer ends each text with </s> and the language code
-
-
-@dataclass(frozen=True)
-class Case:
-    config_class: str
-    model_class: str
-    seed: int
-    fields: dict = field(default_factory=dict)
-
-    @property
-    def mbart(self) -> bool:
-        return self.config_class == "MBartConfig"
 
 
 CASES = {
@@ -67,7 +55,7 @@ def save_with_tokenizer(hf, case: Case, directory) -> transformers.PreTrainedTok
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens(specials)
-    if case.mbart:
+    if case.config_class == "MBartConfig":
         single, pair = f"$A </s> {LANGUAGE}", f"$A $B </s> {LANGUAGE}"
     else:
         single, pair = "<s> $A </s>", "<s> $A </s> </s> $B </s>"
