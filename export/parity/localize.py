@@ -24,7 +24,7 @@ from tfport.models.stack import Embeddings
 
 from ..graph import TAPS_KEY
 from .cases import Case, Diff, _compare
-from .runner import Runner, make_session
+from .runner import Runner
 
 CAPTURED = (Embeddings, RMSNorm, nn.LayerNorm, FeedForward, Attention, Block, Tap)
 
@@ -50,8 +50,10 @@ def capture(model: nn.Module):
 
 
 def tap_session(runner: Runner, graph: str) -> tuple[ort.InferenceSession, dict[str, tuple[str, str]]]:
-    """A session of ``graph`` whose outputs also include every recorded tap."""
-    proto = onnx.load(str(runner.export_dir / runner.manifest.graphs[graph].file))
+    """A session of ``graph`` whose outputs also include every recorded tap, run as the runner
+    runs the graph itself (a quantised export's products at float activations: the taps are
+    compared with the fake-quantised reference's intermediates, as the outputs are)."""
+    proto = runner.graph_model(graph)
     props = {p.key: p.value for p in proto.metadata_props}
     taps = json.loads(props.get(TAPS_KEY, "{}"))
     existing = {o.name for o in proto.graph.output}
@@ -59,7 +61,7 @@ def tap_session(runner: Runner, graph: str) -> tuple[ort.InferenceSession, dict[
         if value not in existing:
             proto.graph.output.append(onnx.helper.make_tensor_value_info(value, ONNX_DTYPES[dtype], None))
             existing.add(value)
-    return make_session(proto.SerializeToString(), runner.provider), taps
+    return runner.open(proto), taps
 
 
 @torch.no_grad()

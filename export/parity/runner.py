@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 from torch import nn
@@ -105,6 +106,27 @@ class Runner:
         from ..quantize import EXACT_SESSION_CONFIG, exact_graph
 
         return make_session(exact_graph(path), provider, EXACT_SESSION_CONFIG)
+
+    def graph_model(self, graph: str) -> onnx.ModelProto:
+        """``graph``'s model as the runner's sessions run it (a quantised export's 4-bit products
+        at float activations), to be changed (e.g. given extra outputs) and opened with ``open``."""
+        path = self.export_dir / self.manifest.graphs[graph].file
+        if not self.manifest.quantization:
+            return onnx.load(str(path))
+        from ..quantize import exact_graph
+
+        return onnx.load_from_string(exact_graph(path))
+
+    def open(self, model: onnx.ModelProto) -> ort.InferenceSession:
+        """A session of ``model`` (from ``graph_model``) on the runner's provider with the session
+        config its sessions have: a quantised export's fused DequantizeLinear + MatMul at float
+        activations too, never ONNX Runtime's default int8 activations."""
+        config = None
+        if self.manifest.quantization:
+            from ..quantize import EXACT_SESSION_CONFIG
+
+            config = EXACT_SESSION_CONFIG
+        return make_session(model.SerializeToString(), self.provider, config)
 
     def prepare(self, case: Case) -> list[Prepared]:
         """The graph runs of ``case``: the encoder, the decoder, or both (seq2seq)."""

@@ -1,0 +1,34 @@
+"""Localisation (export/parity/localize.py) runs the graph as parity runs it.
+
+A quantised export is compared with the fake-quantised module at float32 tolerances because
+parity runs its 4-bit products with float activations (``export.quantize.exact_graph`` and
+``EXACT_SESSION_CONFIG``). The tap session that localises a failure must run the same way: with
+ONNX Runtime's default (int8 activations in ``MatMulNBits`` and in the fused portable
+DequantizeLinear + MatMul) every tap after the first product differs by the activation rounding
+and a real divergence is blamed on layer 0's attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.matrix import ort_config
+from tfport.export import export_model
+from tfport.export.parity import CASES, Runner, first_divergence
+from tfport.export.quantize import QuantScheme, fake_quantize
+from tfport.export.targets import TARGETS
+from tfport.models import build_model
+
+SCHEME = QuantScheme(4, 16, symmetric=False)
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_taps_of_a_quantised_export_match_the_fake_quantised_reference(target, tmp_path):
+    model = build_model(ort_config("gqa"), seed=7)
+    export_model(model, tmp_path / "q", target=target, quantize=SCHEME, validate=False)
+    runner = Runner(fake_quantize(model, SCHEME), tmp_path / "q")
+    case = next(c for c in CASES if c.past and c.new == 1)  # a decode step with a past
+    assert all(r.ok for r in runner.run(case)), [r.describe() for r in runner.run(case)]
+    diffs = runner.localize(case)
+    assert len(diffs) > 4 * model.config.n_decoder_layers  # norms, attention, FFN of every layer
+    assert first_divergence(diffs) is None, first_divergence(diffs)
