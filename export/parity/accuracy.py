@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-PERPLEXITY_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity.txt"
+PERPLEXITY_TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"  # package data, beside calibration.txt
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

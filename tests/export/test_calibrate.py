@@ -1,7 +1,7 @@
 """Calibrated quantisation (export/calibrate.py): GPTQ with the export's block layout.
 
 Accuracy: a tiny decoder (perturbed random weights) is calibrated on the built-in text and
-measured on held-out activations (tests/data/perplexity.txt, which calibration never reads):
+measured on held-out activations (export/data/perplexity.txt, which calibration never reads):
 every product's output error, the attention context, and the logits, against round-to-nearest.
 Exactness: calibrated exports are validated by ``export_model`` against the fake-quantised module
 (the same dequantised weights, float32 tolerances) and ``tfport parity`` recomputes the
@@ -25,9 +25,10 @@ from tests.matrix import matrix_config
 from tfport.contract import MANIFEST_FILE, Manifest
 from tfport.export import export_model
 from tfport.export import calibrate as C
+from tfport.export.parity.accuracy import PERPLEXITY_TEXT
 from tfport.export.quantize import QuantScheme, fake_quantize
 
-HELD_OUT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
+HELD_OUT = PERPLEXITY_TEXT
 
 
 def word_tokenizer(vocab_size: int, path: Path | None = None):
