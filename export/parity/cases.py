@@ -37,6 +37,22 @@ TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {
 # float32 values a few float32 ulps apart, and where one sits on a rounding boundary they land one
 # unit apart; present K/V are compared with at least this rtol.
 CACHE_ULPS: dict[str, float] = {"float16": 2.0 ** -10, "float32": 0.0}
+# A float32 reference's own rounding error, measured per case and output against the same module
+# in float64 (``Runner``), times this, is a floor under the tolerance above: an export cannot agree
+# with a float32 reference much better than float32 lets the reference agree with exact arithmetic.
+# The table's fixed tolerances are in units of the output's own size, which is wrong for a model
+# whose residual stream is far larger than its outputs: SmolLM2-135M carries values up to 2e4 in
+# one channel into a final RMSNorm, so its float32 logits (RMS 4-15) are 1e-4 to 7e-4 from float64,
+# and the fp32 `ort` export's 1e-3 from the float32 reference, past the table's 4e-4. The factor
+# covers another kernel's summation order: on SmolLM2, ONNX Runtime's float32 graph was 0.6-5x
+# the reference's error (max abs, logits), and ``MatMulNBits`` with float activations (the exact
+# check of an int4 export) 7x float32 MatMul's on one product with inputs of 2.8e3 and 32x at the
+# logits of one case (64 keeps a margin of 2). On SmolLM2 that floor is 0.2-1% of the logits' RMS;
+# a real error (a wrong position, angle, mask, weight or layout) is a sizeable fraction of the
+# output. On the tiny test models the floor stays below the table's tolerance, so their checks are
+# unchanged; only float32 references get one (a float16 or bfloat16 reference's error is the
+# table's business).
+ROUNDING_FACTOR = 64.0
 
 
 
@@ -97,8 +113,9 @@ class CaseResult:
                 f"max_rel={worst.max_rel:.3g}; failing: {[d.output for d in self.diffs if not d.ok]}")
 
 def _compare(name: str, expected: np.ndarray, actual: np.ndarray, real: np.ndarray,
-             tolerance: tuple[float, float], logits: bool = False) -> Diff:
-    """Differences over entries where ``real`` (broadcastable bool) is True."""
+             tolerance: tuple[float, float], logits: bool = False, floor: float = 0.0) -> Diff:
+    """Differences over entries where ``real`` (broadcastable bool) is True. ``floor``: an absolute
+    difference every entry may have whatever the tolerance (``ROUNDING_FACTOR``)."""
     rtol, atol = tolerance
     if expected.shape != actual.shape:
         return Diff(name, math.inf, math.inf, False)
@@ -113,9 +130,9 @@ def _compare(name: str, expected: np.ndarray, actual: np.ndarray, real: np.ndarr
     # with the magnitude of what is computed, e.g. logits of std ~6 from a tied vocabulary matrix.
     scale = max(1.0, float(np.sqrt(np.mean(e * e))))
     diff = Diff(name, float(err.max()), float((err / (np.abs(e) + 1e-12)).max()),
-                bool((err <= atol * scale + rtol * np.abs(e)).all()))
+                bool((err <= np.maximum(atol * scale + rtol * np.abs(e), floor)).all()))
     if logits:
-        diff.token_agreement = token_agreement(expected, actual, real[..., 0], (atol + rtol) * scale)
+        diff.token_agreement = token_agreement(expected, actual, real[..., 0], max((atol + rtol) * scale, floor))
     return diff
 
 

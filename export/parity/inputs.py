@@ -45,7 +45,9 @@ class Prepared:
 
     graph: str
     feeds: dict[str, np.ndarray]
-    reference: Callable[[], dict[str, torch.Tensor]]
+    # reference(model=None): the reference's outputs by name; ``model`` runs the same call on
+    # another copy of the reference (its float64 copy: ``Runner.rounding_floor``).
+    reference: Callable[..., dict[str, torch.Tensor]]
     query_mask: np.ndarray  # [B, S] bool: real query positions
     key_mask: np.ndarray  # [B, T] bool: real key positions (for present K/V)
     # Layout "inplace": buffers bound as both past and present (updated in place), and a function
@@ -112,15 +114,16 @@ class CaseInputs:
             feeds["token_type_ids"] = rng.integers(0, c.type_vocab_size, (case.batch, length), dtype=np.int64)
             kwargs["token_type_ids"] = torch.from_numpy(feeds["token_type_ids"])
 
-        def reference() -> dict[str, torch.Tensor]:
+        def reference(model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+            model = model or self.model
             if not seq2seq:
-                out = self.model(t_ids, t_mask, **kwargs)
+                out = model(t_ids, t_mask, **kwargs)
                 found = {"last_hidden_state": out.last_hidden_state, "pooler_output": out.pooler_output,
                          "logits": out.logits, "class_logits": out.class_logits}
                 return {k: v for k, v in found.items() if v is not None}
-            states = self.model.encode(t_ids, t_mask)
+            states = model.encode(t_ids, t_mask)
             found = {"last_hidden_state": states.float()}
-            for i, (k, v) in enumerate(self.model.cross_kv(states)):
+            for i, (k, v) in enumerate(model.cross_kv(states)):
                 found.update(zip(cache_names(i, "present", "encoder"), (k, v)))
             return found
 
@@ -139,7 +142,8 @@ class CaseInputs:
         t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)
         real = np.ones((case.batch, length), dtype=bool)
         return Prepared("classifier", {"input_ids": ids, "attention_mask": mask},
-                        lambda: {"class_logits": self.model.classify(t_ids, t_mask)}, real, real)
+                        lambda model=None: {"class_logits": (model or self.model).classify(t_ids, t_mask)},
+                        real, real)
 
     def _decoder(self, case: Case, rng: np.random.Generator, encoder: Prepared | None = None) -> Prepared:
         """Random past [B, Hkv, P, D], S new tokens, the mask over P + S; for seq2seq the cross
@@ -169,11 +173,15 @@ class CaseInputs:
                       for i in range(c.n_decoder_layers)]
             memory_mask = torch.from_numpy(encoder.feeds["attention_mask"])
 
-        def reference() -> dict[str, torch.Tensor]:
+        def reference(model: nn.Module | None = None) -> dict[str, torch.Tensor]:
+            model = model or self.model
+            dtype = next(model.parameters()).dtype  # the float64 check runs the cache in float64
+            past = KVCache([(k.to(dtype), v.to(dtype)) for k, v in cache.layers]) if cache is not None else None
             if memory is not None:
-                logits, present = self.model.decode(t_ids, memory, memory_mask, t_mask, t_pos, cache)
+                kv = [(k.to(dtype), v.to(dtype)) for k, v in memory]
+                logits, present = model.decode(t_ids, kv, memory_mask, t_mask, t_pos, past)
             else:
-                logits, present = self.model(t_ids, t_mask, t_pos, cache)
+                logits, present = model(t_ids, t_mask, t_pos, past)
             found = {"logits": logits}
             for i, (k, v) in enumerate(present.layers):
                 found.update(zip(cache_names(i, "present", kind), (k, v)))

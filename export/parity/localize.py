@@ -76,12 +76,17 @@ def localize(runner: Runner, case: Case) -> list[Diff]:
         actual = runner.run_onnx(prepared, session)
         with capture(runner.model) as captured:
             prepared.reference()
+        exact: dict[str, torch.Tensor] = {}
+        if runner.float64_reference() is not None:  # each tap's float32 rounding floor
+            with capture(runner.float64_reference()) as exact:
+                prepared.reference(runner.float64_reference())
         for point, (value, _) in taps.items():
             if point not in captured:
                 continue
             expected = captured[point].float().numpy()
-            diffs.append(_compare(point, expected, actual[value].astype(np.float32),
-                                  runner._real(point, expected, prepared), runner.tolerance))
+            real = runner._real(point, expected, prepared)
+            diffs.append(_compare(point, expected, actual[value].astype(np.float32), real, runner.tolerance,
+                                  floor=runner.rounding_floor(captured[point], exact.get(point), real)))
     return diffs
 
 

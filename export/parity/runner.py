@@ -7,6 +7,7 @@ runs both sides and compares every output at real positions (``cases``).
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from tfport.contract import Manifest
 from tfport.dtypes import COMPUTE_DTYPES
 from tfport.models.masks import MASK_VALUE
 
-from .cases import CACHE_ULPS, TOLERANCES, Case, CaseResult, Diff, _compare
+from .cases import CACHE_ULPS, ROUNDING_FACTOR, TOLERANCES, Case, CaseResult, Diff, _compare
 from .inputs import CaseInputs, Prepared
 from .reference import TORCH_DTYPES, reference_module
 
@@ -95,6 +96,7 @@ class Runner:
         self.torch_dtype = TORCH_DTYPES[self.dtype]
         # A converted copy where the dtype or the cache rounding differ: never the caller's weights.
         self.model = reference_module(self.model, self.dtype, self.kv_dtype)
+        self._float64: nn.Module | None = None  # the reference in float64 (float64_outputs)
         self.inputs = CaseInputs(self.model, self.config, self.kv_dtype, self.manifest.layout,
                                  self.run_onnx)
 
@@ -172,20 +174,48 @@ class Runner:
     def check(self, prepared: Prepared, case: Case) -> CaseResult:
         actual = self.run_onnx(prepared)
         result = CaseResult(prepared.case or case, prepared.graph, self.provider)
-        for name, tensor in prepared.reference().items():
+        reference = prepared.reference()
+        exact = self.float64_outputs(prepared)
+        for name, tensor in reference.items():
             tolerance = self.tolerance
             if name.startswith("present"):  # the cache holds what its dtype can: round it the same way
                 tensor = tensor.to(TORCH_DTYPES[self.kv_dtype])
                 tolerance = (max(tolerance[0], CACHE_ULPS.get(self.kv_dtype, 0.0)), tolerance[1])
             expected = tensor.float().numpy()
             real = self._real(name, expected, prepared)
+            floor = self.rounding_floor(tensor, exact.get(name), real)
             if name == "logits" and actual[name].shape[1] == 1 < expected.shape[1]:  # logits="last"
                 rows = np.arange(expected.shape[0])
                 last = self.inputs.layout.last_positions(prepared)
                 expected, real = expected[rows, last][:, None], real[rows, last][:, None]
             result.diffs.append(_compare(name, expected, actual[name].astype(np.float32), real,
-                                         tolerance, logits=name == "logits"))
+                                         tolerance, logits=name == "logits", floor=floor))
         return result
+
+    # ------------------------------------------------------------ the reference's own rounding
+    def float64_reference(self) -> nn.Module | None:
+        """The reference module in float64 (a copy of the same float32 weights, made once), or
+        None where the reference is not float32 throughout (a float16 or bfloat16 module, or a
+        cache rounded to another dtype: the tolerance table covers those)."""
+        if (self.dtype, self.kv_dtype) != ("float32", "float32"):
+            return None
+        if self._float64 is None:
+            self._float64 = copy.deepcopy(self.model).double().eval()
+        return self._float64
+
+    def float64_outputs(self, prepared: Prepared) -> dict[str, torch.Tensor]:
+        """The reference's outputs of ``prepared`` in float64; {} without a float64 reference."""
+        model = self.float64_reference()
+        return {} if model is None else prepared.reference(model)
+
+    @staticmethod
+    def rounding_floor(reference: torch.Tensor, exact: torch.Tensor | None, real: np.ndarray) -> float:
+        """``ROUNDING_FACTOR`` x the float32 reference's largest difference from float64 over
+        ``real`` entries: how far float32 rounding alone takes this output (0.0 without ``exact``)."""
+        if exact is None or exact.shape != reference.shape:
+            return 0.0
+        err = (reference.double() - exact).abs().numpy()[np.broadcast_to(real, reference.shape)]
+        return ROUNDING_FACTOR * float(err.max()) if err.size else 0.0
 
     def run(self, case: Case) -> list[CaseResult]:
         return [self.check(prepared, case) for prepared in self.prepare(case)]
