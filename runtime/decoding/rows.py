@@ -106,6 +106,10 @@ class InplaceRows:
                 self.buffers[spec.name] = np.zeros((self.capacity, heads, self.max_length, dim),
                                                    dtype=NUMPY_DTYPES[spec.dtype])
         self._bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
+        logits = next(t for t in runner.spec.outputs if t.name == "logits")
+        self.rows_out = logits.shape[1] if isinstance(logits.shape[1], int) else None  # 1: logits="last"
+        self.vocab = logits.shape[-1]
+        self.logits_dtype = NUMPY_DTYPES[logits.dtype]
 
     def _binding(self, start: int, stop: int) -> ort.IOBinding:
         """An IO binding with every buffer's rows [start:stop] bound as past and present."""
@@ -122,18 +126,17 @@ class InplaceRows:
         return self._bindings[key][0]
 
     def _run(self, start: int, stop: int, input_ids: np.ndarray, seqlens_k: np.ndarray) -> np.ndarray:
-        """input_ids [n, S] on rows [start:stop], seqlens_k [n] -> logits float32 [n, S, V]."""
+        """input_ids [n, S] on rows [start:stop], seqlens_k [n] -> logits [n, S, V] (or [n, 1, V]
+        from an export with ``logits="last"``), written by the run into a fresh host array bound
+        as the output: the other outputs (the rows' caches, bound in place) are never read back."""
         binding = self._binding(start, stop)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
         binding.bind_cpu_input("total_sequence_length",
                                np.array(seqlens_k.max() + 1, dtype=np.int32))
-        binding.bind_output("logits", "cpu")
+        logits = np.empty((stop - start, self.rows_out or input_ids.shape[1], self.vocab), self.logits_dtype)
+        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         self.runner.session.run_with_iobinding(binding)
-        logits = binding.get_outputs()[-1].numpy()
-        if not np.isfinite(logits).all():
-            raise RuntimeError("the decoder produced non-finite logits; the export or its dtype "
-                               "may be broken")
         return logits
 
     def add(self, prompt: np.ndarray) -> tuple[Row, np.ndarray]:
@@ -141,6 +144,9 @@ class InplaceRows:
         index = len(self.rows)
         length = prompt.size
         logits = self._run(index, index + 1, prompt[None], np.array([length - 1]))[0, -1]
+        if not np.isfinite(logits).all():  # a step's logits are checked where its tokens are picked
+            raise RuntimeError("the decoder produced non-finite logits; the export or its dtype "
+                               "may be broken")
         row = Row(index, length)
         self.rows.append(row)
         return row, logits
