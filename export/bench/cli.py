@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import sys
 
+from tfport.dtypes import COMPUTE_DTYPES
+
 from .measurement import DEFAULT, PROVIDERS, QUICK, BenchSettings
 from .report import format_table, write_json, write_plot
 from .run import run_benchmark
@@ -29,7 +31,7 @@ def _name_list(text: str) -> tuple[str, ...]:
 _OPTIONS = {"preset": "preset", "batch": "batches", "contexts": "contexts",
             "new_tokens": "new_tokens", "repeats": "repeats", "threads": "threads",
             "targets": "targets", "provider": "provider", "seed": "seed",
-            "read_mib": "read_mib", "gemv_mib": "gemv_mib", "settle_ms": "settle_ms"}
+            "read_mib": "read_mib", "gemv_mib": "gemv_mib", "settle_ms": "settle_ms", "dtype": "dtype"}
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
@@ -105,6 +107,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--targets", type=_name_list,
                    help="export targets, comma-separated (portable, ort); one export each")
     p.add_argument("--provider", choices=PROVIDERS, help="ONNX Runtime execution provider")
+    p.add_argument("--dtype", choices=list(COMPUTE_DTYPES),
+                   help="every export's dtype and the PyTorch side's (default float32)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch reference side")
     p.add_argument("--seed", type=int, help="seed of the weights and the prompts")
     p.add_argument("--read-mib", type=int, help="numpy read kernel's array, MiB (>= 512)")

@@ -33,7 +33,8 @@ from .roofline import measure_bandwidth
 
 log = logging.getLogger(__name__)
 
-FLOAT = "fp32"
+FLOAT = "fp32"  # the unquantised export's format, whatever its dtype
+SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 PRODUCT_OPS = {"MatMul", "MatMulNBits", "DequantizeLinear", "Gemm"}
 
 
@@ -61,7 +62,8 @@ class CompareRow:
     roofline_tokens_per_s: float | None
     roofline_pct: float | None
     vs_fastest_peer: float | None = None
-    vs_tfport_fp32: float | None = None
+    vs_tfport_fp32: float | None = None  # over the unquantised export of the same target and dtype
+    target: str | None = None
     step_ms_repeats: list[float] = field(default_factory=list)
     first_tokens: list[int] = field(default_factory=list)
 
@@ -101,22 +103,24 @@ def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tu
     for target in settings.targets:
         for fmt in (FLOAT, *formats):
             label = f"tfport {target} {fmt}"
+            if settings.dtype != "float32":  # the float row is named by its dtype, the others carry it
+                label = f"tfport {target} {SHORT[settings.dtype]}" if fmt == FLOAT else f"{label} {SHORT[settings.dtype]}"
             out = root / f"{target}-{fmt}"
             quantize = None if fmt == FLOAT else fmt.removesuffix("-asym")
             if fmt == "keep":  # a GGUF source's own blocks
                 from ..gguf_keep import KeptQuantization
 
                 quantize = KeptQuantization(source_name)
-            export_model(source.model, out, target=target, quantize=quantize, logits="last",
-                         symmetric=not fmt.endswith("-asym"), validate=False)
-            model = load_model(out, intra_op_threads=settings.threads)
+            export_model(source.model, out, dtype=settings.dtype, target=target, quantize=quantize,
+                         logits="last", symmetric=not fmt.endswith("-asym"), validate=False)
+            model = load_model(out, settings.provider, intra_op_threads=settings.threads)
             sides.append(Side(label, "tfport", lambda p, n, m=model: time_tfport(m, p, n),
                               product_weight_bytes(out / "decoder.onnx"), fmt, target))
     if thread_sweep:
         target = settings.targets[-1]
         out = root / f"{target}-{FLOAT}"
         for threads, label in ((0, "default policy"), (1, "1 thread"), (2, "2 threads")):
-            model = Model.load(out, settings=SessionSettings(intra_op_threads=threads))
+            model = Model.load(out, settings=SessionSettings(settings.provider, intra_op_threads=threads))
             sides.append(Side(f"tfport {target} {FLOAT} [{label}]", "tfport",
                               lambda p, n, m=model: time_tfport(m, p, n),
                               product_weight_bytes(out / "decoder.onnx"), FLOAT, target))
@@ -149,6 +153,9 @@ def run_compare(settings: BenchSettings, source_name: str, formats: tuple[str, .
     """Export, open and time every side (alternating), then rows with rooflines and ratios."""
     from ..source import load_source
 
+    if (genai or gguf) and settings.provider != "cpu":
+        raise ValueError(f"provider={settings.provider!r}: the peers (--genai, --llama-cpp) run on the "
+                         "CPU; compare them with provider='cpu', or time tfport alone on this provider")
     load_before = load_average()
     source = load_source(source_name, settings.seed)
     context, steps = settings.contexts[0], settings.new_tokens
@@ -180,20 +187,19 @@ def _row(side: Side, runs: list[RunTiming], gbps: float) -> CompareRow:
                       step, 1e3 / step, None if side.weight_bytes is None else side.weight_bytes / 1e6,
                       roofline, None if roofline is None else 100 * (1e3 / step) / roofline,
                       step_ms_repeats=[statistics.median(r.step_ms) for r in runs],
-                      first_tokens=[int(t) for t in runs[-1].tokens[0, :8]])
+                      first_tokens=[int(t) for t in runs[-1].tokens[0, :8]], target=side.target)
 
 
 def fill_ratios(rows: list[CompareRow]) -> None:
     """Each row's tokens/s over the fastest peer's and over tfport's float32 row of its target."""
     peers = [r for r in rows if r.kind != "tfport"]
     fastest = max(peers, key=lambda r: r.tokens_per_s) if peers else None
-    floats = {r.label.rsplit(" ", 1)[0]: r for r in rows
-              if r.kind == "tfport" and r.format == FLOAT and "[" not in r.label}
+    floats = {r.target: r for r in rows if r.kind == "tfport" and r.format == FLOAT and "[" not in r.label}
     for row in rows:
         if fastest is not None:
             row.vs_fastest_peer = row.tokens_per_s / fastest.tokens_per_s
         if row.kind == "tfport":
-            base = floats.get(row.label.split(" [")[0].rsplit(" ", 1)[0])
+            base = floats.get(row.target)
             if base is not None:
                 row.vs_tfport_fp32 = row.tokens_per_s / base.tokens_per_s
 

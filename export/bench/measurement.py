@@ -29,6 +29,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
+from tfport.dtypes import COMPUTE_DTYPES
 from tfport.presets import get_preset
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,9 @@ class BenchSettings:
     decode steps run with C, C+1, ... tokens already cached. ``targets`` are export targets
     (``"portable"`` is the exporter's default). ``read_mib`` sizes the numpy read kernel's array
     (use >= 512 MiB so no cache holds it) and ``gemv_mib`` the ONNX Runtime GEMV's weight.
+    ``dtype`` is every export's dtype (``export_model``'s) and the PyTorch side's; the roofline
+    counts the weights as stored, which is what the CUDA provider reads: ONNX Runtime's CPU
+    provider computes float16 / bfloat16 products from float32 copies (twice the bytes).
     ``settle_ms`` is a pause before each timed run: the engine timed before may still hold a core
     (ONNX Runtime's idle pool threads spin for milliseconds after a run). On the 2-core VM,
     12 interleaved rounds, a prefill right after the other engine's 2-thread run took 1.27x
@@ -60,6 +64,7 @@ class BenchSettings:
     threads: int = 2
     targets: tuple[str, ...] = ("portable",)
     provider: str = "cpu"
+    dtype: str = "float32"  # every export's (and the PyTorch side's) weights
     torch: bool = True
     seed: int = 0
     read_mib: int = 1024
@@ -86,6 +91,8 @@ class BenchSettings:
             raise ValueError(f"targets={self.targets!r}: a target is listed twice")
         if self.provider not in PROVIDERS:
             raise ValueError(f"provider={self.provider!r}: expected one of {list(PROVIDERS)}")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: expected one of {list(COMPUTE_DTYPES)}")
         config = get_preset(self.preset)
         if config.family != "decoder":
             raise ValueError(f"preset={self.preset!r} is a {config.family} model; the decode "

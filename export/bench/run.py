@@ -33,7 +33,7 @@ def _required_target(target: str) -> bool:
     return target == DEFAULT_TARGET
 
 
-def export_targets(module: nn.Module, targets: Sequence[str], root: Path
+def export_targets(module: nn.Module, targets: Sequence[str], root: Path, dtype: str = "float32"
                    ) -> tuple[dict[str, Path], list[Skipped]]:
     """Export ``module`` once per target into ``root/<target>``.
 
@@ -46,7 +46,7 @@ def export_targets(module: nn.Module, targets: Sequence[str], root: Path
     exports, skipped = {}, []
     for target in targets:
         try:
-            export_model(module, root / target, dtype="float32", target=target, validate=True)
+            export_model(module, root / target, dtype=dtype, target=target, validate=True)
         except (TypeError, ValueError) as err:
             if _required_target(target):
                 raise
@@ -91,18 +91,18 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
     load_before = load_average()
     memory = [mark_memory("start")]
     module = build_model(config, seed=settings.seed)
-    weight_bytes = weight_bytes_per_token(module)
     memory.append(mark_memory("model built"))
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
     try:
         with tempfile.TemporaryDirectory(prefix="tfport-bench-") as tmp:
-            exports, skipped = export_targets(module, settings.targets, Path(tmp))
+            exports, skipped = export_targets(module, settings.targets, Path(tmp), settings.dtype)
             memory.append(mark_memory("exported"))
             models, load_skipped = load_exports(exports, settings)
             skipped += load_skipped
             memory.append(mark_memory("sessions loaded"))
-            module = module.to(device)
+            module = module.to(device, getattr(torch, settings.dtype))  # the PyTorch side in the bench's dtype
+            weight_bytes = weight_bytes_per_token(module)  # as stored: widened on CPU (see BenchSettings)
             rows = time_cells(models, module, settings)
             memory.append(mark_memory("decode runs"))
             del models
@@ -113,7 +113,7 @@ def run_benchmark(settings: BenchSettings) -> BenchResult:
     fill_roofline(rows, weight_bytes, bandwidth)
     fill_comparisons(rows)
     params = sum(p.numel() for p in module.parameters())
-    model_info = {"preset": settings.preset, "dtype": "float32", "parameters": params,
+    model_info = {"preset": settings.preset, "dtype": settings.dtype, "parameters": params,
                   "weight_bytes_per_token": weight_bytes, "config": config.to_dict()}
     machine = {**machine_info(settings), "load_average_before": load_before,
                "load_average_after": load_average()}

@@ -289,3 +289,13 @@ def test_json_from_a_hand_made_result(hand_result, tmp_path):
     assert data["memory"][1] == {"phase": "bandwidth", "rss_mb": None, "peak_rss_mb": 442.0}
     assert data["skipped"][0]["target"] == "ort" and data["plot"] is None
     assert [p.name for p in path.parent.iterdir()] == ["bench.json"]  # no temporary left
+
+
+def test_bench_dtype_is_checked_and_reaches_the_exports(tmp_path):
+    with pytest.raises(ValueError, match="dtype='int8': expected one of"):
+        BenchSettings(dtype="int8")
+    out = tmp_path / "r.json"
+    assert main(["bench", "--quick", "--dtype", "float16", "--targets", "portable", "--no-torch",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["dtype"] == "float16" and result["model"]["dtype"] == "float16"

@@ -49,3 +49,26 @@ def test_quick_run_has_a_row_per_side():
     assert labels[:2] == ["tfport portable fp32", "tfport portable int4"]
     assert len(labels) == 5 and result["rows"][0]["vs_tfport_fp32"] == 1.0
     assert "tfport portable int4" in format_compare(result)
+
+
+def test_half_precision_rows_are_named_by_their_dtype():
+    settings = dataclasses.replace(QUICK, batches=(1,), contexts=(8,), targets=("portable",), dtype="float16")
+    result = run_compare(settings, "tiny-decoder", ("int4",))
+    rows = result["rows"]
+    assert [row["label"] for row in rows] == ["tfport portable fp16", "tfport portable int4 fp16"]
+    assert rows[0]["vs_tfport_fp32"] == 1.0  # the ratio is to the unquantised export of this dtype
+    assert rows[1]["vs_tfport_fp32"] == pytest.approx(rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"])
+    assert result["settings"]["dtype"] == "float16"
+
+
+def test_cuda_is_asked_for_and_never_replaced_by_the_cpu():
+    from tfport.export.parity.runner import cuda_available
+
+    if cuda_available()[0]:
+        pytest.skip("CUDA is usable here: the refusal is for machines without it")
+    settings = dataclasses.replace(QUICK, batches=(1,), contexts=(8,), targets=("portable",), provider="cuda",
+                                   torch=False)
+    with pytest.raises((RuntimeError, ValueError), match="CUDA|cuda"):
+        run_compare(settings, "tiny-decoder", ())
+    with pytest.raises(ValueError, match="peers .*run on the CPU"):
+        run_compare(settings, "tiny-decoder", (), genai=("some-genai-dir",))
