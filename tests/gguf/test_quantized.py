@@ -1,0 +1,52 @@
+"""Quantised SmolLM2-135M-Instruct against its own float32 weights: the issue's accuracy targets
+on real weights, measured through the export as shipped (the ``ort`` target, MatMulNBits at
+accuracy level 4: int8 activations) and the torch-free runtime.
+
+Perplexity is read on the fixed text ``tfport parity --accuracy`` uses
+(``export/data/perplexity.txt``, 320 tokens, which calibration never reads), against the
+float32 PyTorch module's perplexity on the same ids. The bounds are the targets (int4 within
+10% of float32; int8 within 3%), not the measured values (README: int8 +1.1%, GPTQ int4 +5.4%):
+a regression in the quantiser, the calibration or a lowering moves them past the bound. The
+exactness of each graph against its own dequantised weights is tested on tiny models
+(tests/export/test_quantize.py, test_calibrate.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tfport.export import export_model
+from tfport.export.parity.accuracy import PERPLEXITY_TEXT, export_logits, perplexity, reference_logits
+
+# (quantize, calibration, symmetric, bound on perplexity / float32 perplexity)
+SCHEMES = {
+    "int8 round-to-nearest": ("int8", None, False, 1.03),
+    "int4 GPTQ asymmetric": ("int4", "builtin", False, 1.10),
+}
+
+
+@pytest.fixture(scope="module")
+def text_ids(smollm2):
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(smollm2.tokenizer)).encode(PERPLEXITY_TEXT.read_text()).ids
+    return np.array(ids, dtype=np.int64)
+
+
+@pytest.fixture(scope="module")
+def float_perplexity(smollm2, text_ids):
+    return perplexity(reference_logits(smollm2.model, text_ids), text_ids)
+
+
+@pytest.mark.parametrize("name", list(SCHEMES))
+def test_quantised_perplexity_meets_the_target(name, smollm2, text_ids, float_perplexity, tmp_path):
+    quantize, calibration, symmetric, bound = SCHEMES[name]
+    out = tmp_path / "export"
+    export_model(smollm2.model, out, target="ort", quantize=quantize, symmetric=symmetric,
+                 calibration=calibration, tokenizer=smollm2.tokenizer, validate=False)
+    quantized = perplexity(export_logits(out, text_ids), text_ids)
+    ratio = quantized / float_perplexity
+    print(f"{name}: perplexity {quantized:.3f} vs float32 {float_perplexity:.3f} ({ratio:.3f}x)")
+    assert np.isfinite(quantized)
+    assert 1.0 / bound < ratio <= bound, f"{name}: perplexity {quantized:.3f} is {ratio:.3f}x float32's"
