@@ -30,6 +30,14 @@ from ..inputs import pad_batch
 KEPT = "inplace"  # GraphRunner.kept key of the idle decoder
 
 
+def logits_layout(runner: GraphRunner) -> tuple[int | None, int, type]:
+    """(positions per row: 1 for an export with ``logits="last"``, None for every position;
+    vocabulary size V; numpy dtype) of the decoder's logits output."""
+    logits = next(t for t in runner.spec.outputs if t.name == "logits")
+    rows = logits.shape[1] if isinstance(logits.shape[1], int) else None
+    return rows, logits.shape[-1], NUMPY_DTYPES[logits.dtype]
+
+
 class InplaceDecoder:
     """The decoder graph with its KV buffers [B, Hkv, slots, D] bound once, as past and present.
 
@@ -42,10 +50,7 @@ class InplaceDecoder:
     def __init__(self, runner: GraphRunner, batch: int, slots: int):
         self.session = runner.session  # not the runner, which keeps this decoder (no cycle)
         self.batch, self.slots = batch, slots
-        logits = next(t for t in runner.spec.outputs if t.name == "logits")
-        self.rows_out = logits.shape[1] if isinstance(logits.shape[1], int) else None  # 1: logits="last"
-        self.vocab = logits.shape[-1]
-        self.logits_dtype = NUMPY_DTYPES[logits.dtype]
+        self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
         self.cache: dict[str, ort.OrtValue] = {}
         self.binding = runner.session.io_binding()
         self._step: StepFeeds | None = None  # made by the first ``step``

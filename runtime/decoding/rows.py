@@ -28,6 +28,7 @@ from tfport.dtypes import NUMPY_DTYPES
 
 from ..binding import PAST, PRESENT, GraphRunner, empty_cache, self_cache_inputs
 from .concat import decoder_forward
+from .inplace import logits_layout
 
 
 @dataclass(eq=False)
@@ -106,10 +107,7 @@ class InplaceRows:
                 self.buffers[spec.name] = np.zeros((self.capacity, heads, self.max_length, dim),
                                                    dtype=NUMPY_DTYPES[spec.dtype])
         self._bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
-        logits = next(t for t in runner.spec.outputs if t.name == "logits")
-        self.rows_out = logits.shape[1] if isinstance(logits.shape[1], int) else None  # 1: logits="last"
-        self.vocab = logits.shape[-1]
-        self.logits_dtype = NUMPY_DTYPES[logits.dtype]
+        self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
 
     def _binding(self, start: int, stop: int) -> ort.IOBinding:
         """An IO binding with every buffer's rows [start:stop] bound as past and present."""
