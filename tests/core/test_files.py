@@ -63,8 +63,11 @@ def test_files_written_0600_inside_get_umask_permissions(tmp_path):
 
 
 # A writer in another process: fills its temporary directory, says so, then waits to be killed.
+# Ctrl-C's KeyboardInterrupt is Python's default SIGINT handler, which Python does not install when
+# SIGINT is ignored at start, as in any job a non-interactive shell starts with '&': set it here.
 WRITER = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from tfport.files import atomic_directory
 with atomic_directory(sys.argv[1]) as tmp:
     (tmp / "weights.bin").write_bytes(bytes(1 << 20))
