@@ -50,3 +50,19 @@ def test_floor_never_tightens_and_a_difference_beyond_it_fails():
     assert not _compare("logits", expected, expected + np.float32(2e-3), real, table, floor=1e-3).ok
     assert _compare("logits", expected, expected + np.float32(5e-5), real, table, floor=1e-9).ok
     assert isinstance(_compare("x", expected, off, real, table), Diff)
+
+
+def test_the_float64_copy_is_made_only_for_a_case_the_table_fails(tmp_path):
+    import copy
+
+    model = build_model(PRESETS["tiny-decoder"], seed=3)
+    export_model(model, tmp_path / "out", validate=False)
+    runner = Runner(model, tmp_path / "out")
+    assert all(result.ok for result in runner.run(CASES[0]))
+    assert runner._float64 is None  # nothing failed: no float64 module was built
+    wrong = copy.deepcopy(model)
+    with torch.no_grad():
+        next(wrong.parameters()).add_(0.05)  # a reference the export does not match
+    runner = Runner(wrong, tmp_path / "out")
+    assert not all(result.ok for result in runner.run(CASES[0]))
+    assert runner._float64 is not None  # the failure was judged with the floor too, and still fails
