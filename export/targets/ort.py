@@ -222,25 +222,47 @@ def _packed_qkv(g) -> None:
     """A ``Split`` of the fused QKV product whose three parts are exactly a
     FusedGroupQueryAttention's query, key and value goes: the kernel takes the packed
     [B, S, (H + 2 Hkv) * D] as its query with key and value absent, as its docs allow (the Split
-    measured ~8 us a step per layer at batch 1). Layers that normalise q and k per head (Qwen3)
-    keep their Split."""
+    measured ~8 us a step per layer at batch 1). With a cache in another dtype (``attend``'s
+    three Casts after the Split) one Cast of the packed product replaces the Split and the three.
+    Layers that normalise q and k per head (Qwen3) keep their Split."""
     consumers = _consumers(g)
     kept = {value for value, _ in g.taps.values()} | {o.name for o in g.outputs}
     producers = {out: node for node in g.nodes for out in node.output}
-    dropped = set()
+
+    def alone(values) -> bool:  # each value read by one node and neither a tap nor an output
+        return all(len(consumers[v]) == 1 and v not in kept for v in values)
+
+    replaced = {}  # id(node) -> its replacement (None: dropped)
     for node in g.nodes:
         if node.op_type != "FusedGroupQueryAttention" or node.domain != DOMAIN:
             continue
-        split = producers.get(node.input[0])
+        qkv = list(node.input[:3])
+        casts = [producers.get(v) for v in qkv]
+        if all(c is not None and c.op_type == "Cast" and c.domain == "" for c in casts):
+            if len({_cast_to(c) for c in casts}) != 1 or not alone(qkv):
+                continue
+            qkv = [c.input[0] for c in casts]
+        else:
+            casts = []
+        split = producers.get(qkv[0])
         if (split is None or split.op_type != "Split" or split.domain != ""
-                or list(split.output) != list(node.input[:3])
-                or any(len(consumers[v]) != 1 or v in kept for v in split.output)):
+                or list(split.output) != qkv or not alone(qkv)):
             continue
-        node.input[0], node.input[1], node.input[2] = split.input[0], "", ""
-        dropped.add(id(split))
-    g.nodes[:] = [n for n in g.nodes if id(n) not in dropped]
+        packed = split.input[0]
+        replaced[id(split)] = None
+        if casts:  # the packed product cast once, where the Split was
+            packed = g.fresh(f"{split.name}.to_cache_dtype")
+            replaced[id(split)] = helper.make_node("Cast", [split.input[0]], [packed], name=packed,
+                                                   to=_cast_to(casts[0]))
+            replaced.update((id(c), None) for c in casts)
+        node.input[0], node.input[1], node.input[2] = packed, "", ""
+    g.nodes[:] = [replaced.get(id(n), n) for n in g.nodes if replaced.get(id(n), n) is not None]
     used = {value for node in g.nodes for value in node.input}
     g.initializers[:] = [t for t in g.initializers if t.name in used or t.name in kept]
+
+
+def _cast_to(node) -> int:
+    return next(a.i for a in node.attribute if a.name == "to")
 
 
 def _skip_norms(g) -> None:

@@ -132,3 +132,18 @@ def test_onnx23_target_uses_the_standard_operators(tmp_path, family, position):
 def test_onnx23_target_needs_opset_23(tmp_path):
     with pytest.raises(ValueError, match="opset=18: target 'onnx23'"):
         export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "x", target="onnx23", opset=18)
+
+
+def test_a_float16_cache_casts_the_packed_qkv_once(tmp_path):
+    """--kv-dtype float16 on a float32 model: one Cast of the packed product per layer feeds the
+    kernel (no Split, no three Casts), and validation against PyTorch passes."""
+    model = build_model(ort_config("gqa"), seed=5)
+    export_model(model, tmp_path / "e", target="ort", kv_dtype="float16")  # validated on export
+    proto = onnx.load(str(tmp_path / "e" / "decoder.onnx"))
+    calls = [n for n in proto.graph.node if n.op_type == "FusedGroupQueryAttention"]
+    producers = {out: n for n in proto.graph.node for out in n.output}
+    assert calls and all(n.input[1] == n.input[2] == "" for n in calls)
+    assert all(producers[n.input[0]].op_type == "Cast" for n in calls)
+    splits = [n for n in proto.graph.node if n.op_type == "Split"]
+    assert len(splits) == model.config.n_decoder_layers  # the FFN's gate/up only
+    assert all(n.input[0].endswith("gate_up_out") for n in splits)
