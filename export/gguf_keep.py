@@ -1,5 +1,6 @@
-"""``--quantize keep``: a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks as the export's quantised
-weights, without re-quantising.
+"""``--quantize keep``: a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks, and the Q4_K / Q5_K / Q6_K
+super-blocks of llama.cpp's "K-quants" (Q4_K_M, Q5_K_M ...), as the export's quantised weights,
+without re-quantising.
 
 ggml's legacy block types are blockwise quantisations along each row, 32 values per block, with
 an fp16 scale ``d`` -- exactly ``export.quantize.BlockQuantized``:
@@ -12,12 +13,27 @@ an fp16 scale ``d`` -- exactly ``export.quantize.BlockQuantized``:
 
 Nibble order in a 4-bit block: byte j holds value j (low nibble) and value j + 16 (high).
 
+A K-quant super-block holds 256 values of a row in sub-blocks, each with its own scale (and
+minimum) made of a 6- or 8-bit integer times the super-block's fp16 ``d`` (``dmin``): one
+sub-block is one block of the export's layout, with scale ``d sc`` (exact in float32):
+
+* Q4_K: 8 sub-blocks of 32, ``w = q (d sc) - dmin m``, q 4 bits: int4 blocks of 32 with offsets,
+  as Q4_1 (the minimum is ``-dmin m``);
+* Q5_K: the same with 5-bit q: int8 blocks of 32 with offsets (no 5-bit product; the codes stay
+  q, so nothing is re-quantised, only stored in 8 bits);
+* Q6_K: 16 sub-blocks of 16, ``w = (q - 32) (d sc)``, q 6 bits, sc a signed byte: int8 blocks of
+  16 with zero point 32 (a negative ``sc`` is a negative scale).
+
+Q2_K and Q3_K are not kept (they fall back like F32).
+
 The importer (``tfport.models.gguf``) dequantises these blocks to float32 for the reference
 module; ``KeptQuantization`` finds each weight row of that module among the file's rows (by its
 exact float32 bytes, which survives the importer's row concatenations and Q/K un-permutation) and
 hands back the file's codes and scales, so ``dequantize()`` reproduces the module's weights
-bit for bit. Rows stored in another type (F32, K-quants) are re-quantised with ``fallback``
-(round-to-nearest) and counted in ``to_dict``.
+bit for bit. Rows stored in another type (F32, F16, Q5_0, Q2_K, Q3_K ...), and products whose
+rows come from tensors of different types (a Q4_K_M file's Q4_K query and key with a Q6_K value,
+fused into one QKV product), are re-quantised with ``fallback`` (round-to-nearest) and counted in
+``to_dict``.
 """
 
 from __future__ import annotations
@@ -33,6 +49,10 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # ggml type -> bytes per block of 32
+SUPER = 256
+SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # K-quant type -> bytes per 256 values
+KEPT_TYPES = (*BLOCK_BYTES, *SUPER_BYTES)
+KEPT_BLOCK_SIZES = {"Q6_K": 16}  # the export's block size where it is not 32
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -42,6 +62,8 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 def decode_blocks(kind: str, raw: np.ndarray) -> BlockQuantized:
     """A tensor's ggml blocks, uint8 [rows, bytes per row], as a ``BlockQuantized`` [rows, K]."""
+    if kind in SUPER_BYTES:
+        return _decode_super_blocks(kind, raw)
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, BLOCK_BYTES[kind])  # [rows, Kb, bytes]
     scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, Kb]
@@ -52,13 +74,62 @@ def decode_blocks(kind: str, raw: np.ndarray) -> BlockQuantized:
         return BlockQuantized(_nibbles(blocks[..., 2:18]).reshape(rows, -1), scale, None, 4, BLOCK)
     minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     codes = _nibbles(blocks[..., 4:20]).reshape(rows, -1)
+    return _with_minimum(codes, scale, minimum, 4, BLOCK)
+
+
+def _with_minimum(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bits: int,
+                  block: int) -> BlockQuantized:
+    """Blocks ``w = q d + m`` (codes [rows, K], d and m [rows, Kb]) as zero points and offsets."""
     # q d + m = (q - z) d + (m + z d) with the integer zero point z nearest -m / d: the offset
     # left over is at most d / 2, so x @ ((q - z) d) + (x summed per block) @ offset does not
     # cancel two large terms (m is about -8 d) in float32. z d and m + z d are exact in float32.
     ratio = np.divide(-minimum, scale, out=np.zeros_like(scale), where=scale != 0)
-    zero_points = np.clip(np.rint(ratio), 0, 15).astype(np.uint8)
+    zero_points = np.clip(np.rint(ratio), 0, (1 << bits) - 1).astype(np.uint8)
     offsets = minimum + zero_points.astype(np.float32) * scale
-    return BlockQuantized(codes, scale, zero_points, 4, BLOCK, offsets)
+    return BlockQuantized(codes, scale, zero_points, bits, block, offsets)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and minima, uint8 [..., 12] -> two [..., 8]: bytes
+    0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7, bytes 4-7 the same for
+    the minima, bytes 8-11 the low 4 bits of scales 4-7 (low nibble) and minima 4-7 (high)."""
+    low, mins, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate([low & 0x3F, (rest & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
+    minima = np.concatenate([mins & 0x3F, (rest >> 4) | ((mins >> 2) & 0x30)], axis=-1)
+    return scales, minima
+
+
+def _decode_super_blocks(kind: str, raw: np.ndarray) -> BlockQuantized:
+    """Q4_K / Q5_K / Q6_K super-blocks, uint8 [rows, bytes per row], as a ``BlockQuantized``."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, SUPER_BYTES[kind])  # [rows, Ks, bytes]
+    n = blocks.shape[1]
+
+    def half(at: int) -> np.ndarray:  # an fp16 per super-block -> float32 [rows, Ks, 1]
+        return blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32)
+
+    if kind == "Q6_K":  # ql [128], qh [64], scales int8 [16], d
+        # value 128 h + 64 s + b: nibble s of ql byte 64 h + b; its top 2 bits are bits 2 t, 2 t + 1
+        # of qh byte 32 h + c, for the same value written 128 h + 32 t + c
+        ql, qh = blocks[..., 0:128].reshape(rows, n, 2, 64), blocks[..., 128:192].reshape(rows, n, 2, 32)
+        low = np.stack([ql & 0x0F, ql >> 4], axis=-2).reshape(rows, n, 256)
+        high = np.stack([(qh >> s) & 0x03 for s in (0, 2, 4, 6)], axis=-2).reshape(rows, n, 256)
+        codes = low | (high << 4)
+        scale = half(208) * blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, Ks, 16]
+        zero = np.full((rows, n * 16), 32, np.uint8)
+        return BlockQuantized(codes.reshape(rows, -1).astype(np.uint8), scale.reshape(rows, -1), zero, 8, 16)
+    sc, m = _k_scales(blocks[..., 4:16])
+    scale = (half(0) * sc.astype(np.float32)).reshape(rows, -1)  # [rows, Ks * 8]
+    minimum = -(half(2) * m.astype(np.float32)).reshape(rows, -1)
+    if kind == "Q4_K":  # qs [128]: 32 bytes per pair of sub-blocks, low nibbles first
+        qs = blocks[..., 16:144].reshape(rows, n, 4, 32)
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(rows, -1)
+        return _with_minimum(codes, scale, minimum, 4, BLOCK)
+    qh, qs = blocks[..., 16:48], blocks[..., 48:176]  # Q5_K: bit j of qh byte i -> sub-block j
+    low = np.stack([qs.reshape(rows, n, 4, 32) & 0x0F, qs.reshape(rows, n, 4, 32) >> 4], axis=-2)
+    high = np.stack([(qh >> j) & 0x01 for j in range(8)], axis=-2)  # [rows, Ks, 8, 32]
+    codes = (low.reshape(rows, n, 8, 32) | (high << 4)).reshape(rows, -1)
+    return _with_minimum(codes, scale, minimum, 8, BLOCK)
 
 
 def gguf_values(blocks: BlockQuantized) -> np.ndarray:
@@ -88,7 +159,7 @@ class KeptQuantization:
         self.kinds: dict[str, str] = {}
         for name in file.tensor_names():
             kind = file.tensor_type(name)
-            if kind not in BLOCK_BYTES or len(file.shape(name)) != 2:
+            if kind not in KEPT_TYPES or len(file.shape(name)) != 2:
                 continue
             blocks = decode_blocks(kind, file.blocks(name))
             self.index.add(gguf_values(blocks), blocks)
@@ -102,11 +173,14 @@ class KeptQuantization:
         if found is None:
             self.requantized += 1
             log.info("keep: a [%d, %d] weight is not stored in one of %s: re-quantised as %s",
-                     *rows.shape, sorted(BLOCK_BYTES), self.fallback.name)
+                     *rows.shape, list(KEPT_TYPES), self.fallback.name)
             return self.fallback.quantize(rows, scale_dtype)
         self.kept += 1
         return found
 
     def to_dict(self) -> dict:
-        return {"format": "keep", "source": self.path.name, "types": sorted(set(self.kinds.values())),
-                "block_size": BLOCK, "embeddings": True, "fallback": self.fallback.to_dict()}
+        types = sorted(set(self.kinds.values()))
+        sizes = {kind: KEPT_BLOCK_SIZES.get(kind, BLOCK) for kind in types}
+        return {"format": "keep", "source": self.path.name, "types": types,
+                "block_size": min(sizes.values(), default=BLOCK), "block_sizes": sizes,
+                "embeddings": True, "fallback": self.fallback.to_dict()}

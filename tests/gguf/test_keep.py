@@ -1,8 +1,10 @@
-"""``--quantize keep``: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks become the export's quantised
-weights without re-quantising. Checked on tiny files written with gguf-py's own quantiser: the
-blocks decoded by ``export.gguf_keep`` dequantise bit for bit to gguf-py's dequantisation, every
-weight matrix is kept (none re-quantised), and the export matches the imported module (whose
-weights *are* the dequantised blocks) with float32 tolerances on every target."""
+"""``--quantize keep``: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks and Q4_K / Q5_K / Q6_K
+super-blocks become the export's quantised weights without re-quantising. Checked on tiny files
+(legacy types written with gguf-py's own quantiser; K-quants as random blocks, which gguf-py
+cannot write): the blocks decoded by ``export.gguf_keep`` dequantise bit for bit to gguf-py's
+dequantisation, every weight matrix is kept (none re-quantised), and the export matches the
+imported module (whose weights *are* the dequantised blocks) with float32 tolerances on every
+target."""
 
 from __future__ import annotations
 
@@ -15,30 +17,36 @@ from tfport.contract import Manifest  # noqa: E402
 from tfport.export import export_checkpoint_or_preset  # noqa: E402
 from tfport.export.gguf_keep import KeptQuantization, decode_blocks, gguf_values  # noqa: E402
 
-from .tiny import write_tiny_llama  # noqa: E402
+from .tiny import K_BLOCKS, random_super_blocks, write_tiny_llama  # noqa: E402
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# the export's (bits, block size, whether blocks carry offsets) for each type
+LAYOUT = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q8_0": (8, 32, False),
+          "Q4_K": (4, 32, True), "Q5_K": (8, 32, True), "Q6_K": (8, 16, False)}
 
 
-def _encode(values, kind):
+def _encode(values, kind, rng=None):
+    if kind in K_BLOCKS:
+        return random_super_blocks(kind, values.shape, rng or np.random.default_rng(1))
     return gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("keep")
-    return {kind: write_tiny_llama(root / f"{kind}.gguf", _encode, kind, tied=kind == "Q8_0") for kind in TYPES}
+    return {kind: write_tiny_llama(root / f"{kind}.gguf", _encode, kind, tied=kind in ("Q8_0", "Q6_K"))
+            for kind in TYPES}
 
 
 @pytest.mark.parametrize("kind", TYPES)
 def test_blocks_dequantise_as_gguf_does(kind):
-    values = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
+    values = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32)
     stored = _encode(values, kind)
     expected = gguf.quants.dequantize(stored, gguf.GGMLQuantizationType[kind])
     blocks = decode_blocks(kind, stored.view(np.uint8).reshape(6, -1))
     np.testing.assert_array_equal(gguf_values(blocks), expected)
-    np.testing.assert_allclose(blocks.dequantize(), expected, rtol=1e-6, atol=1e-7)  # Q4_1: re-centred
-    assert blocks.bits == (8 if kind == "Q8_0" else 4) and (blocks.offsets is not None) == (kind == "Q4_1")
+    np.testing.assert_allclose(blocks.dequantize(), expected, rtol=1e-6, atol=1e-7)  # offsets: re-centred
+    assert (blocks.bits, blocks.block_size, blocks.offsets is not None) == LAYOUT[kind]
 
 
 @pytest.mark.parametrize("target", ["portable", "ort"])
@@ -50,6 +58,7 @@ def test_export_keeps_every_matrix_exactly(kind, target, files, tmp_path):
     manifest = export_checkpoint_or_preset(str(path), tmp_path / "k", target=target, quantize=keep)
     assert keep.requantized == 0 and keep.kept > 0
     assert manifest.quantization["format"] == "keep" and manifest.quantization["types"] == [kind]
+    assert manifest.quantization["block_sizes"] == {kind: LAYOUT[kind][1]}
     assert Manifest.read(tmp_path / "k").quantization["types"] == [kind]
 
 

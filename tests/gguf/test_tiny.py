@@ -19,14 +19,10 @@ import torch
 
 from tfport.models.gguf import SUPPORTED_TYPES, GGUFFile, load_gguf, read_gguf
 
-from .tiny import HKV, H, permute_rows, write_tiny_llama
+from .tiny import HKV, K_BLOCKS, H, permute_rows, random_super_blocks, write_tiny_llama
 
 GGML_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13,
                  "Q6_K": 14}
-# K-quant block layouts (ggml's block_qN_K): bytes per 256 values, and the offsets of the fp16
-# super-block scales (d, then dmin where the type has one) with a magnitude keeping values ~0.1.
-K_BLOCKS = {"Q2_K": (84, (80, 82), 2e-3), "Q3_K": (110, (108,), 6e-4),
-            "Q4_K": (144, (0, 2), 1e-4), "Q5_K": (176, (0, 2), 5e-5), "Q6_K": (210, (208,), 2e-5)}
 
 
 @dataclass(frozen=True)
@@ -59,13 +55,7 @@ def encoder(seed: int):
 
         if CASES[kind].encode == "quantize":
             return gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
-        size, scales, magnitude = K_BLOCKS[kind]
-        rows, cols = values.shape
-        blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
-        for offset in scales:
-            half = (rng.uniform(0.5, 1.0, len(blocks)) * magnitude).astype(np.float16)
-            blocks[:, offset:offset + 2] = half.view(np.uint8).reshape(-1, 2)
-        return blocks.reshape(rows, -1)
+        return random_super_blocks(kind, values.shape, rng)
     return encode
 
 

@@ -16,6 +16,23 @@ import numpy as np
 
 E, FF, H, HKV, LAYERS = 256, 256, 4, 2, 2  # head dim 64
 D = E // H
+# K-quant block layouts (ggml's block_qN_K): bytes per 256 values, and the offsets of the fp16
+# super-block scales (d, then dmin where the type has one) with a magnitude keeping values ~0.1.
+K_BLOCKS = {"Q2_K": (84, (80, 82), 2e-3), "Q3_K": (110, (108,), 6e-4),
+            "Q4_K": (144, (0, 2), 1e-4), "Q5_K": (176, (0, 2), 5e-5), "Q6_K": (210, (208,), 2e-5)}
+
+
+def random_super_blocks(kind: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, bytes per row]: random K-quant blocks of a [rows, cols] tensor (gguf-py cannot
+    quantise to the K-quants) with sane fp16 super-block scales; every byte pattern is a valid
+    block of quants and sub-block scales."""
+    size, scales, magnitude = K_BLOCKS[kind]
+    rows, cols = shape
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    for offset in scales:
+        half = (rng.uniform(0.5, 1.0, len(blocks)) * magnitude).astype(np.float16)
+        blocks[:, offset:offset + 2] = half.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
                  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
