@@ -30,10 +30,10 @@ The importer (``tfport.models.gguf``) dequantises these blocks to float32 for th
 module; ``KeptQuantization`` finds each weight row of that module among the file's rows (by its
 exact float32 bytes, which survives the importer's row concatenations and Q/K un-permutation) and
 hands back the file's codes and scales, so ``dequantize()`` reproduces the module's weights
-bit for bit. Rows stored in another type (F32, F16, Q5_0, Q2_K, Q3_K ...), and products whose
-rows come from tensors of different types (a Q4_K_M file's Q4_K query and key with a Q6_K value,
-fused into one QKV product), are re-quantised with ``fallback`` (round-to-nearest) and counted in
-``to_dict``.
+bit for bit. A product whose rows come from tensors of different types (a Q4_K_M file's Q4_K
+query and key with its Q6_K value, fused into one QKV product) keeps each part's blocks as its
+own product, concatenated (``RowParts``). Rows stored in another type (F32, F16, Q5_0, Q2_K, Q3_K
+...) are re-quantised with ``fallback`` (round-to-nearest) and counted in ``to_dict``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .quantize import BlockQuantized, QuantScheme, RowIndex
+from .quantize import BlockQuantized, QuantScheme, RowIndex, RowParts
 
 log = logging.getLogger(__name__)
 
@@ -166,10 +166,13 @@ class KeptQuantization:
             self.kinds[name] = kind
         self.kept = self.requantized = 0  # weight matrices so far
 
-    def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> BlockQuantized:
-        """The file's blocks of ``rows`` [N, K] if every row is one of its rows, all of one ggml
-        type (one block format); otherwise ``rows`` re-quantised with ``fallback``."""
-        found = self.index.find(rows) if scale_dtype == "float32" else None
+    def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> BlockQuantized | RowParts:
+        """The file's blocks of ``rows`` [N, K] if every row is one of its rows: one
+        ``BlockQuantized``, or ``RowParts`` where consecutive rows come from tensors of different
+        types (each part lowered as its own product); otherwise ``rows`` re-quantised with
+        ``fallback``."""
+        parts = self.index.find_parts(rows) if scale_dtype == "float32" else None
+        found = None if parts is None else parts[0] if len(parts) == 1 else RowParts(parts)
         if found is None:
             self.requantized += 1
             log.info("keep: a [%d, %d] weight is not stored in one of %s: re-quantised as %s",

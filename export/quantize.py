@@ -155,6 +155,26 @@ def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized:
                           stack("offsets"))
 
 
+@dataclass
+class RowParts:
+    """A weight [N, K] whose consecutive row groups are quantised in different formats (a GGUF
+    Q4_K_M file's Q4_K query and key rows with its Q6_K value rows, fused into one QKV product):
+    the parts [N_i, K] in order. ``WeightQuantizer.project`` lowers each part and concatenates."""
+
+    parts: list[BlockQuantized]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def dequantize(self) -> np.ndarray:
+        return np.concatenate([p.dequantize() for p in self.parts])
+
+
 class RowIndex:
     """Quantised matrices found again by their rows' exact float32 values: how a quantisation
     chosen ahead of time (a GGUF file's blocks, ``export.gguf_keep``; calibrated GPTQ,
@@ -175,13 +195,30 @@ class RowIndex:
     def find(self, rows: np.ndarray) -> BlockQuantized | None:
         """The blocks of ``rows`` [N, K] if every row was indexed and all of them in one format
         (bits, block size, zero points, offsets); None otherwise."""
+        parts = self.find_parts(rows)
+        return parts[0] if parts is not None and len(parts) == 1 else None
+
+    def find_parts(self, rows: np.ndarray) -> list[BlockQuantized] | None:
+        """The blocks of ``rows`` [N, K] as consecutive groups of rows of one format each (one
+        group when all share it), or None if a row was not indexed."""
         found = [self.rows.get(row.tobytes()) for row in np.ascontiguousarray(rows, dtype=np.float32)]
         if None in found:
             return None
+        groups: list[list[tuple[int, int]]] = []
+        for entry in found:
+            if groups and self._format(groups[-1][-1]) == self._format(entry):
+                groups[-1].append(entry)
+            else:
+                groups.append([entry])
+        return [self._gather(group) for group in groups]
+
+    def _format(self, entry: tuple[int, int]) -> tuple:
+        p = self.matrices[entry[0]]
+        return p.bits, p.block_size, p.scales.dtype, p.zero_points is None, p.offsets is None
+
+    def _gather(self, found: list[tuple[int, int]]) -> BlockQuantized:
+        """Rows ``found`` ((matrix, row) pairs, all of one format) as one ``BlockQuantized``."""
         parts = [self.matrices[m] for m, _ in found]
-        formats = {(p.bits, p.block_size, p.scales.dtype, p.zero_points is None, p.offsets is None) for p in parts}
-        if len(formats) != 1:
-            return None
         first = parts[0]
 
         def gather(attr: str):
@@ -317,9 +354,15 @@ def quantized_weights(model, scheme: QuantScheme, dtype: str = "float32") -> dic
     if scheme.embeddings:
         for path in tables:
             table = scheme.quantize(model.get_parameter(path).detach().float().cpu().numpy(), dtype)
-            if table.offsets is None:  # as WeightQuantizer.table: a table with offsets stays float
+            if gatherable(table):  # as WeightQuantizer.table: other tables stay float
                 values[path] = table.dequantize().astype(np.float32)
     return values
+
+
+def gatherable(table) -> bool:
+    """Whether a quantised token table can be gathered from: one format (not ``RowParts``) and no
+    block offsets (GGUF Q4_1 / Q4_K: no gather kernel adds them)."""
+    return isinstance(table, BlockQuantized) and table.offsets is None
 
 
 def token_table_paths(model) -> list[str]:
@@ -393,7 +436,7 @@ class WeightQuantizer:
     def table(self, g, name: str, rows: np.ndarray) -> str:
         """Quantise a token table [V, E]; returns the handle ``gather`` and ``project`` take."""
         table = self.scheme.quantize(rows, g.dtype)
-        if table.offsets is not None:  # no gather kernel adds block offsets (GGUF Q4_1): float
+        if not gatherable(table):  # float rows instead
             return g.weight(name, rows)
         handle = g.fresh(name)
         self.tables[handle] = table
@@ -412,6 +455,14 @@ class WeightQuantizer:
             rows = weight.T if not transposed else weight
             quantized = self.scheme.quantize(rows, g.dtype)
         self.weight_bytes += quantized.nbytes
+        if isinstance(quantized, RowParts):  # one product per format, outputs side by side
+            outputs, start = [], 0
+            for i, part in enumerate(quantized.parts):
+                stop = start + part.shape[0]
+                outputs.append(self.target.project_quantized(
+                    g, x, part, f"{name}.part{i}", None if bias is None else bias[start:stop]))
+                start = stop
+            return g.op("Concat", *outputs, axis=-1, name=f"{name}.parts")
         return self.target.project_quantized(g, x, quantized, name, bias)
 
     def gather(self, g, table: str, ids: str, name: str) -> str:

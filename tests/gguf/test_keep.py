@@ -9,6 +9,7 @@ target."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 gguf = pytest.importorskip("gguf", reason="the 'dev' extra installs gguf-py")
@@ -60,6 +61,21 @@ def test_export_keeps_every_matrix_exactly(kind, target, files, tmp_path):
     assert manifest.quantization["format"] == "keep" and manifest.quantization["types"] == [kind]
     assert manifest.quantization["block_sizes"] == {kind: LAYOUT[kind][1]}
     assert Manifest.read(tmp_path / "k").quantization["types"] == [kind]
+
+
+@pytest.mark.parametrize("target", ["portable", "ort"])
+def test_a_product_of_two_types_keeps_both(target, tmp_path):
+    """Q4_K_M-style: Q4_K query and key, Q6_K value and FFN down; the fused QKV product is two
+    products (one per type) side by side, nothing re-quantised, validated against the module."""
+    path = write_tiny_llama(tmp_path / "mixed.gguf", _encode, "Q4_K",
+                            tensor_types={"attn_v": "Q6_K", "ffn_down": "Q6_K"}).path
+    keep = KeptQuantization(path)
+    manifest = export_checkpoint_or_preset(str(path), tmp_path / "k", target=target, quantize=keep)
+    assert keep.requantized == 0 and keep.kept > 0
+    assert manifest.quantization["types"] == ["Q4_K", "Q6_K"]
+    graph = onnx.load(str(tmp_path / "k" / "decoder.onnx"), load_external_data=False)
+    parts = [n for n in graph.graph.node if n.op_type == "Concat" and n.name.endswith(".parts")]
+    assert len(parts) == 2 and all(len(n.input) == 2 for n in parts)  # one QKV per layer: Q4_K | Q6_K
 
 
 def test_keep_needs_a_gguf_source(tmp_path):

@@ -119,9 +119,12 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_llama(path: Path, encode, weight_type: str, *, seed: int = 0, tied: bool = False,
-                     architecture: str = "llama", extra_tensors: dict | None = None) -> TinyGGUF:
+                     architecture: str = "llama", extra_tensors: dict | None = None,
+                     tensor_types: dict[str, str] | None = None) -> TinyGGUF:
     """Write a tiny LLaMA GGUF; ``encode(values float32 [R, C], type) -> stored array`` stores
-    every 2-D weight (norms stay F32, as llama.cpp keeps them)."""
+    every 2-D weight (norms stay F32, as llama.cpp keeps them) as ``weight_type``, or as
+    ``tensor_types[part]`` for a tensor whose GGUF name contains ``part`` (e.g. {"attn_v": "Q6_K"}, as
+    llama.cpp's Q4_K_M mixes types)."""
     import gguf
 
     tokens, scores, types = sentencepiece_vocab()
@@ -152,7 +155,8 @@ def write_tiny_llama(path: Path, encode, weight_type: str, *, seed: int = 0, tie
             values = permute_rows(values, H)
         elif "k_proj" in name:
             values = permute_rows(values, HKV)
-        kind = weight_type if values.ndim == 2 else "F32"
+        kind = next((k for part, k in (tensor_types or {}).items() if part in target), weight_type)
+        kind = kind if values.ndim == 2 else "F32"
         data = encode(values, kind)
         stored[target] = (kind, data)
         writer.add_tensor(target, data, raw_dtype=gguf.GGMLQuantizationType[kind])
