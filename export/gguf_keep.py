@@ -9,7 +9,11 @@ an fp16 scale ``d`` -- exactly ``export.quantize.BlockQuantized``:
 * Q8_0: 32 int8 ``q``, ``w = q d``: 8 bits, symmetric (codes q + 128, implicit zero point 128);
 * Q4_1: an fp16 minimum ``m`` too, ``w = q d + m = (q - z) d + (m + z d)``: 4 bits, the integer
   zero point z nearest -m / d, and the small remainder ``m + z d`` as the block *offset*, which
-  the targets add as (x summed per block) @ offset (``quantize.offset_product``).
+  the targets add as (x summed per block) @ offset (``quantize.offset_product``);
+* Q5_0 / Q5_1: as Q4_0 / Q4_1 with a fifth bit per value (``qh``), ``w = (q - 16) d`` and
+  ``q d + m``: int8 blocks (zero point 16; offsets), the 5-bit codes stored in 8 bits. llama.cpp
+  writes them where a row's length is not a multiple of 256 (K-quant files of models with 576-wide
+  rows, as SmolLM2's Q4_K_M).
 
 Nibble order in a 4-bit block: byte j holds value j (low nibble) and value j + 16 (high).
 
@@ -33,7 +37,7 @@ hands back the file's codes and scales, so ``dequantize()`` reproduces the modul
 bit for bit. A product whose rows come from tensors of different types (a Q4_K_M file's Q4_K
 query and key with its Q6_K value, fused into one QKV product) keeps each part's blocks as its
 own product, concatenated (``RowParts``). Rows stored in another type (F32, F16, Q5_0, Q2_K, Q3_K
-...) are re-quantised with ``fallback`` (round-to-nearest) and counted in ``to_dict``.
+...) are re-quantised with ``fallback`` (round-to-nearest), logged and counted (``requantized``).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from .quantize import BlockQuantized, QuantScheme, RowIndex, RowParts
 log = logging.getLogger(__name__)
 
 BLOCK = 32
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # ggml type -> bytes per block of 32
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # ggml type -> bytes per block of 32
 SUPER = 256
 SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # K-quant type -> bytes per 256 values
 KEPT_TYPES = (*BLOCK_BYTES, *SUPER_BYTES)
@@ -72,6 +76,15 @@ def decode_blocks(kind: str, raw: np.ndarray) -> BlockQuantized:
         return BlockQuantized((signed + 128).astype(np.uint8).reshape(rows, -1), scale, None, 8, BLOCK)
     if kind == "Q4_0":
         return BlockQuantized(_nibbles(blocks[..., 2:18]).reshape(rows, -1), scale, None, 4, BLOCK)
+    if kind in ("Q5_0", "Q5_1"):  # [d, (m), qh: bit i = value i's 5th bit, qs: nibbles as Q4_0]
+        start = 2 if kind == "Q5_0" else 4
+        high = blocks[..., start:start + 4].copy().view("<u4")  # [rows, Kb, 1]
+        fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, Kb, 32]
+        codes = (_nibbles(blocks[..., start + 4:start + 20]) | (fifth << 4)).reshape(rows, -1)
+        if kind == "Q5_0":  # w = (q - 16) d: int8 blocks with zero point 16
+            return BlockQuantized(codes, scale, np.full(scale.shape, 16, np.uint8), 8, BLOCK)
+        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        return _with_minimum(codes, scale, minimum, 8, BLOCK)
     minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     codes = _nibbles(blocks[..., 4:20]).reshape(rows, -1)
     return _with_minimum(codes, scale, minimum, 4, BLOCK)

@@ -1,4 +1,4 @@
-"""``--quantize keep``: a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks and Q4_K / Q5_K / Q6_K
+"""``--quantize keep``: a GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks and Q4_K / Q5_K / Q6_K
 super-blocks become the export's quantised weights without re-quantising. Checked on tiny files
 (legacy types written with gguf-py's own quantiser; K-quants as random blocks, which gguf-py
 cannot write): the blocks decoded by ``export.gguf_keep`` dequantise bit for bit to gguf-py's
@@ -20,9 +20,10 @@ from tfport.export.gguf_keep import KeptQuantization, decode_blocks, gguf_values
 
 from .tiny import K_BLOCKS, random_super_blocks, write_tiny_llama  # noqa: E402
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # the export's (bits, block size, whether blocks carry offsets) for each type
-LAYOUT = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q8_0": (8, 32, False),
+LAYOUT = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q5_0": (8, 32, False), "Q5_1": (8, 32, True),
+          "Q8_0": (8, 32, False),
           "Q4_K": (4, 32, True), "Q5_K": (8, 32, True), "Q6_K": (8, 16, False)}
 
 
