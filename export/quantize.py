@@ -360,9 +360,8 @@ def quantized_weights(model, scheme: QuantScheme, dtype: str = "float32") -> dic
 
 
 def gatherable(table) -> bool:
-    """Whether a quantised token table can be gathered from: one format (not ``RowParts``) and no
-    block offsets (GGUF Q4_1 / Q4_K: no gather kernel adds them)."""
-    return isinstance(table, BlockQuantized) and table.offsets is None
+    """Whether a quantised token table can be gathered from: one format (not ``RowParts``)."""
+    return isinstance(table, BlockQuantized)
 
 
 def token_table_paths(model) -> list[str]:
@@ -466,8 +465,26 @@ class WeightQuantizer:
         return self.target.project_quantized(g, x, quantized, name, bias)
 
     def gather(self, g, table: str, ids: str, name: str) -> str:
-        """Rows ``ids`` of a quantised table, dequantised -> [..., E]."""
-        return self.target.gather_quantized(g, self.tables[table], ids, name)
+        """Rows ``ids`` of a quantised table, dequantised -> [..., E]. The target gathers codes,
+        scales and zero points; block offsets (GGUF Q4_1 / Q4_K / Q5_1 / Q5_K: no gather kernel
+        adds them) are gathered here, [..., Kb], and added to every value of their block."""
+        quantized = self.tables[table]
+        rows = self.target.gather_quantized(g, quantized, ids, name)  # [..., E]
+        if quantized.offsets is None:
+            return rows
+        n, k = quantized.shape
+        assert k == quantized.n_blocks * quantized.block_size, "offsets need whole blocks"
+        if "offsets" not in quantized.stored:
+            quantized.stored["offsets"] = (
+                g.weight(f"{name}.row_offsets", quantized.offsets.astype("float32")),  # [V, Kb]
+                g.weight(f"{name}.block_ones", np.ones(quantized.block_size, "float32")))
+        offsets, ones = quantized.stored["offsets"]
+        spread = g.op("Mul", g.op("Unsqueeze", g.op("Gather", offsets, ids, name=f"{name}.offsets_gather"),
+                                  g.const([-1], name=f"{name}.offsets_axis"), name=f"{name}.offsets_blocks"),
+                      ones, name=f"{name}.offsets_spread")  # [..., Kb, block]
+        spread = g.op("Reshape", spread, g.const([0, 0, -1], name=f"{name}.offsets_shape"),
+                      name=f"{name}.offsets_rows")  # [B, S, E]
+        return g.op("Add", rows, spread, name=f"{name}.offsets_add")
 
 
 def resolve_scheme(quantize, block_size: int = 32, symmetric: bool = False) -> QuantScheme | None:

@@ -21,6 +21,7 @@ from tfport.export.gguf_keep import KeptQuantization, decode_blocks, gguf_values
 from .tiny import K_BLOCKS, random_super_blocks, write_tiny_llama  # noqa: E402
 
 TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TIED = ("Q8_0", "Q6_K", "Q4_1", "Q4_K")  # the table is the head too; the others have both
 # the export's (bits, block size, whether blocks carry offsets) for each type
 LAYOUT = {"Q4_0": (4, 32, False), "Q4_1": (4, 32, True), "Q5_0": (8, 32, False), "Q5_1": (8, 32, True),
           "Q8_0": (8, 32, False),
@@ -36,8 +37,7 @@ def _encode(values, kind, rng=None):
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("keep")
-    return {kind: write_tiny_llama(root / f"{kind}.gguf", _encode, kind, tied=kind in ("Q8_0", "Q6_K"))
-            for kind in TYPES}
+    return {kind: write_tiny_llama(root / f"{kind}.gguf", _encode, kind, tied=kind in TIED) for kind in TYPES}
 
 
 @pytest.mark.parametrize("kind", TYPES)
@@ -61,6 +61,12 @@ def test_export_keeps_every_matrix_exactly(kind, target, files, tmp_path):
     assert keep.requantized == 0 and keep.kept > 0
     assert manifest.quantization["format"] == "keep" and manifest.quantization["types"] == [kind]
     assert manifest.quantization["block_sizes"] == {kind: LAYOUT[kind][1]}
+    # the token table is gathered from its quantised rows (block offsets added after the gather),
+    # never stored as float rows [V, E]
+    graph = onnx.load(str(tmp_path / "k" / "decoder.onnx"), load_external_data=False)
+    vocab, width = manifest.config.vocab_size, manifest.config.d_model
+    floats = [t.name for t in graph.graph.initializer if list(t.dims) == [vocab, width] and t.data_type == 1]
+    assert not floats, floats
     assert Manifest.read(tmp_path / "k").quantization["types"] == [kind]
 
 
