@@ -31,7 +31,8 @@ from tfport.integrity import graph_metadata, record_files
 from . import emit
 from .calibrate import Calibration, calibrated_scheme
 from .graph import GraphBuilder
-from .quantize import QuantScheme, WeightQuantizer, fake_quantize, resolve_scheme
+from .quantize import QuantScheme, fake_quantize, resolve_scheme
+from .quantized_graph import WeightQuantizer
 from .targets import DEFAULT_TARGET, Target, get_target
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ an fp16 scale ``d`` -- exactly ``export.quantize.BlockQuantized``:
 * Q8_0: 32 int8 ``q``, ``w = q d``: 8 bits, symmetric (codes q + 128, implicit zero point 128);
 * Q4_1: an fp16 minimum ``m`` too, ``w = q d + m = (q - z) d + (m + z d)``: 4 bits, the integer
   zero point z nearest -m / d, and the small remainder ``m + z d`` as the block *offset*, which
-  the targets add as (x summed per block) @ offset (``quantize.offset_product``);
+  the targets add as (x summed per block) @ offset (``quantized_graph.offset_product``);
 * Q5_0 / Q5_1: as Q4_0 / Q4_1 with a fifth bit per value (``qh``), ``w = (q - 16) d`` and
   ``q d + m``: int8 blocks (zero point 16; offsets), the 5-bit codes stored in 8 bits. llama.cpp
   writes them where a row's length is not a multiple of 256 (K-quant files of models with 576-wide

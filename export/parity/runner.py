@@ -102,10 +102,10 @@ class Runner:
 
     def _session(self, path: Path, provider: str) -> ort.InferenceSession:
         """A graph's session; a quantised export's runs its products with float activations
-        (``export.quantize.exact_graph``), so it matches the fake-quantised reference exactly."""
+        (``export.quantized_graph.exact_graph``), so it matches the fake-quantised reference exactly."""
         if not self.manifest.quantization:
             return make_session(path, provider)
-        from ..quantize import EXACT_SESSION_CONFIG, exact_graph
+        from ..quantized_graph import EXACT_SESSION_CONFIG, exact_graph
 
         return make_session(exact_graph(path), provider, EXACT_SESSION_CONFIG)
 
@@ -115,7 +115,7 @@ class Runner:
         path = self.export_dir / self.manifest.graphs[graph].file
         if not self.manifest.quantization:
             return onnx.load(str(path))
-        from ..quantize import exact_graph
+        from ..quantized_graph import exact_graph
 
         return onnx.load_from_string(exact_graph(path))
 
@@ -125,7 +125,7 @@ class Runner:
         activations too, never ONNX Runtime's default int8 activations."""
         config = None
         if self.manifest.quantization:
-            from ..quantize import EXACT_SESSION_CONFIG
+            from ..quantized_graph import EXACT_SESSION_CONFIG
 
             config = EXACT_SESSION_CONFIG
         return make_session(model.SerializeToString(), self.provider, config)

@@ -22,7 +22,8 @@ from tfport.dtypes import ONNX_DTYPES
 from ..emit import StackInputs, heads
 from ..graph import GraphBuilder, to_numpy
 from ..positions import POSITION_EMITTERS
-from ..quantize import BlockQuantized, int_initializer, offset_product
+from ..quantize import BlockQuantized
+from ..quantized_graph import int_initializer, offset_product
 
 QUANTIZED_MIN_OPSET = 21  # DequantizeLinear with block_size and int4/uint4 codes
 

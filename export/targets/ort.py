@@ -15,7 +15,8 @@ from tfport.dtypes import COMPUTE_DTYPES, ONNX_DTYPES
 
 from ..emit import StackInputs
 from ..functions import DOMAIN, tfport
-from ..quantize import byte_initializer, offset_product, pack_nibbles
+from ..quantize import pack_nibbles
+from ..quantized_graph import byte_initializer, offset_product
 from .base import PortableTarget
 from .onnx23 import rope_cache
 

@@ -1,7 +1,7 @@
 """Localisation (export/parity/localize.py) runs the graph as parity runs it.
 
 A quantised export is compared with the fake-quantised module at float32 tolerances because
-parity runs its 4-bit products with float activations (``export.quantize.exact_graph`` and
+parity runs its 4-bit products with float activations (``export.quantized_graph.exact_graph`` and
 ``EXACT_SESSION_CONFIG``). The tap session that localises a failure must run the same way: with
 ONNX Runtime's default (int8 activations in ``MatMulNBits`` and in the fused portable
 DequantizeLinear + MatMul) every tap after the first product differs by the activation rounding
