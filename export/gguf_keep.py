@@ -1,4 +1,4 @@
-"""``--quantize keep``: a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks, and the Q4_K / Q5_K / Q6_K
+"""``--quantize keep``: a GGUF file's own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks, and the Q4_K / Q5_K / Q6_K
 super-blocks of llama.cpp's "K-quants" (Q4_K_M, Q5_K_M ...), as the export's quantised weights,
 without re-quantising.
 
@@ -36,8 +36,8 @@ exact float32 bytes, which survives the importer's row concatenations and Q/K un
 hands back the file's codes and scales, so ``dequantize()`` reproduces the module's weights
 bit for bit. A product whose rows come from tensors of different types (a Q4_K_M file's Q4_K
 query and key with its Q6_K value, fused into one QKV product) keeps each part's blocks as its
-own product, concatenated (``RowParts``). Rows stored in another type (F32, F16, Q5_0, Q2_K, Q3_K
-...) are re-quantised with ``fallback`` (round-to-nearest), logged and counted (``requantized``).
+own product, concatenated (``RowParts``). Rows stored in another type (F32, F16, Q2_K, Q3_K ...)
+are re-quantised with ``fallback`` (round-to-nearest), logged and counted (``requantized``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # ggml type -> bytes per block of 32
-SUPER = 256
 SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # K-quant type -> bytes per 256 values
 KEPT_TYPES = (*BLOCK_BYTES, *SUPER_BYTES)
 KEPT_BLOCK_SIZES = {"Q6_K": 16}  # the export's block size where it is not 32
@@ -76,18 +75,20 @@ def decode_blocks(kind: str, raw: np.ndarray) -> BlockQuantized:
         return BlockQuantized((signed + 128).astype(np.uint8).reshape(rows, -1), scale, None, 8, BLOCK)
     if kind == "Q4_0":
         return BlockQuantized(_nibbles(blocks[..., 2:18]).reshape(rows, -1), scale, None, 4, BLOCK)
-    if kind in ("Q5_0", "Q5_1"):  # [d, (m), qh: bit i = value i's 5th bit, qs: nibbles as Q4_0]
-        start = 2 if kind == "Q5_0" else 4
-        high = blocks[..., start:start + 4].copy().view("<u4")  # [rows, Kb, 1]
-        fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, Kb, 32]
-        codes = (_nibbles(blocks[..., start + 4:start + 20]) | (fifth << 4)).reshape(rows, -1)
-        if kind == "Q5_0":  # w = (q - 16) d: int8 blocks with zero point 16
-            return BlockQuantized(codes, scale, np.full(scale.shape, 16, np.uint8), 8, BLOCK)
-        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        return _with_minimum(codes, scale, minimum, 8, BLOCK)
-    minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    codes = _nibbles(blocks[..., 4:20]).reshape(rows, -1)
-    return _with_minimum(codes, scale, minimum, 4, BLOCK)
+    if kind == "Q5_0":  # [d, qh, qs]: w = (q - 16) d, int8 blocks with zero point 16
+        return BlockQuantized(_five_bit_codes(blocks, 2), scale, np.full(scale.shape, 16, np.uint8), 8, BLOCK)
+    minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)  # Q4_1, Q5_1: [d, m, ...]
+    if kind == "Q5_1":
+        return _with_minimum(_five_bit_codes(blocks, 4), scale, minimum, 8, BLOCK)
+    return _with_minimum(_nibbles(blocks[..., 4:20]).reshape(blocks.shape[0], -1), scale, minimum, 4, BLOCK)
+
+
+def _five_bit_codes(blocks: np.ndarray, start: int) -> np.ndarray:
+    """Q5_0 / Q5_1 codes [rows, K] from blocks [rows, Kb, bytes] whose ``qh`` (bit i: value i's
+    fifth bit, little-endian) starts at byte ``start``, followed by nibbles as in Q4_0."""
+    high = blocks[..., start:start + 4].copy().view("<u4")  # [rows, Kb, 1]
+    fifth = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, Kb, 32]
+    return (_nibbles(blocks[..., start + 4:start + 20]) | (fifth << 4)).reshape(blocks.shape[0], -1)
 
 
 def _with_minimum(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bits: int,
@@ -134,15 +135,16 @@ def _decode_super_blocks(kind: str, raw: np.ndarray) -> BlockQuantized:
     sc, m = _k_scales(blocks[..., 4:16])
     scale = (half(0) * sc.astype(np.float32)).reshape(rows, -1)  # [rows, Ks * 8]
     minimum = -(half(2) * m.astype(np.float32)).reshape(rows, -1)
-    if kind == "Q4_K":  # qs [128]: 32 bytes per pair of sub-blocks, low nibbles first
-        qs = blocks[..., 16:144].reshape(rows, n, 4, 32)
-        codes = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(rows, -1)
-        return _with_minimum(codes, scale, minimum, 4, BLOCK)
-    qh, qs = blocks[..., 16:48], blocks[..., 48:176]  # Q5_K: bit j of qh byte i -> sub-block j
-    low = np.stack([qs.reshape(rows, n, 4, 32) & 0x0F, qs.reshape(rows, n, 4, 32) >> 4], axis=-2)
-    high = np.stack([(qh >> j) & 0x01 for j in range(8)], axis=-2)  # [rows, Ks, 8, 32]
-    codes = (low.reshape(rows, n, 8, 32) | (high << 4)).reshape(rows, -1)
-    return _with_minimum(codes, scale, minimum, 8, BLOCK)
+    # qs [128]: 32 bytes per pair of sub-blocks, low nibbles first (Q5_K: after qh [32], whose
+    # byte i holds value i's fifth bit for sub-block j in bit j)
+    start = 16 if kind == "Q4_K" else 48
+    qs = blocks[..., start:start + 128].reshape(rows, n, 4, 32)
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(rows, n, 8, 32)
+    if kind == "Q4_K":
+        return _with_minimum(codes.reshape(rows, -1), scale, minimum, 4, BLOCK)
+    qh = blocks[..., 16:48]
+    fifth = np.stack([(qh >> j) & 0x01 for j in range(8)], axis=-2)  # [rows, Ks, 8, 32]
+    return _with_minimum((codes | (fifth << 4)).reshape(rows, -1), scale, minimum, 8, BLOCK)
 
 
 def gguf_values(blocks: BlockQuantized) -> np.ndarray:
