@@ -21,6 +21,7 @@ from tfport.contract import Manifest
 from tfport.dtypes import COMPUTE_DTYPES
 from tfport.models.masks import MASK_VALUE
 
+from ..quantized_graph import EXACT_SESSION_CONFIG, exact_graph
 from .cases import CACHE_ULPS, ROUNDING_FACTOR, TOLERANCES, Case, CaseResult, Diff, _compare
 from .inputs import CaseInputs, Prepared
 from .reference import TORCH_DTYPES, reference_module
@@ -90,8 +91,10 @@ class Runner:
         self.dtype = self.manifest.dtype
         self.kv_dtype = self.manifest.kv_dtype
         self.tolerance = _tolerance(self.manifest, provider)
-        self.sessions = {name: self._session(self.export_dir / g.file, provider)
-                         for name, g in self.manifest.graphs.items()}
+        # A quantised export runs its products with float activations (``exact_graph``, at
+        # ``EXACT_SESSION_CONFIG``), so it matches the fake-quantised reference exactly.
+        self._session_config = EXACT_SESSION_CONFIG if self.manifest.quantization else None
+        self.sessions = {name: self._session(self.export_dir / g.file) for name, g in self.manifest.graphs.items()}
         self._device = "cuda" if provider == "cuda" else "cpu"
         self.torch_dtype = TORCH_DTYPES[self.dtype]
         # A converted copy where the dtype or the cache rounding differ: never the caller's weights.
@@ -100,35 +103,22 @@ class Runner:
         self.inputs = CaseInputs(self.model, self.config, self.kv_dtype, self.manifest.layout,
                                  self.run_onnx)
 
-    def _session(self, path: Path, provider: str) -> ort.InferenceSession:
-        """A graph's session; a quantised export's runs its products with float activations
-        (``export.quantized_graph.exact_graph``), so it matches the fake-quantised reference exactly."""
-        if not self.manifest.quantization:
-            return make_session(path, provider)
-        from ..quantized_graph import EXACT_SESSION_CONFIG, exact_graph
-
-        return make_session(exact_graph(path), provider, EXACT_SESSION_CONFIG)
+    def _session(self, path: Path) -> ort.InferenceSession:
+        """A graph's session, run as parity runs it (see ``__init__``)."""
+        model = exact_graph(path) if self.manifest.quantization else path
+        return make_session(model, self.provider, self._session_config)
 
     def graph_model(self, graph: str) -> onnx.ModelProto:
         """``graph``'s model as the runner's sessions run it (a quantised export's 4-bit products
         at float activations), to be changed (e.g. given extra outputs) and opened with ``open``."""
         path = self.export_dir / self.manifest.graphs[graph].file
-        if not self.manifest.quantization:
-            return onnx.load(str(path))
-        from ..quantized_graph import exact_graph
-
-        return onnx.load_from_string(exact_graph(path))
+        return onnx.load_from_string(exact_graph(path)) if self.manifest.quantization else onnx.load(str(path))
 
     def open(self, model: onnx.ModelProto) -> ort.InferenceSession:
         """A session of ``model`` (from ``graph_model``) on the runner's provider with the session
         config its sessions have: a quantised export's fused DequantizeLinear + MatMul at float
         activations too, never ONNX Runtime's default int8 activations."""
-        config = None
-        if self.manifest.quantization:
-            from ..quantized_graph import EXACT_SESSION_CONFIG
-
-            config = EXACT_SESSION_CONFIG
-        return make_session(model.SerializeToString(), self.provider, config)
+        return make_session(model.SerializeToString(), self.provider, self._session_config)
 
     def prepare(self, case: Case) -> list[Prepared]:
         """The graph runs of ``case``: the encoder, the decoder, or both (seq2seq)."""
