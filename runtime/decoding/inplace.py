@@ -38,6 +38,14 @@ def logits_layout(runner: GraphRunner) -> tuple[int | None, int, type]:
     return rows, logits.shape[-1], NUMPY_DTYPES[logits.dtype]
 
 
+def require_finite(logits: np.ndarray) -> np.ndarray:
+    """``logits`` if all finite; ``RuntimeError`` otherwise (a prefill's check: a decode step's
+    logits are checked where its tokens are picked, ``sampling.next_token``)."""
+    if not np.isfinite(logits).all():
+        raise RuntimeError("the decoder produced non-finite logits; the export or its dtype may be broken")
+    return logits
+
+
 class InplaceDecoder:
     """The decoder graph with its KV buffers [B, Hkv, slots, D] bound once, as past and present.
 
@@ -83,9 +91,7 @@ class InplaceDecoder:
         logits = np.empty((batch, self.rows_out or length, self.vocab), dtype=self.logits_dtype)
         binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         self.session.run_with_iobinding(binding)
-        if not np.isfinite(logits).all():
-            raise RuntimeError("the decoder produced non-finite logits; the export or its dtype may be broken")
-        return logits
+        return require_finite(logits)
 
     def step(self, tokens: np.ndarray, seqlens_k: np.ndarray, total_sequence_length: int) -> np.ndarray:
         """One new token per row: tokens int64 [B], seqlens_k [B] (each row's cached length),

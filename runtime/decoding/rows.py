@@ -28,7 +28,7 @@ from tfport.dtypes import NUMPY_DTYPES
 
 from ..binding import PAST, PRESENT, GraphRunner, empty_cache, self_cache_inputs
 from .concat import decoder_forward
-from .inplace import logits_layout
+from .inplace import logits_layout, require_finite
 
 
 @dataclass(eq=False)
@@ -141,10 +141,7 @@ class InplaceRows:
         prompt = _check_prompt(self, prompt)
         index = len(self.rows)
         length = prompt.size
-        logits = self._run(index, index + 1, prompt[None], np.array([length - 1]))[0, -1]
-        if not np.isfinite(logits).all():  # a step's logits are checked where its tokens are picked
-            raise RuntimeError("the decoder produced non-finite logits; the export or its dtype "
-                               "may be broken")
+        logits = require_finite(self._run(index, index + 1, prompt[None], np.array([length - 1]))[0, -1])
         row = Row(index, length)
         self.rows.append(row)
         return row, logits
