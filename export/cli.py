@@ -31,9 +31,24 @@ def run_export(args: argparse.Namespace) -> int:
         calibration=calibration, head_bits=args.head_bits)
     graphs = ", ".join(g.file for g in manifest.graphs.values())
     cache = f", KV cache {manifest.kv_dtype}" if manifest.kv_dtype != manifest.dtype and "decoder" in manifest.graphs else ""
+    quantized = "" if manifest.quantization is None else f", {describe_quantization(manifest.quantization)}"
     print(f"exported {manifest.config.family} model to {args.out}: {graphs} "
-          f"({manifest.dtype}{cache}, opset {manifest.opset})")
+          f"({manifest.dtype}{cache}, opset {manifest.opset}{quantized})")
     return 0
+
+
+def describe_quantization(quantization: dict) -> str:
+    """One phrase for a manifest's quantisation entry, e.g. "int4 in blocks of 32 (GPTQ)" or
+    "keep Q4_K, Q6_K: 210 weight matrices kept, 1 re-quantised as int8"."""
+    if quantization["format"] == "keep":
+        text = f"keep {', '.join(quantization['types']) or 'no kept type'}: {quantization['kept']} weight matrices kept"
+        if quantization["requantized"]:
+            text += f", {quantization['requantized']} re-quantised as {quantization['fallback']['format']}"
+        return text
+    method = "GPTQ" if quantization.get("method") == "gptq" else "round-to-nearest"
+    head = f", head int{quantization['head_bits']}" if "head_bits" in quantization else ""
+    symmetric = "symmetric" if quantization["symmetric"] else "with zero points"
+    return f"{quantization['format']} in blocks of {quantization['block_size']}, {symmetric} ({method}{head})"
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:

@@ -311,6 +311,15 @@ def _require_validator() -> None:
             "or skip validation (--no-validate, validate=False)", name="onnxruntime") from None
 
 
+def _warn_requantized(quantization: dict) -> None:
+    """A warning when ``quantize="keep"`` could not keep every weight matrix's own blocks."""
+    if quantization.get("requantized"):
+        fallback = quantization["fallback"]
+        log.warning("quantize='keep': %d of %d weight matrices are not stored in a kept GGUF type and "
+                    "were re-quantised as %s, blocks of %d (round-to-nearest)", quantization["requantized"],
+                    quantization["requantized"] + quantization["kept"], fallback["format"], fallback["block_size"])
+
+
 def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "float32",
                  opset: int | None = None, target: str | Target = DEFAULT_TARGET, validate: bool = True,
                  tokenizer: str | os.PathLike | None = None, chat_template: str | None = None,
@@ -367,6 +376,10 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
             raise ValueError(f"quantize={scheme.name!r} with dtype='bfloat16': quantised weights replace "
                              "the stored ones and bfloat16 graphs compute in float32; export with "
                              "dtype='float32' (same activations)")
+        if scheme.name == "keep" and dtype != "float32":
+            raise ValueError(f"quantize='keep' with dtype={dtype!r}: a GGUF file's blocks are kept with "
+                             "their float32 scales (a K-quant's d x sc is not a float16 number); export "
+                             "with dtype='float32', or re-quantise with quantize='int4' or 'int8'")
         target.check_quantized(scheme, opset)
     out_dir = check_output_dir(out_dir, "out_dir", overwrite)
     if embedding is not None and (config.family != "encoder" or not isinstance(embedding, EmbeddingSettings)):
@@ -396,6 +409,9 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
                 proto = builder.build(opset, target.bodies, graph_metadata(manifest.settings))
                 external = _save_graph(proto, tmp / spec.file, external_data_threshold)
                 log.info("wrote %s%s", spec.file, " with external data" if external else "")
+        if scheme is not None:  # what the graphs were built with (keep: matrices kept and re-quantised)
+            manifest = dataclasses.replace(manifest, quantization=scheme.to_dict())
+            _warn_requantized(manifest.quantization)
         (tmp / CONFIG_FILE).write_text(config.to_json() + "\n")
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)

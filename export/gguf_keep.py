@@ -37,11 +37,13 @@ hands back the file's codes and scales, so ``dequantize()`` reproduces the modul
 bit for bit. A product whose rows come from tensors of different types (a Q4_K_M file's Q4_K
 query and key with its Q6_K value, fused into one QKV product) keeps each part's blocks as its
 own product, concatenated (``RowParts``). Rows stored in another type (F32, F16, Q2_K, Q3_K ...)
-are re-quantised with ``fallback`` (round-to-nearest), logged and counted (``requantized``).
+are re-quantised with ``fallback`` (round-to-nearest), with a warning, and counted in the
+manifest (``kept`` and ``requantized`` weight matrices).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -179,7 +181,19 @@ class KeptQuantization:
             blocks = decode_blocks(kind, file.blocks(name))
             self.index.add(gguf_values(blocks), blocks)
             self.kinds[name] = kind
-        self.kept = self.requantized = 0  # weight matrices so far
+        # distinct weight matrices seen so far (sha1 of their float32 bytes) -> kept or not: a
+        # matrix lowered in several graphs (or again for validation) counts once
+        self._seen: dict[str, bool] = {}
+
+    @property
+    def kept(self) -> int:
+        """Weight matrices lowered with the file's own blocks so far."""
+        return sum(self._seen.values())
+
+    @property
+    def requantized(self) -> int:
+        """Weight matrices re-quantised with ``fallback`` so far (stored in no kept type)."""
+        return len(self._seen) - self.kept
 
     def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> BlockQuantized | RowParts:
         """The file's blocks of ``rows`` [N, K] if every row is one of its rows: one
@@ -188,12 +202,14 @@ class KeptQuantization:
         ``fallback``."""
         parts = self.index.find_parts(rows) if scale_dtype == "float32" else None
         found = None if parts is None else parts[0] if len(parts) == 1 else RowParts(parts)
+        key = hashlib.sha1(np.ascontiguousarray(rows, dtype=np.float32).tobytes()).hexdigest()
         if found is None:
-            self.requantized += 1
-            log.info("keep: a [%d, %d] weight is not stored in one of %s: re-quantised as %s",
-                     *rows.shape, list(KEPT_TYPES), self.fallback.name)
+            if key not in self._seen:
+                log.info("keep: a [%d, %d] weight is not stored in one of %s: re-quantised as %s",
+                            *rows.shape, list(KEPT_TYPES), self.fallback.name)
+            self._seen[key] = False
             return self.fallback.quantize(rows, scale_dtype)
-        self.kept += 1
+        self._seen[key] = True
         return found
 
     def to_dict(self) -> dict:
@@ -201,4 +217,5 @@ class KeptQuantization:
         sizes = {kind: KEPT_BLOCK_SIZES.get(kind, BLOCK) for kind in types}
         return {"format": "keep", "source": self.path.name, "types": types,
                 "block_size": min(sizes.values(), default=BLOCK), "block_sizes": sizes,
-                "embeddings": True, "fallback": self.fallback.to_dict()}
+                "embeddings": True, "fallback": self.fallback.to_dict(),
+                "kept": self.kept, "requantized": self.requantized}

@@ -88,3 +88,30 @@ def test_a_product_of_two_types_keeps_both(target, tmp_path):
 def test_keep_needs_a_gguf_source(tmp_path):
     with pytest.raises(ValueError, match="not a GGUF file"):
         export_checkpoint_or_preset("tiny-decoder", tmp_path / "x", quantize="keep")
+
+
+def test_matrices_in_other_types_are_requantised_counted_and_reported(tmp_path, caplog, capsys):
+    """A Q4_0 file whose FFN down matrices are F16 (not a kept type): those are re-quantised with
+    the fallback, which the export warns about, the manifest counts and the CLI prints."""
+    from tfport.cli import main
+
+    from .tiny import LAYERS
+
+    path = write_tiny_llama(tmp_path / "partly.gguf", _encode, "Q4_0", tensor_types={"ffn_down": "F16"}).path
+    with caplog.at_level("WARNING", logger="tfport.export.exporter"):
+        assert main(["export", str(path), "--out", str(tmp_path / "k"), "--quantize", "keep"]) == 0
+    quantization = Manifest.read(tmp_path / "k").quantization
+    # per layer the products QKV, output and gate|up are kept (and the untied table and head), down is not
+    assert quantization["requantized"] == LAYERS
+    assert quantization["kept"] == 3 * LAYERS + 2
+    warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(f"{LAYERS} of {4 * LAYERS + 2} weight matrices" in m and "int8" in m for m in warning), warning
+    assert f"keep Q4_0: {3 * LAYERS + 2} weight matrices kept, {LAYERS} re-quantised as int8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_keep_refuses_a_float16_export(dtype, files, tmp_path):
+    """The blocks keep float32 scales: a float16 export would have re-quantised every matrix."""
+    with pytest.raises(ValueError, match=f"quantize='keep' with dtype='{dtype}'"):
+        export_checkpoint_or_preset(str(files["Q4_0"].path), tmp_path / "k", quantize="keep", dtype=dtype)
+    assert not (tmp_path / "k").exists()
