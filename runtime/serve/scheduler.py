@@ -17,7 +17,9 @@ their solo result.
 Events reach a handle from the scheduler thread; ``handle.attach(loop)`` delivers them to an
 asyncio loop instead (``async for event in handle``). ``handle.cancel()`` (a client that went away)
 frees the row at the next step boundary. An exception while prefilling fails that request only;
-one in a decode step fails the rows of that step, and the scheduler carries on with fresh state.
+one in a decode step fails the rows of that step, and the scheduler carries on with fresh state;
+NaN logits fail their row only. The export's forced tokens (``generation_config.json``'s
+``forced_bos_token_id`` / ``forced_eos_token_id``) are forced as ``Model.generate`` forces them.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Protocol, Union
 import numpy as np
 
 from ..decoding.rows import Row, RowBatch, row_batch_for
-from ..sampling import SamplingParams, make_rng, next_token
+from ..sampling import SamplingParams, force_tokens, make_rng, next_token
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +187,7 @@ class _Live:
     row: Row
     rng: np.random.Generator | None
     last: int
+    forced: dict[int, tuple[int, ...]]  # step -> the only ids allowed (Model.forced_tokens)
 
 
 class Scheduler:
@@ -320,7 +323,10 @@ class Scheduler:
         picked = self._sample(logits)
         self.observer.step(len(self._live), len(picked), time.perf_counter() - start)
         for live, token in zip(list(self._live), picked):
-            self._push(live, int(token))
+            if isinstance(token, RuntimeError):
+                self._retire(live, Failed(token))
+            else:
+                self._push(live, token)
 
     def _stop_reason(self, handle: Handle, now: float) -> str | None:
         if handle.cancelled:
@@ -349,18 +355,38 @@ class Scheduler:
                 self.observer.finished("error", time.monotonic() - handle.submitted)
                 continue
             rng = None if request.params.greedy and request.seed is None else make_rng(request.seed)
-            live = _Live(handle, row, rng, -1)
+            forced = self.model.forced_tokens(max_new_tokens=request.max_tokens,
+                                              one_token_start=len(request.prompt) == 1)
+            live = _Live(handle, row, rng, -1, forced)
             self._live.append(live)
             self.observer.first_token(time.monotonic() - handle.submitted)
-            self._push(live, int(next_token(logits[None], request.params, rng)[0]))
+            try:
+                token = self._pick(live, logits)
+            except RuntimeError as err:  # NaN logits: this request only
+                self._retire(live, Failed(err))
+                continue
+            self._push(live, token)
 
-    def _sample(self, logits: np.ndarray) -> np.ndarray:
-        """One token per live row, each with its own parameters and generator -> int64 [n]."""
-        picked = np.argmax(logits, axis=-1).astype(np.int64)  # greedy rows, vectorised
+    def _pick(self, live: _Live, logits: np.ndarray) -> int:
+        """``live``'s next token from its logits [V]: the id its export forces at this step, else
+        its own sampling; ``RuntimeError`` for NaN logits (``sampling.check_logits``)."""
+        step = len(live.handle.tokens)
+        if step in live.forced:
+            logits = force_tokens(logits[None], live.forced[step])[0]
+        return int(next_token(logits[None], live.handle.request.params, live.rng)[0])
+
+    def _sample(self, logits: np.ndarray) -> list[int | RuntimeError]:
+        """One token per live row (logits [n, V]), each with its own parameters and generator,
+        or the error that ends the row (NaN logits)."""
+        picked: list[int | RuntimeError] = np.argmax(logits, axis=-1).tolist()  # greedy rows, vectorised
+        plain = np.isfinite(logits).all(axis=-1)
         for b, live in enumerate(self._live):
-            params = live.handle.request.params
-            if not params.greedy:
-                picked[b] = next_token(logits[b:b + 1], params, live.rng)[0]
+            if plain[b] and live.handle.request.params.greedy and len(live.handle.tokens) not in live.forced:
+                continue
+            try:
+                picked[b] = self._pick(live, logits[b])
+            except RuntimeError as err:
+                picked[b] = err
         return picked
 
     def _push(self, live: _Live, token: int) -> None:

@@ -157,3 +157,40 @@ def test_a_failing_request_fails_alone(model, scheduler, monkeypatch):
     while scheduler.running and time.monotonic() < deadline:
         time.sleep(0.01)
     assert scheduler.running == 0
+
+
+def test_nan_logits_fail_their_row_only(model, scheduler, monkeypatch):
+    """A greedy row whose step logits are NaN ends with Failed (argmax would have picked the first
+    NaN as a token); the row beside it still gets its solo tokens."""
+    step, calls = scheduler.batch.step, []
+
+    def nan_in_row_0(tokens):
+        logits = step(tokens)
+        calls.append(len(tokens))
+        if len(calls) == 2:
+            logits[0] = np.nan
+        return logits
+
+    monkeypatch.setattr(scheduler.batch, "step", nan_in_row_0)
+    first, second = prompts(2, seed=11)
+    hit, other = scheduler.submit([GenerationRequest(first, 6), GenerationRequest(second, 6)])
+    events = list(hit)
+    assert calls[:2] == [2, 2]  # both rows were in the batch when row 0 got NaN
+    assert [type(e) for e in events] == [Token, Token, Failed] and "NaN" in str(events[-1].error)
+    assert [e.id for e in events[:2]] == solo(model, first, 2, stop_token_ids=())
+    assert other.result() == (solo(model, second, 6, stop_token_ids=()), "length")
+
+
+def test_the_exports_forced_tokens_are_forced_as_generate_forces_them(model, scheduler, monkeypatch):
+    """generation_config's forced_eos_token_id (the last step) and forced_bos_token_id (step 0 of
+    a one-token prompt): served tokens equal Model.generate's, which differ from unforced ones."""
+    from tfport.generation import GenerationDefaults
+
+    monkeypatch.setattr(model, "generation", GenerationDefaults(forced_bos_token_id=9, forced_eos_token_ids=(7, 8)))
+    cases = [([5], 5), (prompts(1, seed=12)[0], 4)]
+    results = [h.result() for h in scheduler.submit([GenerationRequest(p, n) for p, n in cases])]
+    for (prompt, n), (tokens, reason) in zip(cases, results):
+        assert reason == "length" and tokens == solo(model, prompt, n, stop_token_ids=())
+        assert tokens[-1] in (7, 8)
+    assert results[0][0][0] == 9
+    assert solo(model, [5], 5, stop_token_ids=(), forced_bos_token_id=(), forced_eos_token_id=()) != results[0][0]
