@@ -206,7 +206,7 @@ class KeptQuantization:
         if found is None:
             if key not in self._seen:
                 log.info("keep: a [%d, %d] weight is not stored in one of %s: re-quantised as %s",
-                            *rows.shape, list(KEPT_TYPES), self.fallback.name)
+                         *rows.shape, list(KEPT_TYPES), self.fallback.name)
             self._seen[key] = False
             return self.fallback.quantize(rows, scale_dtype)
         self._seen[key] = True
