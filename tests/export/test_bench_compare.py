@@ -72,3 +72,14 @@ def test_cuda_is_asked_for_and_never_replaced_by_the_cpu():
         run_compare(settings, "tiny-decoder", ())
     with pytest.raises(ValueError, match="peers .*run on the CPU"):
         run_compare(settings, "tiny-decoder", (), genai=("some-genai-dir",))
+
+
+def test_keep_is_refused_before_anything_is_timed(tmp_path):
+    """keep needs a GGUF source and float32 (its blocks keep float32 scales)."""
+    settings = dataclasses.replace(QUICK, batches=(1,), contexts=(8,), targets=("portable",))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        run_compare(settings, "tiny-decoder", ("int4", "keep"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(20))  # only the magic is read before the refusal
+    with pytest.raises(ValueError, match="--quantize keep with --dtype float16"):
+        run_compare(dataclasses.replace(settings, dtype="float16"), str(gguf), ("keep",))
