@@ -39,9 +39,10 @@ def run_export(args: argparse.Namespace) -> int:
 
 def describe_quantization(quantization: dict) -> str:
     """One phrase for a manifest's quantisation entry, e.g. "int4 in blocks of 32 (GPTQ)" or
-    "keep Q4_K, Q6_K: 210 weight matrices kept, 1 re-quantised as int8"."""
+    "keep Q4_K, Q6_K: 120 weight products kept, 1 re-quantised as int8" (a fused QKV or gate|up
+    product counts once)."""
     if quantization["format"] == "keep":
-        text = f"keep {', '.join(quantization['types']) or 'no kept type'}: {quantization['kept']} weight matrices kept"
+        text = f"keep {', '.join(quantization['types']) or 'no kept type'}: {quantization['kept']} weight products kept"
         if quantization["requantized"]:
             text += f", {quantization['requantized']} re-quantised as {quantization['fallback']['format']}"
         return text

@@ -315,7 +315,7 @@ def _warn_requantized(quantization: dict) -> None:
     """A warning when ``quantize="keep"`` could not keep every weight matrix's own blocks."""
     if quantization.get("requantized"):
         fallback = quantization["fallback"]
-        log.warning("quantize='keep': %d of %d weight matrices are not stored in a kept GGUF type and "
+        log.warning("quantize='keep': %d of %d weight products are not stored in a kept GGUF type and "
                     "were re-quantised as %s, blocks of %d (round-to-nearest)", quantization["requantized"],
                     quantization["requantized"] + quantization["kept"], fallback["format"], fallback["block_size"])
 

@@ -38,7 +38,7 @@ bit for bit. A product whose rows come from tensors of different types (a Q4_K_M
 query and key with its Q6_K value, fused into one QKV product) keeps each part's blocks as its
 own product, concatenated (``RowParts``). Rows stored in another type (F32, F16, Q2_K, Q3_K ...)
 are re-quantised with ``fallback`` (round-to-nearest), with a warning, and counted in the
-manifest (``kept`` and ``requantized`` weight matrices).
+manifest (``kept`` and ``requantized`` weight products: a fused QKV or gate|up is one).
 """
 
 from __future__ import annotations
@@ -181,18 +181,18 @@ class KeptQuantization:
             blocks = decode_blocks(kind, file.blocks(name))
             self.index.add(gguf_values(blocks), blocks)
             self.kinds[name] = kind
-        # distinct weight matrices seen so far (sha1 of their float32 bytes) -> kept or not: a
+        # distinct weight products seen so far (sha1 of their float32 bytes) -> kept or not: a
         # matrix lowered in several graphs (or again for validation) counts once
         self._seen: dict[str, bool] = {}
 
     @property
     def kept(self) -> int:
-        """Weight matrices lowered with the file's own blocks so far."""
+        """Weight products (and token tables) lowered with the file's own blocks so far."""
         return sum(self._seen.values())
 
     @property
     def requantized(self) -> int:
-        """Weight matrices re-quantised with ``fallback`` so far (stored in no kept type)."""
+        """Weight products (and token tables) re-quantised with ``fallback`` so far (stored in no kept type)."""
         return len(self._seen) - self.kept
 
     def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> BlockQuantized | RowParts:

@@ -105,8 +105,8 @@ def test_matrices_in_other_types_are_requantised_counted_and_reported(tmp_path, 
     assert quantization["requantized"] == LAYERS
     assert quantization["kept"] == 3 * LAYERS + 2
     warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert any(f"{LAYERS} of {4 * LAYERS + 2} weight matrices" in m and "int8" in m for m in warning), warning
-    assert f"keep Q4_0: {3 * LAYERS + 2} weight matrices kept, {LAYERS} re-quantised as int8" in capsys.readouterr().out
+    assert any(f"{LAYERS} of {4 * LAYERS + 2} weight products" in m and "int8" in m for m in warning), warning
+    assert f"keep Q4_0: {3 * LAYERS + 2} weight products kept, {LAYERS} re-quantised as int8" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
