@@ -376,10 +376,10 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
             raise ValueError(f"quantize={scheme.name!r} with dtype='bfloat16': quantised weights replace "
                              "the stored ones and bfloat16 graphs compute in float32; export with "
                              "dtype='float32' (same activations)")
-        if scheme.name == "keep" and dtype != "float32":
-            raise ValueError(f"quantize='keep' with dtype={dtype!r}: a GGUF file's blocks are kept with "
-                             "their float32 scales (a K-quant's d x sc is not a float16 number); export "
-                             "with dtype='float32', or re-quantise with quantize='int4' or 'int8'")
+        if scheme.name == "keep":
+            from .gguf_keep import check_keep_dtype
+
+            check_keep_dtype(dtype)
         target.check_quantized(scheme, opset)
     out_dir = check_output_dir(out_dir, "out_dir", overwrite)
     if embedding is not None and (config.family != "encoder" or not isinstance(embedding, EmbeddingSettings)):
@@ -440,13 +440,9 @@ def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, seed: i
 
     loaded = load_source(source, seed)
     if options.get("quantize") == "keep":  # the GGUF file's own blocks (export/gguf_keep.py)
-        from tfport.models.gguf.reader import is_gguf_file
+        from .gguf_keep import KeptQuantization, check_keep
 
-        from .gguf_keep import KeptQuantization
-
-        if not is_gguf_file(source):
-            raise ValueError(f"quantize='keep': source={source!r} is not a GGUF file; 'keep' keeps "
-                             "a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks (use int4 or int8 otherwise)")
+        check_keep(source, options.get("dtype", "float32"))
         options["quantize"] = KeptQuantization(source)
     if options.get("tokenizer") is None:
         options["tokenizer"] = loaded.tokenizer

@@ -60,6 +60,25 @@ KEPT_TYPES = (*BLOCK_BYTES, *SUPER_BYTES)
 KEPT_BLOCK_SIZES = {"Q6_K": 16}  # the export's block size where it is not 32
 
 
+def check_keep(source: str, dtype: str = "float32") -> None:
+    """``ValueError`` unless ``quantize="keep"`` applies: ``source`` a GGUF file, exported in ``dtype``
+    float32 (``check_keep_dtype``)."""
+    from tfport.models.gguf.reader import is_gguf_file
+
+    if not is_gguf_file(source):
+        raise ValueError(f"quantize='keep': source={source!r} is not a GGUF file; 'keep' keeps a GGUF "
+                         "file's own Q4_0 / Q4_1 / Q8_0 blocks (use int4 or int8 otherwise)")
+    check_keep_dtype(dtype)
+
+
+def check_keep_dtype(dtype: str) -> None:
+    """``ValueError`` for a ``quantize="keep"`` export in a ``dtype`` other than float32."""
+    if dtype != "float32":
+        raise ValueError(f"quantize='keep' with dtype={dtype!r}: a GGUF file's blocks are kept with "
+                         "their float32 scales (a K-quant's d x sc is not a float16 number); export "
+                         "with dtype='float32', or re-quantise with quantize='int4' or 'int8'")
+
+
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """uint8 [..., 16] -> codes [..., 32]: low nibbles are values 0-15, high ones 16-31."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)

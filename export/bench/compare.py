@@ -157,14 +157,9 @@ def run_compare(settings: BenchSettings, source_name: str, formats: tuple[str, .
         raise ValueError(f"provider={settings.provider!r}: the peers (--genai, --llama-cpp) run on the "
                          "CPU; compare them with provider='cpu', or time tfport alone on this provider")
     if "keep" in formats:  # refused now rather than after the other sides are exported
-        from tfport.models.gguf.reader import is_gguf_file
+        from ..gguf_keep import check_keep
 
-        if not is_gguf_file(source_name):
-            raise ValueError(f"--quantize keep: source {source_name!r} is not a GGUF file (keep times "
-                             "a GGUF file's own blocks)")
-        if settings.dtype != "float32":
-            raise ValueError(f"--quantize keep with --dtype {settings.dtype}: a GGUF file's blocks are "
-                             "kept with float32 scales; bench keep with --dtype float32")
+        check_keep(source_name, settings.dtype)
     load_before = load_average()
     source = load_source(source_name, settings.seed)
     context, steps = settings.contexts[0], settings.new_tokens

@@ -81,5 +81,5 @@ def test_keep_is_refused_before_anything_is_timed(tmp_path):
         run_compare(settings, "tiny-decoder", ("int4", "keep"))
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF" + bytes(20))  # only the magic is read before the refusal
-    with pytest.raises(ValueError, match="--quantize keep with --dtype float16"):
+    with pytest.raises(ValueError, match="quantize='keep' with dtype='float16'"):
         run_compare(dataclasses.replace(settings, dtype="float16"), str(gguf), ("keep",))
