@@ -183,14 +183,17 @@ class RowIndex:
 
     def __init__(self):
         self.matrices: list[BlockQuantized] = []
-        self.rows: dict[bytes, tuple[int, int]] = {}  # float32 row bytes -> (matrix, row)
+        self.keys: list[list[bytes]] = []  # per matrix, its rows' float32 bytes
+        self.rows: dict[bytes, list[tuple[int, int]]] = {}  # float32 row bytes -> every (matrix, row)
 
     def add(self, values: np.ndarray, quantized: BlockQuantized) -> None:
         """Index ``quantized`` under ``values`` [N, K], the float values its rows stand for."""
         assert values.shape == quantized.shape, (values.shape, quantized.shape)
         self.matrices.append(quantized)
-        for row, value in enumerate(np.ascontiguousarray(values, dtype=np.float32)):
-            self.rows.setdefault(value.tobytes(), (len(self.matrices) - 1, row))
+        keys = [value.tobytes() for value in np.ascontiguousarray(values, dtype=np.float32)]
+        self.keys.append(keys)
+        for row, key in enumerate(keys):
+            self.rows.setdefault(key, []).append((len(self.matrices) - 1, row))
 
     def find(self, rows: np.ndarray) -> BlockQuantized | None:
         """The blocks of ``rows`` [N, K] if every row was indexed and all of them in one format
@@ -200,10 +203,25 @@ class RowIndex:
 
     def find_parts(self, rows: np.ndarray) -> list[BlockQuantized] | None:
         """The blocks of ``rows`` [N, K] as consecutive groups of rows of one format each (one
-        group when all share it), or None if a row was not indexed."""
-        found = [self.rows.get(row.tobytes()) for row in np.ascontiguousarray(rows, dtype=np.float32)]
-        if None in found:
-            return None
+        group when all share it), or None if a row was not indexed.
+
+        A row stored in several places (a zero row in two matrices, a table's padding rows) is
+        taken from the run of consecutive rows it continues, else from the indexed matrix whose
+        rows match the longest stretch from here (on a tie, the previous row's matrix): a whole
+        matrix, or one of several concatenated, is found as itself however many of its rows occur
+        elsewhere."""
+        keys = [row.tobytes() for row in np.ascontiguousarray(rows, dtype=np.float32)]
+        found: list[tuple[int, int]] = []
+        for i, key in enumerate(keys):
+            if found and self._continues(found[-1], key):
+                found.append((found[-1][0], found[-1][1] + 1))
+                continue
+            candidates = self.rows.get(key)
+            if candidates is None:
+                return None
+            previous = found[-1][0] if found else None
+            found.append(candidates[0] if len(candidates) == 1 else  # longest run; then the matrix so far
+                         max(candidates, key=lambda entry: (self._run(entry, keys, i), entry[0] == previous)))
         groups: list[list[tuple[int, int]]] = []
         for entry in found:
             if groups and self._format(groups[-1][-1]) == self._format(entry):
@@ -211,6 +229,18 @@ class RowIndex:
             else:
                 groups.append([entry])
         return [self._gather(group) for group in groups]
+
+    def _continues(self, entry: tuple[int, int], key: bytes) -> bool:
+        """Whether the row after ``entry`` in its matrix has the bytes ``key``."""
+        matrix, row = entry
+        return row + 1 < len(self.keys[matrix]) and self.keys[matrix][row + 1] == key
+
+    def _run(self, entry: tuple[int, int], keys: list[bytes], start: int) -> int:
+        """How many of ``keys[start:]`` match the rows of ``entry``'s matrix from ``entry`` on."""
+        length = 1
+        while start + length < len(keys) and self._continues((entry[0], entry[1] + length - 1), keys[start + length]):
+            length += 1
+        return length
 
     def _format(self, entry: tuple[int, int]) -> tuple:
         p = self.matrices[entry[0]]

@@ -27,6 +27,7 @@ from tfport.export import export_model
 from tfport.export import calibrate as C
 from tfport.export.parity.accuracy import PERPLEXITY_TEXT
 from tfport.export.quantize import QuantScheme, fake_quantize
+from tfport.models import build_model
 
 HELD_OUT = PERPLEXITY_TEXT
 
@@ -46,8 +47,6 @@ def word_tokenizer(vocab_size: int, path: Path | None = None):
 
 
 def perturbed(config):
-    from tfport.models import build_model
-
     model = build_model(config, seed=0)
     with torch.no_grad():
         for p in model.parameters():
@@ -139,6 +138,19 @@ def test_gptq_rows_keeps_the_layout_and_rounds_scales_first():
     assert q.zero_points.shape == (6, 3) and int(q.codes.max()) <= 15
     with pytest.raises(ValueError, match=r"hessian: expected shape \(40, 40\)"):
         C.gptq_rows(rows, torch.eye(8), 4, 16, False)
+
+
+def test_head_bits_hold_when_a_head_row_also_occurs_in_a_layer():
+    """A zero row in a layer's product and in the LM head (a padded vocabulary row): the head is
+    still found whole, at head_bits, not re-quantised at the scheme's bits."""
+    model = build_model(matrix_config("decoder", "rope", "gqa").replace(tie_embeddings=False), seed=0)
+    with torch.no_grad():
+        model.decoder.layers[0].attn.out.weight[3].zero_()
+        model.lm_head.weight[0].zero_()
+    quantization = C.calibrate(model, QuantScheme(4, 16), None, head_bits=8)
+    head = quantization.quantize(model.lm_head.weight.detach().numpy())
+    layer = quantization.quantize(model.decoder.layers[0].attn.out.weight.detach().numpy())
+    assert (head.bits, layer.bits, quantization.requantized) == (8, 4, 0)
 
 
 def test_sentences_and_sequences():

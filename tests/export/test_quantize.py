@@ -17,7 +17,7 @@ import pytest
 from tests.matrix import matrix_config
 from tfport.contract import Manifest
 from tfport.export import export_model
-from tfport.export.quantize import QuantScheme, fake_quantize, pack_nibbles, quantize_rows
+from tfport.export.quantize import QuantScheme, RowIndex, fake_quantize, pack_nibbles, quantize_rows
 from tfport.export.targets import TARGETS
 from tfport.models import build_model
 from tfport.runtime import load_model
@@ -71,6 +71,30 @@ def test_scale_search_never_increases_a_blocks_error(symmetric):
     plain, searched = (quantize_rows(rows, 4, 16, symmetric, search=s) for s in (False, True))
     error = [np.square(q.dequantize() - rows).reshape(64, 4, 16).sum(-1) for q in (plain, searched)]
     assert (error[1] <= error[0] * (1 + 1e-5)).all() and error[1].sum() < error[0].sum()
+
+
+def test_row_index_finds_each_matrix_whole_when_rows_repeat():
+    """A row stored in two matrices of different formats (zero rows), and repeated within one:
+    each matrix, and their concatenation, is found as itself (one format per matrix)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4, 64)).astype(np.float32)
+    t = rng.standard_normal((10, 64)).astype(np.float32)
+    a[2] = t[0] = t[5] = t[6] = 0
+    qa, qt = quantize_rows(a, 4, 32, True), quantize_rows(t, 8, 32, True)
+    index = RowIndex()
+    index.add(a, qa)
+    index.add(t, qt)
+    for rows, expected in ((a, qa), (t, qt), (t[5:], qt), (t[::-1], None)):
+        found = index.find(rows)
+        if expected is None:  # reversed rows of one matrix: found row by row, still int8
+            assert found.bits == 8 and np.array_equal(found.dequantize(), qt.dequantize()[::-1])
+        else:
+            start = len(expected.codes) - len(rows)
+            assert found.bits == expected.bits
+            assert np.array_equal(found.codes, expected.codes[start:])
+    parts = index.find_parts(np.concatenate([t, a]))
+    assert [(p.bits, p.shape[0]) for p in parts] == [(8, 10), (4, 4)]
+    assert index.find_parts(np.ones((1, 64), np.float32)) is None
 
 
 def test_pack_nibbles_puts_the_first_code_low():
