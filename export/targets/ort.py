@@ -187,9 +187,13 @@ class OrtTarget(PortableTarget):
                 stored.append(byte_initializer(g, f"{name}.row_zero_points", _pack(table.zero_points, table.bits)))
             table.stored["gather"] = tuple(stored)
         data, scales, *zero_points = table.stored["gather"]
-        return g.op("GatherBlockQuantized", data, ids, scales, *zero_points, domain="com.microsoft",
+        rows = g.op("GatherBlockQuantized", data, ids, scales, *zero_points, domain="com.microsoft",
                     bits=table.bits, block_size=table.block_size, gather_axis=0, quantize_axis=1,
                     name=name)
+        if e * table.bits % 8:  # an odd E of 4-bit codes: the rows' padding nibble comes out too
+            rows = g.op("Slice", rows, g.const([0], name="zero_1d"), g.const([e], name=f"{name}.width"),
+                        g.const([-1], name="minus_one_1d"), name=f"{name}.unpad")
+        return rows
 
 
 def _pack(codes: np.ndarray, bits: int) -> np.ndarray:

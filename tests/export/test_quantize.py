@@ -157,6 +157,15 @@ def test_untied_head_and_rows_that_are_not_whole_blocks(tmp_path):
     export_model(model, tmp_path / "q", quantize="int8", block_size=32)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_an_odd_width_of_4_bit_rows_is_gathered_exactly(symmetric, tmp_path):
+    """d_model 33 (head_dim 16): each 4-bit table row ends in a padding nibble, which the ort
+    gather must not return as a 34th column (validated against the module)."""
+    config = matrix_config("decoder", "rope", "mqa").replace(d_model=33, n_heads=2, n_kv_heads=1, head_dim=16)
+    export_model(build_model(config, seed=0), tmp_path / "q", target="ort", quantize="int4", block_size=16,
+                 symmetric=symmetric)
+
+
 def test_fake_quantize_leaves_the_model_alone_and_quantises_the_tied_table_once():
     model = build_model(matrix_config("decoder", "rope", "gqa").replace(tie_embeddings=True), seed=0)
     before = model.decoder.embed.tokens.weight.detach().clone()
