@@ -8,9 +8,13 @@ GGUF's Q4_1 / Q4_K / Q5_1 / Q5_K, and the float-activation form of a graph that 
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from .quantize import BlockQuantized, QuantScheme, RowParts, gatherable, pack_nibbles
+
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------ graph storage
@@ -60,6 +64,9 @@ class WeightQuantizer:
         """Quantise a token table [V, E]; returns the handle ``gather`` and ``project`` take."""
         table = self.scheme.quantize(rows, g.dtype)
         if not gatherable(table):  # float rows instead
+            log.warning("%s: the quantised token table [%d, %d] mixes formats (%s); stored as %s rows",
+                        name, *rows.shape, ", ".join(f"int{p.bits} blocks of {p.block_size}" for p in table.parts),
+                        g.dtype)
             return g.weight(name, rows)
         handle = g.fresh(name)
         self.tables[handle] = table
