@@ -80,8 +80,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                         "and a tied head (round-to-nearest; the target lowers it: DequantizeLinear + "
                         "MatMul for portable/onnx23, MatMulNBits for ort); keep: a .gguf source's own "
                         "Q4_0/Q4_1/Q8_0 blocks, not re-quantised")
-    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=32,
-                   help="values per scale along each weight row (default 32)")
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None,
+                   help="values per scale along each weight row of --quantize int4/int8 (default 32)")
     p.add_argument("--calibration", metavar="TEXT",
                    help=f"choose int4/int8 codes with GPTQ on the model's activations over a text "
                         f"({BUILTIN}: the text shipped in export/data/calibration.txt, or a UTF-8 text "
@@ -96,6 +96,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--logits", choices=LOGITS, default="all",
                    help="decoder logits for every position (all, default) or only the one the next "
                         "token is picked from (last: [B, 1, V]; a prefill skips the head for the rest)")
-    p.add_argument("--symmetric", action="store_true",
-                   help="no zero points (codes centred on 0); default: a zero point per block")
+    p.add_argument("--symmetric", action="store_true", default=None,
+                   help="--quantize int4/int8 without zero points (codes centred on 0); default: a zero "
+                        "point per block")
     p.set_defaults(func=run_export)

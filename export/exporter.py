@@ -326,7 +326,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, *, dtype: str = "
                  embedding: EmbeddingSettings | None = None, generation: GenerationDefaults | None = None,
                  overwrite: bool = False, external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
                  show_progress: bool | None = None, quantize: str | QuantScheme | None = None,
-                 block_size: int = 32, symmetric: bool = False, logits: str = "all",
+                 block_size: int | None = None, symmetric: bool | None = None, logits: str = "all",
                  kv_dtype: str | None = None, calibration: str | Calibration | None = None,
                  head_bits: int | None = None) -> Manifest:
     """Export ``model`` (a tfport reference module with ``.config``) to ``out_dir``.

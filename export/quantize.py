@@ -47,8 +47,11 @@ class QuantScheme:
     def __post_init__(self) -> None:
         if self.bits not in BITS.values():
             raise ValueError(f"bits={self.bits!r}: expected one of {sorted(BITS.values())}")
-        if self.block_size not in BLOCK_SIZES:
+        if isinstance(self.block_size, bool) or self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size={self.block_size!r}: expected one of {list(BLOCK_SIZES)}")
+        for option in ("symmetric", "embeddings"):
+            if not isinstance(getattr(self, option), bool):
+                raise TypeError(f"{option}={getattr(self, option)!r}: expected True or False")
 
     @classmethod
     def parse(cls, quantize: str, block_size: int = 32, symmetric: bool = False) -> "QuantScheme":
@@ -419,10 +422,16 @@ def fake_quantize(model, scheme: QuantScheme, dtype: str = "float32"):
     return reference
 
 
-def resolve_scheme(quantize, block_size: int = 32, symmetric: bool = False) -> QuantScheme | None:
-    """``export_model``'s ``quantize`` argument: None, "int4" / "int8" (with ``block_size`` and
-    ``symmetric``) or a ``QuantScheme`` (taken as is)."""
+def resolve_scheme(quantize, block_size: int | None = None, symmetric: bool | None = None) -> QuantScheme | None:
+    """``export_model``'s ``quantize`` argument: None, "int4" / "int8" (with ``block_size``, default
+    32, and ``symmetric``, default False) or a ``QuantScheme`` (taken as is: ``block_size`` and
+    ``symmetric`` are refused with it, as without quantisation)."""
     if quantize is None or isinstance(quantize, QuantScheme) or hasattr(quantize, "quantize"):
+        for option, value in (("block_size", block_size), ("symmetric", symmetric)):
+            if value is not None:
+                got = ("no quantisation" if quantize is None else
+                       f"quantize={getattr(quantize, 'name', type(quantize).__name__)!r}, whose layout is its own")
+                raise ValueError(f"{option}={value!r}: applies to quantize='int4' or 'int8', got {got}")
         return quantize  # a QuantScheme, or export.gguf_keep.KeptQuantization
     if quantize == "keep":
         raise ValueError("quantize='keep': keeps a GGUF file's own blocks, so the source must be a "
@@ -430,4 +439,4 @@ def resolve_scheme(quantize, block_size: int = 32, symmetric: bool = False) -> Q
                          "export.gguf_keep.KeptQuantization)")
     if not isinstance(quantize, str):
         raise TypeError(f"quantize={quantize!r}: expected None, one of {list(BITS)} or a QuantScheme")
-    return QuantScheme.parse(quantize, block_size, symmetric)
+    return QuantScheme.parse(quantize, 32 if block_size is None else block_size, False if symmetric is None else symmetric)

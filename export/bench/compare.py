@@ -112,7 +112,8 @@ def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tu
 
                 quantize = KeptQuantization(source_name)
             export_model(source.model, out, dtype=settings.dtype, target=target, quantize=quantize,
-                         logits="last", symmetric=not fmt.endswith("-asym"), validate=False)
+                         logits="last", symmetric=not fmt.endswith("-asym") if isinstance(quantize, str) else None,
+                         validate=False)
             model = load_model(out, settings.provider, intra_op_threads=settings.threads)
             sides.append(Side(label, "tfport", lambda p, n, m=model: time_tfport(m, p, n),
                               product_weight_bytes(out / "decoder.onnx"), fmt, target))

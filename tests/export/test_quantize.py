@@ -112,6 +112,18 @@ def test_scheme_checks_its_arguments():
         QuantScheme(4, 24)
     with pytest.raises(ValueError, match="quantize='int3'"):
         QuantScheme.parse("int3")
+    with pytest.raises(TypeError, match="symmetric='no'"):
+        QuantScheme(4, 32, "no")
+
+
+@pytest.mark.parametrize("quantize", [None, QuantScheme(8, 16)])
+def test_block_size_and_symmetric_apply_to_int4_and_int8_only(quantize, tmp_path):
+    """Without quantisation, or with a scheme object that has its own layout, they would be ignored."""
+    model = build_model(matrix_config("decoder", "rope", "gqa"), seed=0)
+    for option in ({"block_size": 64}, {"symmetric": True}):
+        with pytest.raises(ValueError, match=f"{next(iter(option))}=.*applies to quantize='int4' or 'int8'"):
+            export_model(model, tmp_path / "x", quantize=quantize, **option)
+    assert not (tmp_path / "x").exists()
 
 
 # ------------------------------------------------------------------- exports, every target
@@ -217,6 +229,8 @@ def test_cli_flags(tmp_path, capsys):
                  "--block-size", "16", "--symmetric"]) == 0
     quantization = Manifest.read(tmp_path / "q").quantization
     assert quantization["bits"] == 8 and quantization["block_size"] == 16 and quantization["symmetric"]
+    assert main(["export", "tiny-decoder", "--out", str(tmp_path / "f"), "--block-size", "64"]) == 2
+    assert "block_size=64: applies to quantize='int4' or 'int8', got no quantisation" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- real weights
