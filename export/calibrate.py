@@ -356,6 +356,9 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     head = getattr(model, "lm_head", None)
     heads = {id(p) for p in tables} | ({id(head.weight)} if isinstance(head, nn.Linear) else set())
     skipped = set() if scheme.embeddings else {id(p) for p in tables}  # the float table and a tied head
+    if head_bits is not None and not heads - skipped:
+        raise ValueError(f"head_bits={head_bits!r}: this model has no LM head or token table quantised "
+                         "apart from the other products (a tied head whose table stays float)")
     matrices = {f"{path}.weight": m.weight for path, m in model.named_modules() if isinstance(m, nn.Linear)}
     matrices.update({path: p for path, p in zip(token_table_paths(model), tables) if scheme.embeddings})
     index, done = RowIndex(), set(skipped)

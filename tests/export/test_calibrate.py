@@ -224,7 +224,10 @@ def test_refusals_name_the_option(tmp_path):
         C.Calibration(tokens=8)
     with pytest.raises(ValueError, match="head_bits=3: expected None or one of"):
         export_model(model, tmp_path / "d", quantize="int4", head_bits=3)
-    assert not any((tmp_path / n).exists() for n in "abcd")  # refused before anything was written
+    with pytest.raises(ValueError, match="head_bits=8: this model has no LM head or token table quantised"):
+        export_model(perturbed(matrix_config("decoder", "rope", "gqa").replace(tie_embeddings=True)), tmp_path / "e",
+                     quantize=QuantScheme(4, 32, embeddings=False), head_bits=8)
+    assert not any((tmp_path / n).exists() for n in "abcde")  # refused before anything was written
 
 
 def test_cli_refusals(tmp_path, capsys):
