@@ -21,7 +21,7 @@ from tfport.contract import Manifest
 from tfport.dtypes import COMPUTE_DTYPES
 from tfport.models.masks import MASK_VALUE
 
-from ..quantized_graph import EXACT_SESSION_CONFIG, exact_graph
+from ..quantized_graph import EXACT_SESSION_CONFIG, EXTERNAL_DATA_FOLDER, exact_graph
 from .cases import CACHE_ULPS, ROUNDING_FACTOR, TOLERANCES, Case, CaseResult, Diff, _compare
 from .inputs import CaseInputs, Prepared
 from .reference import TORCH_DTYPES, reference_module
@@ -92,8 +92,10 @@ class Runner:
         self.kv_dtype = self.manifest.kv_dtype
         self.tolerance = _tolerance(self.manifest, provider)
         # A quantised export runs its products with float activations (``exact_graph``, at
-        # ``EXACT_SESSION_CONFIG``), so it matches the fake-quantised reference exactly.
-        self._session_config = EXACT_SESSION_CONFIG if self.manifest.quantization else None
+        # ``EXACT_SESSION_CONFIG``), so it matches the fake-quantised reference exactly. Graphs
+        # opened from bytes read their external data from the export's directory.
+        self._session_config = {**(EXACT_SESSION_CONFIG if self.manifest.quantization else {}),
+                                EXTERNAL_DATA_FOLDER: str(self.export_dir.resolve())}
         self.sessions = {name: self._session(self.export_dir / g.file) for name, g in self.manifest.graphs.items()}
         self._device = "cuda" if provider == "cuda" else "cpu"
         self.torch_dtype = TORCH_DTYPES[self.dtype]
@@ -110,9 +112,12 @@ class Runner:
 
     def graph_model(self, graph: str) -> onnx.ModelProto:
         """``graph``'s model as the runner's sessions run it (a quantised export's 4-bit products
-        at float activations), to be changed (e.g. given extra outputs) and opened with ``open``."""
+        at float activations), to be changed (e.g. given extra outputs) and opened with ``open``;
+        external data is not loaded (``open`` reads it from the export's directory)."""
         path = self.export_dir / self.manifest.graphs[graph].file
-        return onnx.load_from_string(exact_graph(path)) if self.manifest.quantization else onnx.load(str(path))
+        if self.manifest.quantization:
+            return onnx.load_from_string(exact_graph(path))
+        return onnx.load(str(path), load_external_data=False)
 
     def open(self, model: onnx.ModelProto) -> ort.InferenceSession:
         """A session of ``model`` (from ``graph_model``) on the runner's provider with the session

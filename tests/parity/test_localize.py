@@ -10,6 +10,7 @@ and a real divergence is blamed on layer 0's attention.
 
 from __future__ import annotations
 
+import onnx
 import pytest
 
 from tests.matrix import ort_config
@@ -32,3 +33,21 @@ def test_taps_of_a_quantised_export_match_the_fake_quantised_reference(target, t
     diffs = runner.localize(case)
     assert len(diffs) > 4 * model.config.n_decoder_layers  # norms, attention, FFN of every layer
     assert first_divergence(diffs) is None, first_divergence(diffs)
+
+
+@pytest.mark.parametrize("target", ["ort", "portable"])
+def test_a_quantised_export_with_external_data_is_run_in_place(target, tmp_path):
+    """Weights in decoder.onnx.data: the exact graph is serialised without them (bytes over 2 GiB
+    cannot be a protobuf) and its sessions read them from the export's directory; validation at
+    export, parity and the taps all run."""
+    from tfport.export.quantized_graph import exact_graph
+
+    model = build_model(ort_config("gqa"), seed=7)
+    export_model(model, tmp_path / "q", target=target, quantize=SCHEME, external_data_threshold=0)
+    graph, data = tmp_path / "q" / "decoder.onnx", tmp_path / "q" / "decoder.onnx.data"
+    with_data = len(onnx.load(str(graph)).SerializeToString())  # the weights loaded into the message
+    assert len(exact_graph(graph)) < with_data - data.stat().st_size * 0.9
+    runner = Runner(fake_quantize(model, SCHEME), tmp_path / "q")
+    case = next(c for c in CASES if c.past and c.new == 1)
+    assert all(r.ok for r in runner.run(case))
+    assert first_divergence(runner.localize(case)) is None
