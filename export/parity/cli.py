@@ -68,7 +68,9 @@ def print_accuracy(model_dir, model, tokenizer) -> None:
         quantized = float("nan")
     prompts = [tok.encode(t).ids for t in ACCURACY_PROMPTS]
     expected = np.stack([generate(model, torch.tensor([p]), max_new_tokens=32)[0].numpy() for p in prompts])
-    got = runtime.generate(prompts, max_new_tokens=32, stop_token_ids=())
+    # greedy and unforced whatever the export's generation_config.json says, as the reference
+    got = runtime.generate(prompts, max_new_tokens=32, stop_token_ids=(), temperature=0.0,
+                           forced_bos_token_id=(), forced_eos_token_id=())
     print(HEADER)
     print(AccuracyRow("unquantised (PyTorch)", reference, 1.0, None).describe())
     print(AccuracyRow(f"export ({model_dir})"[:28], quantized, quantized / reference,
@@ -87,20 +89,25 @@ def run_parity(args: argparse.Namespace) -> int:
     if model.config != manifest.config:
         raise ValueError(f"--against={args.against!r}: its config differs from the export's "
                          f"({args.model_dir}/config.json)")
-    if manifest.quantization:
-        if args.accuracy:
-            print_accuracy(args.model_dir, model, source.tokenizer)
-        # The exact check: the module with the export's dequantised weights.
-        shipped = Path(args.model_dir) / TOKENIZER_FILE  # the tokenizer the export was calibrated with
-        tokenizer = shipped if shipped.is_file() else source.tokenizer
-        scheme = reference_scheme(manifest.quantization, args.against, model, tokenizer, args.calibration,
-                                  manifest.dtype)
-        model = fake_quantize(model, scheme, manifest.dtype)
+    if args.calibration is not None and "sha256" not in (manifest.quantization or {}):
+        raise ValueError(f"--calibration={args.calibration!r}: the export at {args.model_dir} was not "
+                         "calibrated (its manifest records no calibration text)")
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
+    if not providers:
+        raise ValueError(f"--providers={args.providers!r}: expected one or more of cpu, cuda")
     for provider in providers:
         if provider not in ("cpu", "cuda"):
             raise ValueError(f"--providers: {provider!r} is not one of cpu, cuda")
-    rows, failed = [], False
+    shipped = Path(args.model_dir) / TOKENIZER_FILE  # the tokenizer the export was made (calibrated) with
+    tokenizer = shipped if shipped.is_file() else source.tokenizer
+    if args.accuracy:
+        print_accuracy(args.model_dir, model, tokenizer)
+    if manifest.quantization:
+        # The exact check: the module with the export's dequantised weights.
+        scheme = reference_scheme(manifest.quantization, args.against, model, tokenizer, args.calibration,
+                                  manifest.dtype)
+        model = fake_quantize(model, scheme, manifest.dtype)
+    rows, failed, checked = [], False, 0
     header = f"{'case':<18} {'graph':<8} {'provider':<8} {'max_abs':>10} {'max_rel':>10} {'tokens':>7}  status"
     print(header)
     print("-" * len(header))
@@ -112,6 +119,7 @@ def run_parity(args: argparse.Namespace) -> int:
                 rows.append({"provider": "cuda", "skipped": reason})
                 continue
         runner = Runner(model, args.model_dir, provider)
+        checked += 1
         for case in CASES:
             for result in runner.run(case):
                 worst_abs = max(d.max_abs for d in result.diffs)
@@ -134,6 +142,9 @@ def run_parity(args: argparse.Namespace) -> int:
         report = {"model_dir": str(args.model_dir), "dtype": manifest.dtype,
                   "target": manifest.target, "rows": rows}
         write_text_atomic(args.json, json.dumps(report, indent=2) + "\n")
+    if not checked:
+        raise RuntimeError(f"--providers={args.providers!r}: none of them could run here, so nothing "
+                           "was checked")
     return 1 if failed else 0
 
 
@@ -147,9 +158,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--providers", default="cpu", help="comma-separated: cpu,cuda")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--accuracy", action="store_true",
-                   help="a quantised export: also its perplexity on a fixed text and greedy agreement "
-                        "against the unquantised --against (parity itself compares with the "
-                        "fake-quantised module: the same dequantised weights)")
+                   help="also the export's perplexity on a fixed text and greedy agreement against the "
+                        "unquantised --against (for a quantised export, parity itself compares with "
+                        "the fake-quantised module: the same dequantised weights)")
     p.add_argument("--calibration", metavar="FILE",
                    help="the text file a calibrated export was calibrated on (to recompute its "
                         "quantised weights; not needed for the built-in text)")

@@ -85,3 +85,35 @@ def test_first_divergence_names_the_piece():
     assert first_divergence([ok]) is None
     assert first_divergence([ok, bad]).startswith("layer 2 of encoder, disentangled position bias")
     assert first_divergence([Diff("decoder.layers.1.ffn_norm", 1.0, 1.0, False)]).startswith("layer 1 of decoder, norm")
+
+
+def test_nothing_checked_is_an_error_and_options_that_would_be_ignored_are_refused(tmp_path, capsys):
+    """No provider given, or none that can run (CUDA on a machine without it), checks nothing:
+    exit 2, not a pass; --calibration for an export that was not calibrated is refused."""
+    from tfport.export.parity.runner import cuda_available
+
+    export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "out")
+    args = ["parity", str(tmp_path / "out"), "--against", "tiny-decoder"]
+    assert main([*args, "--providers", " , "]) == 2
+    assert "--providers=' , ': expected one or more of cpu, cuda" in capsys.readouterr().err
+    if not cuda_available()[0]:
+        assert main([*args, "--providers", "cuda"]) == 2
+        assert "nothing was checked" in capsys.readouterr().err
+    assert main([*args, "--calibration", str(tmp_path / "text.txt")]) == 2
+    assert "was not calibrated" in capsys.readouterr().err
+
+
+def test_accuracy_greedy_agreement_is_greedy_whatever_the_generation_config_says(tmp_path, capsys):
+    """An export whose generation_config.json samples: --accuracy's greedy column still decodes
+    greedily, so a float32 export agrees with its reference on every token (sampling: ~0%)."""
+    from tests.runtime.runtime_cases import write_tokenizer
+    from tfport.generation import GenerationDefaults
+
+    config = PRESETS["tiny-decoder"]
+    export_model(build_model(config, seed=0), tmp_path / "out", tokenizer=write_tokenizer(tmp_path / "t.json", config),
+                 generation=GenerationDefaults(do_sample=True, temperature=1.5, top_k=0))
+    code, out = run(["parity", str(tmp_path / "out"), "--against", "tiny-decoder", "--accuracy"], capsys)
+    assert code == 0, out
+    row = next(line for line in out.splitlines() if line.startswith("export ("))
+    perplexity_ratio, agreement = row.split()[-2:]
+    assert (perplexity_ratio, agreement) == ("1.000", "100%"), row
