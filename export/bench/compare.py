@@ -34,6 +34,7 @@ from .roofline import measure_bandwidth
 log = logging.getLogger(__name__)
 
 FLOAT = "fp32"  # the unquantised export's format, whatever its dtype
+QUANTIZED_FORMATS = ("int4", "int8", "int4-asym", "int8-asym", "keep")  # --quantize: symmetric unless -asym
 SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 PRODUCT_OPS = {"MatMul", "MatMulNBits", "DequantizeLinear", "Gemm"}
 
@@ -69,8 +70,9 @@ class CompareRow:
 
 
 def product_weight_bytes(graph_path: Path) -> int:
-    """Bytes of the initializers that weight products read (through a Transpose or Reshape):
-    what one decode step at batch 1 reads from memory, embedding gathers aside."""
+    """Bytes of the initializers that weight products read (through Transposes, Reshapes and
+    Casts: a bfloat16 weight is cast to float32 on its way): what one decode step at batch 1 reads
+    from memory, embedding gathers aside."""
     model = onnx.load(str(graph_path), load_external_data=False)
     sizes = {}
     for tensor in model.graph.initializer:
@@ -84,8 +86,9 @@ def product_weight_bytes(graph_path: Path) -> int:
             continue
         for name in node.input[1:] if node.op_type != "DequantizeLinear" else node.input:
             source = producers.get(name)
-            if source is not None and source.op_type in ("Transpose", "Reshape"):
+            while source is not None and source.op_type in ("Transpose", "Reshape", "Cast"):
                 name = source.input[0]
+                source = producers.get(name)
             if name in sizes:
                 counted.add(name)
     return sum(sizes[name] for name in counted)
@@ -154,6 +157,13 @@ def run_compare(settings: BenchSettings, source_name: str, formats: tuple[str, .
     """Export, open and time every side (alternating), then rows with rooflines and ratios."""
     from ..source import load_source
 
+    formats = tuple(formats)
+    unknown = [f for f in formats if f not in QUANTIZED_FORMATS]
+    if unknown or len(set(formats)) != len(formats):
+        raise ValueError(f"--quantize {','.join(formats)}: expected distinct formats among "
+                         f"{', '.join(QUANTIZED_FORMATS)} (the unquantised export is always timed)")
+    if len(settings.contexts) != 1:
+        raise ValueError(f"--contexts {settings.contexts}: the engine comparison times one prompt length")
     if (genai or gguf) and settings.provider != "cpu":
         raise ValueError(f"provider={settings.provider!r}: the peers (--genai, --llama-cpp) run on the "
                          "CPU; compare them with provider='cpu', or time tfport alone on this provider")
@@ -219,7 +229,7 @@ def format_compare(result: dict[str, Any]) -> str:
              f"{result['machine']['load_average_after']}",
              f"bandwidth {bw['used_gbps']:.1f} GB/s ({bw['source']})", ""]
     header = ("side", "prefill ms", "step ms", "tokens/s", "MB/token", "% roofline",
-              "vs fastest peer", "vs tfport fp32")
+              "vs fastest peer", f"vs tfport {SHORT[s.get('dtype', 'float32')]}")
     table = [header]
     for r in result["rows"]:
         table.append((r["label"], f"{r['prefill_ms']:.1f}", f"{r['step_ms']:.2f}",

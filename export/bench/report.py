@@ -114,7 +114,7 @@ def format_table(result: BenchResult) -> str:
     weight_mb = model["weight_bytes_per_token"] / 1e6
     batch1 = bw.gbps * 1e9 / model["weight_bytes_per_token"]
     lines = [
-        f"tfport bench: {s.preset} (float32, {model['parameters']:,} parameters, "
+        f"tfport bench: {s.preset} ({s.dtype}, {model['parameters']:,} parameters, "
         f"{weight_mb:.1f} MB of weights read per step), provider {s.provider}, {s.threads} "
         f"thread(s), {s.new_tokens} timed steps, median of {s.repeats} repeat(s)",
         f"memory read bandwidth: numpy read {bw.numpy_read_gbps:.1f} GB/s ({bw.read_mib} MiB), "

@@ -83,3 +83,18 @@ def test_keep_is_refused_before_anything_is_timed(tmp_path):
     gguf.write_bytes(b"GGUF" + bytes(20))  # only the magic is read before the refusal
     with pytest.raises(ValueError, match="quantize='keep' with dtype='float16'"):
         run_compare(dataclasses.replace(settings, dtype="float16"), str(gguf), ("keep",))
+
+
+def test_bfloat16_bytes_are_read_through_the_cast(model, tmp_path):
+    """bfloat16 weights reach their products through a Cast to float32: 2 bytes a weight."""
+    export_model(model, tmp_path / "b", dtype="bfloat16", validate=False)
+    assert product_weight_bytes(tmp_path / "b" / "decoder.onnx") == 2 * sum(n * k for n, k in _products(model))
+
+
+def test_options_it_would_misread_are_refused():
+    settings = dataclasses.replace(QUICK, batches=(1,), contexts=(8,), targets=("portable",))
+    for formats in (("fp32",), ("int4", "int4"), ("int5",)):
+        with pytest.raises(ValueError, match="expected distinct formats among int4, int8"):
+            run_compare(settings, "tiny-decoder", formats)
+    with pytest.raises(ValueError, match="times one prompt length"):
+        run_compare(dataclasses.replace(settings, contexts=(8, 32)), "tiny-decoder", ())
