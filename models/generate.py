@@ -35,13 +35,14 @@ def generate(model: DecoderLM, input_ids: torch.Tensor, attention_mask: torch.Te
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> torch.Tensor:
     """Greedy or sampled continuation [B, max_new_tokens] of left-padded prompts [B, S].
 
-    Rows that produced ``eos_token_id`` continue with ``pad_token_id``. The last token is not fed
+    Rows that produced ``eos_token_id`` continue with ``config.fill_token_id`` (pad, or eos where
+    pad is null). The last token is not fed
     back, so prompt + max_new_tokens - 1 positions are used.
     """
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    pad = model.config.pad_token_id
+    pad = model.config.fill_token_id
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool)
     logits, cache = model(input_ids, attention_mask)
     tokens = []
@@ -79,7 +80,7 @@ def generate_seq2seq(model: EncoderDecoderLM, input_ids: torch.Tensor,
         logits, cache = model.decode(token[:, None], memory, attention_mask, decoder_mask,
                                      past_key_values=cache)
         token = next_token(logits[:, -1], temperature, top_k, top_p, generator)
-        token = torch.where(done, torch.full_like(token, model.config.pad_token_id), token)
+        token = torch.where(done, torch.full_like(token, model.config.fill_token_id), token)
         tokens.append(token)
         if eos_token_id is not None:
             done |= token == eos_token_id

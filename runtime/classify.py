@@ -86,7 +86,7 @@ def class_logits(model: Model, input_ids: Prompts, attention_mask: np.ndarray | 
         raise ValueError(f"input_ids: rows {missing} hold no eos_token_id={config.eos_token_id}; this "
                          "classifier reads the decoder at each row's last one (the checkpoint's "
                          "tokenizer ends every text with it)")
-    ids, mask = pad_batch(rows, config.pad_token_id, "right")
+    ids, mask = pad_batch(rows, config.fill_token_id, "right")
     out = model.runners["classifier"].run({"input_ids": ids, "attention_mask": mask},
                                           host_outputs=["class_logits"])
     return out["class_logits"].numpy()

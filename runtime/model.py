@@ -175,7 +175,7 @@ class Model:
         forced = self.forced_tokens(forced_bos_token_id, forced_eos_token_id, int(max_new_tokens),
                                     one_token_start=max(len(row) for row in first) == 1)
         return generate_steps(strategy_for(self.manifest.layout), runner, first, int(max_new_tokens),
-                              params, rng, stops, config.pad_token_id, static, forced)
+                              params, rng, stops, config.fill_token_id, static, forced)
 
     def forced_tokens(self, forced_bos_token_id: int | tuple[()] | None = None,
                       forced_eos_token_id: int | Sequence[int] | None = None, max_new_tokens: int = 16,
@@ -223,7 +223,7 @@ class Model:
             check_length("input_ids", longest, limit, "the longest prompt")
             check_length("max_new_tokens", max_new_tokens, limit,
                          "decoder start token plus generated tokens")
-            encoder_ids, encoder_mask = pad_batch(rows, config.pad_token_id, "right")
+            encoder_ids, encoder_mask = pad_batch(rows, config.fill_token_id, "right")
             static = self._cross_attention(encoder_ids, encoder_mask)
             start = np.array([config.decoder_start_token_id], dtype=np.int64)
             return [start] * len(rows), static
@@ -249,7 +249,7 @@ class Model:
         ``stop_token_ids`` default to the export's generation_config.json eos ids (all of them),
         else the config's ``eos_token_id`` (``()`` never stops early);
         generation ends when every row has produced one, and finished rows continue with
-        ``pad_token_id``. ``temperature`` 0 is greedy; otherwise sampling with ``top_k`` /
+        ``pad_token_id`` (``config.fill_token_id``: eos where pad is null). ``temperature`` 0 is greedy; otherwise sampling with ``top_k`` /
         ``top_p`` from ``seed``; each left at None takes the export's generation_config.json
         default (greedy when it has none or says ``do_sample: false``) (an int or a ``numpy.random.Generator``). ``callback(step,
         tokens [B])`` runs after each step; ``progress`` shows a tqdm bar on stderr.
@@ -360,7 +360,7 @@ class Model:
         check_vocab(rows, config.vocab_size)
         check_length("input_ids", max(len(r) for r in rows), config.max_positions,
                      "the longest prompt")
-        ids, mask = pad_batch(rows, config.pad_token_id, "right")
+        ids, mask = pad_batch(rows, config.fill_token_id, "right")
         feeds = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in runner.input_names:
             feeds["token_type_ids"] = self._token_types(token_type_ids, attention_mask, rows)

@@ -188,6 +188,14 @@ class ModelConfig:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     @property
+    def fill_token_id(self) -> int:
+        """The id padding positions (masked) and rows that already stopped carry: ``pad_token_id``,
+        or where it is null the eos id, else 0 (transformers pads with eos when pad is unset)."""
+        if self.pad_token_id is not None:
+            return self.pad_token_id
+        return self.eos_token_id if self.eos_token_id is not None else 0
+
+    @property
     def dim_per_head(self) -> int:
         """Head dimension D."""
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads

@@ -136,7 +136,7 @@ class CaseInputs:
         c = self.config
         length = case.encoder_length
         mask = _mask(case.batch, "right" if case.padding != "none" else "none", length)
-        ids = np.where(mask == 1, self._ids(rng, (case.batch, length)), c.pad_token_id)
+        ids = np.where(mask == 1, self._ids(rng, (case.batch, length)), c.fill_token_id)
         ids[np.arange(case.batch), mask.sum(axis=1) - 1] = c.eos_token_id
         ids[0, 0] = c.eos_token_id
         t_ids, t_mask = torch.from_numpy(ids), torch.from_numpy(mask)

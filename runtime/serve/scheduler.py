@@ -215,7 +215,7 @@ class Scheduler:
 
     def _new_batch(self) -> RowBatch:
         return self._make_batch(self.runner, self.limits.max_rows, self.max_length,
-                                self.model.config.pad_token_id)
+                                self.model.config.fill_token_id)
 
     # ------------------------------------------------------------------------------ public API
     def check(self, request: GenerationRequest) -> None:

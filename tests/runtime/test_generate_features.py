@@ -152,3 +152,29 @@ def test_stop_ids_and_sampling_arguments_accept_numpy_and_refuse_non_integers(lo
     out = model.generate([PROMPTS[0]], max_new_tokens=3, temperature=np.float32(0.7),
                          top_p=np.float32(0.9), top_k=np.int64(5), seed=1, stop_token_ids=())
     assert out.shape == (1, 3)
+
+
+@pytest.mark.parametrize("target", ["portable", "ort"])
+def test_a_null_pad_token_pads_and_fills_with_eos(target, tmp_path):
+    """pad_token_id null (the config allows it): prompts are padded and stopped rows filled with
+    the eos id, as transformers does, and the tokens equal the PyTorch reference's."""
+    import torch
+
+    from tfport.export import export_model
+    from tfport.models import build_model
+    from tfport.models.generate import generate
+    from tfport.presets import get_preset
+    from tfport.runtime import load_model
+
+    config = get_preset("tiny-decoder").replace(d_model=64, tie_embeddings=False, pad_token_id=None)
+    model = build_model(config, seed=0)
+    export_model(model, tmp_path / "x", target=target, validate=False)
+    prompts = [[1, 5, 7, 9, 11], [1, 6]]
+    free = load_model(tmp_path / "x").generate(prompts, max_new_tokens=6, stop_token_ids=())
+    stop = int(free[1, 1])  # row 1 stops after two tokens; row 0 runs on (unless it hits it too)
+    got = load_model(tmp_path / "x").generate(prompts, max_new_tokens=6, stop_token_ids=(stop,))
+    for b, prompt in enumerate(prompts):  # the reference ends a row's output at its stop id
+        expected = generate(model, torch.tensor([prompt]), max_new_tokens=6, eos_token_id=stop)[0].numpy()
+        np.testing.assert_array_equal(got[b, :len(expected)], expected)
+        assert list(got[b, len(expected):]) == [config.eos_token_id] * (6 - len(expected))
+    assert list(got[1]) == [*free[1, :2], *[config.eos_token_id] * 4]
