@@ -169,6 +169,9 @@ def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "conc
     ``kv_dtype`` (None: the export dtype's default, ``tfport.dtypes.cache_dtype``)."""
     if logits not in LOGITS:
         raise ValueError(f"logits={logits!r}: expected one of {list(LOGITS)}")
+    if logits != "all" and (not config.has_decoder or config.n_labels):
+        raise ValueError(f"logits={logits!r}: applies to a decoder's next-token logits; this "
+                         f"{config.family} model{' (a classifier)' if config.n_labels else ''} has none")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {list(DTYPES)}")
     cache = cache_dtype(dtype, kv_dtype)

@@ -36,6 +36,11 @@ def test_contract_shape():
     assert graph_specs(config)["decoder"].outputs[0].shape == ("batch", "sequence", config.vocab_size)
     with pytest.raises(ValueError, match="logits='first'"):
         graph_specs(config, logits="first")
+    # an encoder's MLM logits or a classifier's have no "next token": refused, not ignored
+    for other in (matrix_config("encoder", "learned", "mha").replace(mlm_head=True),
+                  matrix_config("encoder-decoder", "relative", "mha").replace(n_labels=3, classifier_pooling="last_eos")):
+        with pytest.raises(ValueError, match="logits='last': applies to a decoder's next-token logits"):
+            graph_specs(other, logits="last")
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
