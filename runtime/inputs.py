@@ -32,6 +32,9 @@ def _as_int_array(value: object, argument: str) -> np.ndarray:
     if value.ndim != 2:
         raise ValueError(f"{argument}: expected rank 2 [B, S], got shape {tuple(value.shape)}"
                          + (" (wrap one prompt as ids[None])" if value.ndim == 1 else ""))
+    if value.dtype.kind == "u" and value.size and value.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{argument}: ids up to {int(value.max())} do not fit int64 (expected token "
+                         "ids in [0, vocab_size))")
     return value.astype(np.int64, copy=False)
 
 

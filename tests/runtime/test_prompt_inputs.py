@@ -60,6 +60,7 @@ def test_split_prompts_uses_the_mask_on_either_side():
     (np.ones((2, 3), np.int64), np.array([[1, 1, 1], [0, 0, 0]]), ValueError,
      ["input_ids", "prompt 1 is empty"]),
     ([[1, 2]], np.ones((1, 2), np.int64), ValueError, ["attention_mask"]),
+    (np.array([[1, 2**63 + 5]], np.uint64), None, ValueError, ["input_ids", str(2**63 + 5), "int64"]),
 ])
 def test_split_prompts_rejects(input_ids, mask, error, fragments):
     with pytest.raises(error) as info:
