@@ -136,6 +136,11 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON ({first.get('ctx', {}).get('error', first.get('msg'))})", None
+    fields = {next((str(p) for p in e.get("loc", ()) if p != "body"), None) for e in errors}
+    if len(errors) > 1 and len(fields) == 1 and None not in fields:  # a union: none of its forms fits
+        field = fields.pop()
+        reasons = list(dict.fromkeys(e.get("msg") for e in errors))
+        return f"{field}: none of its accepted forms fits ({'; '.join(reasons)})", field
     param = ".".join(loc) or None
     return f"{param or 'body'}: {first.get('msg')}", param
 
@@ -218,7 +223,8 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
         body.refuse_unsupported()
         prompts = served.prompts(body.prompt)
         stop_ids = served.stop_ids(body.ignore_eos, body.stop_token_ids)
-        max_tokens = _max_tokens(body.max_tokens or DEFAULT_COMPLETION_TOKENS, server.options)
+        max_tokens = _max_tokens(body.max_tokens or min(DEFAULT_COMPLETION_TOKENS, server.options.max_tokens),
+                                 server.options)
         handles = _submit(served, prompts, body, max_tokens, stop_ids, server.options)
         run = _Run(served, body, handles, "cmpl", prompts, chat=False)
         return await run.respond(request)
@@ -279,11 +285,20 @@ def _max_tokens(requested: int, options: ServeOptions) -> int:
 
 def _submit(served: ServedModel, prompts: list[list[int]], body: _Request, max_tokens: int,
             stop_ids: tuple[int, ...], options: ServeOptions) -> list[Handle]:
+    defaults = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}  # OpenAI's
+    generation = served.model.generation
+    if generation is not None and generation.do_sample:  # the checkpoint's, as Model.generate takes them
+        defaults = generation.sampling
+    given = {"temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p}
+    chosen = {name: defaults[name] if value is None else value for name, value in given.items()}
     try:
-        params = SamplingParams(1.0 if body.temperature is None else body.temperature,
-                                max(body.top_k or 0, 0), 1.0 if body.top_p is None else body.top_p)
+        params = SamplingParams(chosen["temperature"], max(chosen["top_k"], 0), chosen["top_p"])
     except ValueError as err:
-        raise ApiError(400, str(err)) from None
+        raise ApiError(400, str(err), str(err).split("=")[0]) from None
+    count = len(prompts) * body.n
+    if count > served.scheduler.limits.max_queue:
+        raise ApiError(400, f"n: {len(prompts)} prompt(s) x n={body.n} = {count} sequences, more than "
+                            f"this server's queue of {served.scheduler.limits.max_queue}", "n")
     requests = []
     for prompt in prompts:
         for _ in range(body.n):

@@ -1,16 +1,18 @@
 """The OpenAI API request bodies this server takes, and its error shape.
 
 Fields the server does not implement are refused with a 400 that names them when they ask for
-something (``logprobs``, penalties, ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > ``n``);
-unknown fields are ignored, as OpenAI-compatible servers do. Extensions, as vLLM names them:
-``top_k``, ``ignore_eos``, ``stop_token_ids``.
+something (``logprobs``, ``top_logprobs``, penalties, ``logit_bias``, ``echo``, ``suffix``,
+``best_of`` > ``n``, ``tools`` / ``functions``, a ``response_format`` other than text, a message
+role other than system, user, assistant or developer); unknown fields are ignored, as
+OpenAI-compatible servers do. Token ids and counts are strict integers (``true`` is not 1).
+Extensions, as vLLM names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 class ApiError(Exception):
@@ -35,29 +37,39 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0)
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0, allow_inf_nan=False)
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
-    top_k: Optional[int] = Field(default=None, ge=-1)  # extension; 0 or -1 keep all
-    n: int = Field(default=1, ge=1, le=16)
+    top_k: Optional[StrictInt] = Field(default=None, ge=-1)  # extension; 0 or -1 keep all
+    n: StrictInt = Field(default=1, ge=1, le=16)
     stream: bool = False
     stream_options: Optional[dict[str, Any]] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = Field(default=None, ge=0)
+    seed: Optional[StrictInt] = Field(default=None, ge=0)
     ignore_eos: bool = False  # extension
-    stop_token_ids: Optional[list[int]] = None  # extension
+    stop_token_ids: Optional[list[StrictInt]] = None  # extension
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
+    top_logprobs: Optional[int] = None
+    response_format: Optional[dict[str, Any]] = None
     user: Optional[str] = None
 
     def refuse_unsupported(self) -> None:
+        """``ApiError`` 400 for a field that asks for what this server does not do, or an
+        invalid ``stop`` (checked before anything is queued)."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise ApiError(400, f"{name}={getattr(self, name)!r}: penalties are not "
                                     "supported by this server (use 0)", name)
         if self.logit_bias:
             raise ApiError(400, "logit_bias: not supported by this server", "logit_bias")
+        if self.top_logprobs is not None:
+            raise ApiError(400, "top_logprobs: not supported by this server", "top_logprobs")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ApiError(400, f"response_format={self.response_format!r}: only text is supported by "
+                                "this server", "response_format")
+        self.stop_strings()
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -67,7 +79,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     echo: bool = False
     logprobs: Optional[int] = None
     suffix: Optional[str] = None
@@ -85,6 +97,9 @@ class CompletionRequest(_Request):
             raise ApiError(400, f"best_of={self.best_of}: only best_of == n is supported", "best_of")
 
 
+ROLES = ("system", "user", "assistant", "developer")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -92,7 +107,11 @@ class ChatMessage(BaseModel):
     content: Union[str, list[dict[str, Any]], None] = None
 
     def text(self, index: int) -> str:
-        """The content as one str (text parts joined; other parts refused)."""
+        """The content as one str (text parts joined; other parts refused); ``ApiError`` for a
+        role the server does not take."""
+        if self.role not in ROLES:
+            raise ApiError(400, f"messages[{index}].role={self.role!r}: expected one of {list(ROLES)}",
+                           f"messages[{index}].role")
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -111,20 +130,22 @@ class ChatRequest(_Request):
     logprobs: Optional[bool] = None
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     tools: Optional[list[dict[str, Any]]] = None
+    functions: Optional[list[dict[str, Any]]] = None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
         if self.logprobs:
             raise ApiError(400, "logprobs: not supported by this server", "logprobs")
-        if self.tools:
-            raise ApiError(400, "tools: not supported by this server", "tools")
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise ApiError(400, f"{name}: not supported by this server", name)
 
 
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    input: Union[str, list[str], list[int], list[list[int]]]
+    input: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None

@@ -230,6 +230,9 @@ class Scheduler:
         if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) \
                 or request.max_tokens < 1:
             raise ValueError(f"max_tokens={request.max_tokens!r}: expected a positive integer")
+        if len(prompt) > self.max_length:
+            raise ValueError(f"prompt: {len(prompt)} tokens, more than this server's context of "
+                             f"{self.max_length}")
         need = len(prompt) + request.max_tokens - 1  # the last token is not fed back
         if need > self.max_length:
             raise ValueError(f"max_tokens: prompt {len(prompt)} + max_tokens {request.max_tokens} "

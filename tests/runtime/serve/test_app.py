@@ -176,6 +176,13 @@ def test_embeddings_equal_the_runtime(server, client, serve_exports):
     ({"model": "dec-ort", "prompt": "w5", "logprobs": 2}, "logprobs"),
     ({"model": "dec-ort"}, "prompt"),
     ({"model": "enc", "prompt": "w5"}, "model"),
+    ({"model": "dec-ort", "prompt": [1] * 70}, "prompt"),  # longer than the context of 64
+    ({"model": "dec-ort", "prompt": [True, False]}, "prompt"),  # booleans are not token ids
+    ({"model": "dec-ort", "prompt": "w5", "max_tokens": True}, "max_tokens"),
+    ({"model": "dec-ort", "prompt": "w5", "stop_token_ids": [2.0]}, "stop_token_ids.0"),
+    ({"model": "dec-ort", "prompt": "w5", "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "dec-ort", "prompt": "w5", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "dec-ort", "prompt": [[5]] * 5, "n": 16}, "n"),  # 80 sequences, queue of 64
 ])
 def test_bad_parameters_get_400_with_an_openai_error(server, body, param):
     response = httpx.post(server[0] + "/v1/completions", json=body)
@@ -183,6 +190,30 @@ def test_bad_parameters_get_400_with_an_openai_error(server, body, param):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
     assert error["message"]
+
+
+def test_a_refused_request_queues_nothing(server):
+    """stop is checked before the rows are queued: a 400 leaves no row generating."""
+    url, state = server
+    scheduler = state.models["dec-ort"].scheduler
+    response = httpx.post(url + "/v1/completions", json={"model": "dec-ort", "prompt": [1, 5], "n": 8,
+                                                        "max_tokens": 40, "ignore_eos": True, "stop": [""]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "stop"
+    assert scheduler.waiting == 0 and scheduler.running == 0
+
+
+def test_an_infinite_temperature_names_the_field(server):
+    response = httpx.post(server[0] + "/v1/completions", headers={"content-type": "application/json"},
+                          content=b'{"model": "dec-ort", "prompt": "w5", "temperature": Infinity}')
+    assert response.status_code == 400 and response.json()["error"]["param"] == "temperature", response.text
+
+
+def test_chat_refuses_roles_and_functions_it_would_ignore(server):
+    for body, param in (({"messages": [{"role": "bogus", "content": "w5"}]}, "messages[0].role"),
+                        ({"messages": [{"role": "user", "content": "w5"}], "functions": [{"name": "f"}]},
+                         "functions")):
+        response = httpx.post(server[0] + "/v1/chat/completions", json={"model": "dec-ort", **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 def test_malformed_json_and_unknown_model(server, client):
@@ -234,3 +265,21 @@ def test_disconnect_mid_stream_frees_the_row(server):
     while (scheduler.running or finished._value.get() == before) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert scheduler.running == 0 and finished._value.get() == before + 1
+
+
+def test_sampling_defaults_come_from_the_exports_generation_config(server, serve_exports, monkeypatch):
+    """An export whose generation_config.json samples: fields the request leaves out take its
+    values, as Model.generate does, so a seeded request draws generate's tokens."""
+    from tfport.generation import GenerationDefaults
+
+    url, state = server
+    defaults = GenerationDefaults(do_sample=True, temperature=0.6, top_k=5, top_p=0.9)
+    monkeypatch.setattr(state.models["dec-portable"].model, "generation", defaults)
+    prompt = [1, 17, 33, 8, 40]
+    response = httpx.post(url + "/v1/completions", json={
+        "model": "dec-portable", "prompt": prompt, "max_tokens": 8, "seed": 1, "temperature": 0.7,
+        "ignore_eos": True})
+    model = load_model(serve_exports["dec-portable"], intra_op_threads=1)
+    model.generation = defaults
+    expected = model.generate([prompt], max_new_tokens=8, temperature=0.7, seed=1, stop_token_ids=())[0].tolist()
+    assert response.json()["choices"][0]["token_ids"] == expected
