@@ -42,8 +42,12 @@ def _gemma_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     model_type = hf.get("model_type")
     version = {"gemma": 1, "gemma2": 2}.get(model_type, 3)
     n_layers = hf_field(hf, "num_hidden_layers")
+    # transformers' Gemma 1 reads hidden_act, turning the official releases' legacy "gelu" into the
+    # tanh approximation it was meant to be; Gemma 2/3 read hidden_activation.
     act = hf.get("hidden_act") if version == 1 else hf.get("hidden_activation")
-    act = act or hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    act = act or "gelu_pytorch_tanh"
+    if version == 1 and act == "gelu":
+        act = "gelu_pytorch_tanh"
     if hf.get("use_bidirectional_attention"):
         refuse(hf, "use_bidirectional_attention", True, "tfport's decoders are causal")
     later = version >= 2
@@ -55,14 +59,17 @@ def _gemma_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     window = sliding_fields(hf, n_layers, all_layers=False) if later else {}
     if not window:
         rope.pop("rope_local_theta", None)
-    scalar = hf.get("query_pre_attn_scalar") if later else None
+    # transformers' defaults where config.json leaves them out: 256; Gemma 2 caps logits at 30 and
+    # attention scores at 50, Gemma 3 caps neither
+    scalar = hf.get("query_pre_attn_scalar", 256) if later else None
+    caps = (50.0, 30.0) if version == 2 else (None, None)
     return llama_like_config(
         hf, max_positions=hf_field(hf, "max_position_embeddings", default=8192), activation=act,
         norm_weight_offset=1.0, embedding_scale=hf_field(hf, "hidden_size")**0.5,
         **rope, **window, attention_scale=None if scalar is None else float(scalar) ** -0.5,
         attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=False,
-        attn_logit_softcap=hf.get("attn_logit_softcapping") if later else None,
-        final_logit_softcap=hf.get("final_logit_softcapping") if later else None,
+        attn_logit_softcap=hf.get("attn_logit_softcapping", caps[0]) if later else None,
+        final_logit_softcap=hf.get("final_logit_softcapping", caps[1]) if later else None,
         post_sublayer_norm=later, qk_norm=version == 3,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
 

@@ -39,7 +39,9 @@ def _llama_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         max_positions = int(max_positions * rope["rope_scaling_factor"])
     return llama_like_config(
         hf, max_positions=max_positions, activation=hf_field(hf, "hidden_act", default="silu"), **rope,
-        **sliding_fields(hf, hf_field(hf, "num_hidden_layers"), all_layers=True),
+        # transformers' Llama has no sliding window: a "sliding_window" in a llama config is unused
+        **(sliding_fields(hf, hf_field(hf, "num_hidden_layers"), all_layers=True)
+           if hf.get("model_type") != "llama" else {}),
         attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 

@@ -21,7 +21,7 @@ def _neox_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     vocab_size = hf_field(hf, "vocab_size")
     rope = rope_parameters(hf)
     # Pythia-era configs: rotary_pct and rotary_emb_base at the top level.
-    rope.setdefault("partial_rotary_factor", hf.get("rotary_pct", 1.0))
+    rope.setdefault("partial_rotary_factor", hf.get("rotary_pct", 0.25))  # transformers' default
     rope.setdefault("rope_theta", hf.get("rotary_emb_base", 10000.0))
     bias = bool(hf.get("attention_bias", True))
     return ModelConfig(

@@ -27,6 +27,9 @@ def _phi3_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     rope = rope_parameters(hf)
     if rope.get("rope_type", rope.get("type")) in ("su", "yarn"):
         rope["rope_type"] = "longrope"
+    # transformers' Phi3Config sets the RoPE parameters' original length from its top-level field
+    # (default 4096), whatever the rope parameters themselves say
+    rope["original_max_position_embeddings"] = hf_field(hf, "original_max_position_embeddings", default=4096)
     return ModelConfig(
         family="decoder", vocab_size=vocab_size, d_model=d_model, n_heads=n_heads,
         n_kv_heads=hf_field(hf, "num_key_value_heads", default=n_heads),

@@ -19,7 +19,7 @@ import torch
 from tfport.config import ModelConfig
 
 from .bert import bert_layers
-from .configs import hf_activation, hf_field, refuse_non_bert_encoder, token_ids
+from .configs import hf_activation, hf_field, refuse, refuse_non_bert_encoder, token_ids
 from .heads import CLASSIFIER, MLM, POOLER, classifier_fields, present_heads
 from .rules import Architecture, Rule, Transform, params
 
@@ -57,12 +57,16 @@ def _roberta_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     ids["pad_token_id"] = hf_field(hf, "pad_token_id", default=1)  # padding_idx of the tables
     positions = hf_field(hf, "max_position_embeddings", default=514) - ids["pad_token_id"] - 1
     types = hf_field(hf, "type_vocab_size", default=1)
+    activation = hf_field(hf, "hidden_act", default="gelu")
+    if MLM in heads and activation != "gelu":
+        refuse(hf, "hidden_act", activation, "RoBERTa's masked-LM head applies GELU whatever hidden_act "
+               "says, and tfport's head applies the model's activation")
     return ModelConfig(
         family="encoder", vocab_size=vocab_size, d_model=hf_field(hf, "hidden_size"),
         n_heads=hf_field(hf, "num_attention_heads"), d_ff=hf_field(hf, "intermediate_size"),
         n_encoder_layers=hf_field(hf, "num_hidden_layers"), norm="layernorm", norm_position="post",
         norm_eps=float(hf_field(hf, "layer_norm_eps", default=1e-5)),
-        activation=hf_activation(hf, hf_field(hf, "hidden_act", default="gelu")),
+        activation=hf_activation(hf, activation),
         position="learned", max_positions=positions, embedding_norm=True,
         type_vocab_size=types if types > 1 else 0, pooler=POOLER in heads, mlm_head=MLM in heads,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),

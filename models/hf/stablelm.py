@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tfport.config import ModelConfig
 
-from .configs import hf_activation, hf_field, refuse, rope_fields, token_ids
+from .configs import hf_activation, hf_field, refuse, rope_fields, rope_parameters, token_ids
 from .llama import LLAMA_LAYER, ROTARY_BUFFERS
 from .rules import QKV, Architecture, Rule, decoder_lm, params
 
@@ -29,7 +29,7 @@ def _stablelm_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         norm="layernorm", norm_position="pre", norm_eps=float(hf_field(hf, "layer_norm_eps", default=1e-5)),
         activation=hf_activation(hf, hf_field(hf, "hidden_act", default="silu")), gated_ffn=True,
         position="rope", max_positions=hf_field(hf, "max_position_embeddings", default=4096),
-        **rope_fields(hf, head_dim=d_model // n_heads),
+        **rope_fields(hf, {"partial_rotary_factor": 0.25, **rope_parameters(hf)}, head_dim=d_model // n_heads),
         parallel_residual=bool(hf.get("use_parallel_residual", False)),
         attention_bias=bool(hf.get("use_qkv_bias", False)), attention_out_bias=False, mlp_bias=False,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **token_ids(hf, vocab_size))

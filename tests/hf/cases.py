@@ -90,7 +90,7 @@ CASES = {case.name: case for case in [
     # Phi-3 with longrope trained on 8 positions: prefills of 7 tokens use the short factors,
     # decode steps and chunks past position 8 the long ones; a window of WINDOW tokens.
     HFCase("phi3", "Phi3ForCausalLM", "Phi3Config", dict(
-        **_DEPLOYED, sliding_window=WINDOW, rope_parameters={
+        **_DEPLOYED, sliding_window=WINDOW, original_max_position_embeddings=8, rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
             "long_factor": [1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0, 16.0]}), seed=19, per_target=True),

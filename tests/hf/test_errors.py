@@ -290,3 +290,60 @@ def test_gemma3_legacy_rope_fields():
     config = hf_config_to_tfport(hf)
     assert (config.rope_theta, config.rope_scaling, config.rope_scaling_factor, config.rope_local_theta) == \
         (1e6, "linear", 8.0, 1e4)
+
+
+# Fields whose absence (or legacy value) transformers' config classes resolve in their own way:
+# tfport's translation must land where transformers' resolved config does.
+def _resolved(cls: str, hf: dict):
+    """transformers' config class built from a copy of ``hf`` (it rewrites nested dicts in place)."""
+    return getattr(transformers, cls)(**{k: v for k, v in copy.deepcopy(hf).items() if k != "model_type"})
+
+
+def test_gemma1_legacy_gelu_is_the_tanh_approximation():
+    hf = {**LLAMA, "model_type": "gemma", "head_dim": 16, "hidden_act": "gelu"}
+    assert _resolved("GemmaConfig", hf).hidden_act == "gelu_pytorch_tanh"
+    tanh = hf_config_to_tfport({**hf, "hidden_act": "gelu_pytorch_tanh"}).activation
+    assert hf_config_to_tfport(hf).activation == tanh != hf_config_to_tfport({**LLAMA, "hidden_act": "gelu"}).activation
+
+
+@pytest.mark.parametrize("model_type,cls", [("gemma2", "Gemma2Config"), ("gemma3_text", "Gemma3TextConfig")])
+def test_gemma_scale_and_softcaps_left_out_take_transformers_defaults(model_type, cls):
+    hf = {**LLAMA, "model_type": model_type, "head_dim": 16, "sliding_window": 8}
+    resolved, config = _resolved(cls, hf), hf_config_to_tfport(hf)
+    assert config.attention_scale == pytest.approx(resolved.query_pre_attn_scalar ** -0.5)
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == \
+        (resolved.attn_logit_softcapping, resolved.final_logit_softcapping)
+    if model_type == "gemma2":
+        assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
+
+
+@pytest.mark.parametrize("model_type,cls", [("gpt_neox", "GPTNeoXConfig"), ("stablelm", "StableLmConfig")])
+def test_partial_rotary_left_out_takes_transformers_default(model_type, cls):
+    hf = {**LLAMA, "model_type": model_type}
+    factor = _resolved(cls, hf).rope_parameters["partial_rotary_factor"]
+    config = hf_config_to_tfport(hf)
+    assert factor == 0.25 and config.rotary_channels == int(factor * config.dim_per_head)
+
+
+def test_a_llama_config_with_a_sliding_window_has_none():
+    """transformers' Llama never reads sliding_window (Mistral does)."""
+    assert hf_config_to_tfport({**LLAMA, "sliding_window": 4}).sliding_window is None
+    assert hf_config_to_tfport({**LLAMA, "model_type": "mistral", "sliding_window": 4}).sliding_window == 4
+
+
+def test_phi3_original_length_is_the_top_level_field():
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 8,
+            "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    for top in ({}, {"original_max_position_embeddings": 16}):
+        hf = {**LLAMA, "model_type": "phi3", "max_position_embeddings": 64, "rope_parameters": dict(rope), **top}
+        expected = _resolved("Phi3Config", hf).rope_parameters["original_max_position_embeddings"]
+        assert hf_config_to_tfport(hf).rope_original_max_positions == expected == top.get(
+            "original_max_position_embeddings", 4096)
+
+
+def test_roberta_masked_lm_with_another_activation_is_refused():
+    hf = dict(model_type="roberta", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, vocab_size=100, hidden_act="relu", architectures=["RobertaForMaskedLM"])
+    with pytest.raises(ValueError, match="hidden_act='relu'.*masked-LM head applies GELU"):
+        hf_config_to_tfport(hf)
+    assert hf_config_to_tfport({**hf, "architectures": ["RobertaModel"]}).activation == "relu"
