@@ -3,6 +3,7 @@ leave at step boundaries, and each request gets exactly its solo result."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -97,13 +98,18 @@ def test_sampled_rows_are_reproducible_and_leave_greedy_rows_alone(model, schedu
         assert handle.result() == (expected, "length")
 
 
-def test_cancel_and_timeout_free_the_row(model):
-    scheduler = Scheduler(model, SchedulerLimits(max_rows=1, max_queue=4)).start()
+def test_cancel_and_timeout_free_the_row(model, monkeypatch):
+    scheduler = Scheduler(model, SchedulerLimits(max_rows=1, max_queue=4))
+    # decode steps wait until the request is cancelled, so it cannot finish first on a busy machine
+    cancelled, step = threading.Event(), scheduler.batch.step
+    monkeypatch.setattr(scheduler.batch, "step", lambda tokens: cancelled.wait(30) and step(tokens))
+    scheduler.start()
     try:
         long = scheduler.submit(GenerationRequest([5, 6], 60))
         first = next(iter(long))
         assert isinstance(first, Token)
         long.cancel()
+        cancelled.set()
         assert list(long)[-1] == Finished("cancelled")
         slow = scheduler.submit(GenerationRequest([5, 6], 60, timeout=1e-4))
         assert list(slow)[-1] == Finished("timeout")
