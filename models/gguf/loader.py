@@ -45,6 +45,9 @@ def hf_config(file: GGUFFile, arch: GGUFArchitecture) -> dict[str, Any]:
         if md.get(prefix + suffix):
             raise ValueError(f"{file.path.name}: {prefix}{suffix}={md[prefix + suffix]!r} is not "
                              f"supported: {why}")
+    if md.get(prefix + "attention.causal", True) is not True:  # llama.cpp's flag of bidirectional embedders
+        raise ValueError(f"{file.path.name}: {prefix}attention.causal={md[prefix + 'attention.causal']!r} is "
+                         "not supported: tfport's decoders attend causally")
     config: dict[str, Any] = {"model_type": arch.model_type, "architectures": [arch.hf_class],
                               **arch.defaults}
     for suffix, name in arch.config.items():

@@ -161,6 +161,15 @@ def test_refuses_unknown_and_not_yet_supported_architectures(tmp_path):
             read_gguf(tiny.path)
 
 
+def test_refuses_a_bidirectional_file(tmp_path):
+    """llama.cpp marks bidirectional embedding models attention.causal = false: not a causal decoder."""
+    tiny = write_tiny_llama(tmp_path / "bidi.gguf", encoder(0), "F32", extra_metadata={"llama.attention.causal": False})
+    with pytest.raises(ValueError, match=r"llama\.attention\.causal=False is not supported"):
+        read_gguf(tiny.path)
+    causal = write_tiny_llama(tmp_path / "causal.gguf", encoder(0), "F32", extra_metadata={"llama.attention.causal": True})
+    read_gguf(causal.path)
+
+
 def test_refuses_unsupported_tensor_type(tmp_path):
     odd = np.zeros((4, 18 * 256 // 32), dtype=np.uint8)  # IQ4_NL: 32 values in 18 bytes
     tiny = write_tiny_llama(tmp_path / "odd.gguf", encoder(0), "F32",

@@ -120,7 +120,7 @@ def gguf_name(hf_name: str) -> str:
 
 def write_tiny_llama(path: Path, encode, weight_type: str, *, seed: int = 0, tied: bool = False,
                      architecture: str = "llama", extra_tensors: dict | None = None,
-                     tensor_types: dict[str, str] | None = None) -> TinyGGUF:
+                     tensor_types: dict[str, str] | None = None, extra_metadata: dict | None = None) -> TinyGGUF:
     """Write a tiny LLaMA GGUF; ``encode(values float32 [R, C], type) -> stored array`` stores
     every 2-D weight (norms stay F32, as llama.cpp keeps them) as ``weight_type``, or as
     ``tensor_types[part]`` for a tensor whose GGUF name contains ``part`` (e.g. {"attn_v": "Q6_K"}, as
@@ -148,6 +148,9 @@ def write_tiny_llama(path: Path, encode, weight_type: str, *, seed: int = 0, tie
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
     writer.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (extra_metadata or {}).items():  # bool / int / float / str values
+        add = {bool: writer.add_bool, int: writer.add_uint32, float: writer.add_float32, str: writer.add_string}
+        add[type(value)](key, value)
     stored = {}
     for name, values in weights.items():
         target = gguf_name(name)
