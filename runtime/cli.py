@@ -129,7 +129,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                           "checkpoint's pooling), else mean")
     emb.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
                      help="scale to unit L2 norm (default: the export's embedding.json, else no)")
-    emb.add_argument("--batch-size", type=int, default=32, help="texts per encoder call (default 32)")
+    emb.add_argument("--batch-size", type=positive_int, default=32, help="texts per encoder call (default 32)")
     emb.set_defaults(func=run_embed)
 
 
@@ -227,6 +227,14 @@ def run_chat(args: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         messages.append({"role": "assistant", "content": _reply(model, messages, options)})
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: expected a positive integer")
+    return value
 
 
 def run_embed(args: argparse.Namespace) -> int:

@@ -176,10 +176,17 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
     written gets umask permissions.
     """
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_outputs(target.parent)
+    if target.resolve() == Path.cwd().resolve() or target.name in ("", ".", ".."):
+        raise ValueError(f"out_dir={str(target)!r}: expected a directory to create or replace, not "
+                         "the current directory or a path ending in '.' or '..'")
     with terminate_as_exit():
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp", dir=target.parent))
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_outputs(target.parent)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp", dir=target.parent))
+        except OSError as err:
+            raise OSError(err.errno, f"out_dir={str(target)!r}: cannot write in {str(target.parent)!r} "
+                                     f"({err.strerror})") from None
         lock = None
         try:
             lock = _lock_partial(tmp)
@@ -188,7 +195,11 @@ def atomic_directory(target: str | os.PathLike) -> Iterator[Path]:
             old = None
             if target.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old", dir=target.parent))
-                target.rename(old / target.name)
+                try:
+                    target.rename(old / target.name)
+                except BaseException:
+                    shutil.rmtree(old, ignore_errors=True)
+                    raise
             try:
                 tmp.rename(target)
             except BaseException:

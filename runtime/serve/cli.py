@@ -13,16 +13,10 @@ import argparse
 import json
 import logging
 
+from ..cli import positive_int as _positive
 from ..session import PROVIDERS
 
 logger = logging.getLogger(__name__)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: expected a positive integer")
-    return value
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +58,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     _add_options(serve)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000, help="port to bind, 0-65535 (default 8000)")
     serve.add_argument("--ray", action="store_true",
                        help="deploy on Ray Serve (extra 'serve-ray'); joins a running cluster "
                             "(RAY_ADDRESS) or starts a local one")
@@ -105,9 +99,20 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .app import ServerState, create_app
-    app = create_app(lambda: ServerState.load(args.model_dirs, options, args.names))
+    state = ServerState.load(args.model_dirs, options, args.names)  # bad exports: an error, before uvicorn
+    app = create_app(lambda: state)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port={text!r}: expected an integer in [0, 65535]")
+    return port
 
 
 def run_bench(args: argparse.Namespace) -> int:

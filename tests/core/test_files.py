@@ -124,3 +124,17 @@ def test_only_marked_directories_are_removed(tmp_path):
     (tmp_path / ".notes.tmp.lock").write_text("")  # a lock without its directory: just the lock goes
     assert remove_stale_outputs(tmp_path) == []
     assert leftovers(tmp_path) == [".model.tmp1234"]
+
+
+def test_the_current_directory_and_unwritable_places_are_refused_naming_out_dir(tmp_path, monkeypatch):
+    """Replacing "." could only fail half-way (it is in use) and left an empty .old directory."""
+    monkeypatch.chdir(tmp_path)
+    for target in (".", "", str(tmp_path), "x/.."):
+        with pytest.raises(ValueError, match="out_dir=.*not the current directory"):
+            with atomic_directory(target):
+                pass
+    (tmp_path / "file").write_text("a file, not a directory")
+    with pytest.raises(OSError, match=r"out_dir=.*file/out.*cannot write in"):
+        with atomic_directory(tmp_path / "file" / "out"):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing left behind

@@ -31,3 +31,13 @@ def test_bench_serve_refuses_other_hosts():
     with pytest.raises(ValueError, match="this machine only"):
         check_loopback("http://10.0.0.1:8000")
     assert check_loopback("http://127.0.0.1:8000/") == "http://127.0.0.1:8000"
+
+
+def test_serve_reports_a_bad_export_or_port_before_starting(tmp_path, capsys):
+    """An export that cannot be loaded is a one-line error (exit 2), not uvicorn's startup traceback."""
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert "model_dir=" in err and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        main(["serve", str(tmp_path), "--port", "99999"])
+    assert "port='99999': expected an integer in [0, 65535]" in capsys.readouterr().err
