@@ -105,7 +105,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     chat.add_argument("model_dir", metavar="DIR", help="directory written by 'tfport export'")
     chat.add_argument("--system", help="system message opening the conversation")
     chat.add_argument("--message", help="answer this one message and exit (no prompt, no loop)")
-    chat.add_argument("--max-new-tokens", type=int, default=256, help="per reply (default 256)")
+    chat.add_argument("--max-new-tokens", type=positive_int, default=256, help="per reply (default 256)")
     chat.add_argument("--temperature", type=float, default=None,
                       help="0 is greedy (default: the export's generation_config.json, else greedy)")
     chat.add_argument("--top-k", type=int, default=None,
@@ -208,7 +208,11 @@ def _reply(model: Model, messages: list[dict], options: dict) -> str:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    from .chat import chat_format
+
     model = _load(args)
+    model._runner("decoder", "chat")  # a decoder with a template and a tokenizer, before input is read
+    chat_format(model)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     messages = [{"role": "system", "content": args.system}] if args.system else []

@@ -73,6 +73,10 @@ def split_prompts(input_ids: Prompts, attention_mask: np.ndarray | None = None,
                 raise ValueError(f"{argument}: expected a list of prompts (id lists), got a flat "
                                  f"list of ids; wrap one prompt as [ids]")
             array = np.asarray(row)
+            if array.dtype == object and all(isinstance(v, int) and not isinstance(v, bool) for v in array.ravel()):
+                huge = [v for v in array.ravel() if not -2**63 <= v < 2**63]  # Python ints past int64
+                raise ValueError(f"{argument}[{index}]: ids {huge[:4]} do not fit int64 (expected token "
+                                 "ids in [0, vocab_size))")
             integer = array.dtype != np.bool_ and np.issubdtype(array.dtype, np.integer)
             if array.size and not integer:
                 raise TypeError(f"{argument}[{index}]: expected integer token ids, got dtype "

@@ -4,6 +4,7 @@ a subprocess where torch cannot be imported."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -109,10 +110,16 @@ def test_model_chat_answers(smollm2_model):
     assert len(pieces) < MAX_NEW_TOKENS  # stopped at the end of the turn
 
 
-def test_chat_needs_a_template(loaded):
+def test_chat_needs_a_template(loaded, capsys, monkeypatch):
     _, model = loaded("decoder-text")
     with pytest.raises(ValueError, match="no chat template"):
         model.chat(MESSAGES)
+    # the CLI says so before reading any input (it used to wait, and exit 0 on an empty stdin)
+    from tfport.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(["chat", str(model.directory)]) == 2
+    assert "no chat template" in capsys.readouterr().err
 
 
 def test_cli_chat_without_torch(smollm2_model, tmp_path):

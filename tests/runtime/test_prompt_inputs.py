@@ -61,6 +61,7 @@ def test_split_prompts_uses_the_mask_on_either_side():
      ["input_ids", "prompt 1 is empty"]),
     ([[1, 2]], np.ones((1, 2), np.int64), ValueError, ["attention_mask"]),
     (np.array([[1, 2**63 + 5]], np.uint64), None, ValueError, ["input_ids", str(2**63 + 5), "int64"]),
+    ([[1, 10**23]], None, ValueError, ["input_ids[0]", str(10**23), "int64"]),
 ])
 def test_split_prompts_rejects(input_ids, mask, error, fragments):
     with pytest.raises(error) as info:
