@@ -8,7 +8,7 @@ heads, D head dim, E model dim, V vocab.
 """
 
 from .encoding import EncoderOutput, cls_pool, l2_normalize, mean_pool, pool
-from .decoding import STRATEGIES, DecodeStrategy, strategy_for
+from .decoding import DECODINGS, DecodeStrategy, LayoutDecoding, SequenceState, choose, decoding_for
 from .decoding.concat import DecodeState, decoder_forward
 from .generation import generate_steps, sample_loop
 from .inputs import pad_batch, positions_from_mask, split_prompts
@@ -23,7 +23,7 @@ __all__ = [
     "SamplingParams", "make_rng", "next_token", "apply_temperature", "top_k_filter",
     "top_p_filter", "softmax", "sample",
     "DecodeState", "decoder_forward", "generate_steps", "sample_loop", "DecodeStrategy",
-    "STRATEGIES", "strategy_for",
+    "DECODINGS", "LayoutDecoding", "decoding_for", "SequenceState", "choose",
     "EncoderOutput", "pool", "mean_pool", "cls_pool", "l2_normalize",
     "split_prompts", "pad_batch", "positions_from_mask", "TextTokenizer",
 ]

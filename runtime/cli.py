@@ -211,7 +211,7 @@ def run_chat(args: argparse.Namespace) -> int:
     from .chat import chat_format
 
     model = _load(args)
-    model._runner("decoder", "chat")  # a decoder with a template and a tokenizer, before input is read
+    model.runner("decoder", "chat")  # a decoder with a template and a tokenizer, before input is read
     chat_format(model)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed)

@@ -1,12 +1,20 @@
-"""Encoder outputs and sentence embeddings (pooling over real tokens, L2 normalisation)."""
+"""Encoder outputs and sentence embeddings (pooling over real tokens, L2 normalisation), and
+``Model``'s encoder methods (``EncoderMethods``): the one path ``tfport embed``, the library and
+the server's ``/v1/embeddings`` share."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from tfport.embedding import POOLINGS  # cls, mean, max, mean_sqrt_len_tokens, lasttoken
+from tfport.embedding import POOLINGS, EmbeddingSettings  # cls, mean, max, mean_sqrt_len_tokens, lasttoken
+
+from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
+from .texts import (BATCH_SIZE, EncodedTexts, TruncatingTokenizer, batches, check_texts, report_truncation,
+                    tokenizer_truncation)
 
 
 @dataclass
@@ -75,3 +83,139 @@ def pool(states: np.ndarray, attention_mask: np.ndarray, pooling: str = "mean",
     pooled = POOLERS[pooling](states, attention_mask)
     pooled = pooled.astype(np.float32)
     return l2_normalize(pooled) if normalize else pooled
+
+
+class EncoderMethods:
+    """``Model``'s encoder side: per-token states, sentence embeddings (``embedding.json``'s
+    pipeline) and text encoding with truncation. Uses the model's ``config``, ``runner``,
+    ``directory`` and ``text_tokenizer``."""
+
+    def encode(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
+               token_type_ids: Prompts | None = None) -> EncoderOutput:
+        """Per-token states of the encoder -> EncoderOutput (rows right-padded).
+
+        ``input_ids`` as in ``generate``; ``token_type_ids`` alike (same lengths), only for
+        exports whose config has token types (default all 0).
+        """
+        runner = self.runner("encoder", "encode")
+        config = self.config
+        rows = split_prompts(input_ids, attention_mask)
+        check_vocab(rows, config.vocab_size)
+        check_length("input_ids", max(len(r) for r in rows), config.max_positions,
+                     "the longest prompt")
+        ids, mask = pad_batch(rows, config.fill_token_id, "right")
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in runner.input_names:
+            feeds["token_type_ids"] = self._token_types(token_type_ids, attention_mask, rows)
+        elif token_type_ids is not None:
+            raise ValueError("token_type_ids: this export takes none (config.type_vocab_size=0)")
+        host = [t.name for t in runner.spec.outputs if not t.name.startswith("present.")]
+        out = {name: value.numpy() for name, value in runner.run(feeds, host_outputs=host).items()}
+        return EncoderOutput(out["last_hidden_state"], mask, out.get("pooler_output"),
+                             out.get("logits"), out.get("class_logits"))
+
+    def _token_types(self, token_type_ids: Prompts | None, attention_mask: np.ndarray | None,
+                     rows: list[np.ndarray]) -> np.ndarray:
+        if token_type_ids is None:
+            return pad_batch([np.zeros_like(r) for r in rows], 0, "right")[0]
+        types = split_prompts(token_type_ids, attention_mask, "token_type_ids")
+        lengths = [len(r) for r in rows]
+        if [len(t) for t in types] != lengths:
+            raise ValueError(f"token_type_ids: lengths {[len(t) for t in types]} do not match "
+                             f"input_ids {lengths}")
+        check_vocab(types, self.config.type_vocab_size, "token_type_ids")
+        return pad_batch(types, 0, "right")[0]
+
+    def embed(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
+              token_type_ids: Prompts | None = None, *, pooling: str | None = None,
+              normalize: bool | None = None) -> np.ndarray:
+        """Sentence embeddings float32 [B, E] pooled from ``last_hidden_state`` over real tokens
+        (``cls``, ``mean``, ``max``, ``mean_sqrt_len_tokens``, ``lasttoken``), optionally
+        L2-normalised. ``pooling`` / ``normalize`` default to the export's ``embedding.json``
+        (a sentence-transformers checkpoint's pipeline), else ``mean`` / False."""
+        pooling, normalize = self._pooling(pooling, normalize)
+        out = self.encode(input_ids, attention_mask, token_type_ids)
+        return pool(out.last_hidden_state, out.attention_mask, pooling, normalize)
+
+    @property
+    def embedding(self) -> EmbeddingSettings | None:
+        """The export's sentence-embedding pipeline (``embedding.json``), or None."""
+        if not hasattr(self, "_embedding"):
+            self._embedding = EmbeddingSettings.read(self.directory)
+        return self._embedding
+
+    def _pooling(self, pooling: str | None, normalize: bool | None) -> tuple[str, bool]:
+        settings = self.embedding or EmbeddingSettings()
+        pooling = settings.pooling if pooling is None else pooling
+        normalize = settings.normalize if normalize is None else normalize
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling={pooling!r}: expected one of {list(POOLINGS)}")
+        if not isinstance(normalize, (bool, np.bool_)):
+            raise TypeError(f"normalize={normalize!r}: expected true, false or None (the export's)")
+        return pooling, bool(normalize)
+
+    def text_limit(self) -> tuple[int, str]:
+        """(tokens, why): the length texts are truncated to -- the export's ``embedding.json``
+        ``max_seq_length``, else the truncation in ``tokenizer.json``, never above the model's
+        ``max_positions``."""
+        limit, why = self.config.max_positions, f"the model's max_positions={self.config.max_positions}"
+        settings = self.embedding
+        if settings is not None and settings.max_seq_length is not None:
+            if settings.max_seq_length < limit:
+                limit = settings.max_seq_length
+                why = f"max_seq_length={limit} in embedding.json (the checkpoint's sentence-transformers config)"
+        else:
+            configured = tokenizer_truncation(self.text_tokenizer("texts").path)
+            if configured is not None and configured < limit:
+                limit, why = configured, f"truncation max_length={configured} in tokenizer.json"
+        return limit, why
+
+    def _truncating(self) -> TruncatingTokenizer:
+        if getattr(self, "_truncating_tokenizer", None) is None:
+            limit, _ = self.text_limit()
+            self._truncating_tokenizer = TruncatingTokenizer(self.text_tokenizer("texts").path, limit)
+        return self._truncating_tokenizer
+
+    def encode_texts(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None,
+                     method: str = "encode_texts") -> EncodedTexts:
+        """Token ids of texts (or text pairs), truncated as ``text_limit`` says; a warning (log)
+        names the truncated rows. Texts are lowercased first when ``embedding.json`` says so."""
+        texts = check_texts(texts, "texts")
+        if pairs is not None:
+            pairs = check_texts(pairs, "pairs")
+            if len(pairs) != len(texts):
+                raise ValueError(f"pairs: {len(pairs)} texts for {len(texts)} texts; expected one "
+                                 "pair per text")
+        if self.embedding is not None and self.embedding.lowercase:
+            texts = [t.lower() for t in texts]
+            pairs = None if pairs is None else [t.lower() for t in pairs]
+        tokenizer = self._truncating()
+        encoded = tokenizer.encode(texts, pairs)
+        report_truncation(encoded.truncated, tokenizer.max_length, self.text_limit()[1], method)
+        return encoded
+
+    def classify(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None,
+                 **kwargs: Any) -> Any:
+        """Sequence classification of text(s), or of (text, pair) rows for rerankers and
+        cross-encoders -> ``Classification`` (logits [B, n_labels], label names from the
+        checkpoint's id2label, scores). Keyword arguments: ``batch_size``, ``progress``; see
+        ``tfport.runtime.classify``."""
+        from .classify import classify
+        return classify(self, texts, pairs, **kwargs)
+
+    def embed_text(self, texts: str | Sequence[str], *, pooling: str | None = None,
+                   normalize: bool | None = None, batch_size: int = BATCH_SIZE,
+                   progress: bool | None = None) -> np.ndarray:
+        """Sentence embeddings float32 [B, E] of text(s) (B = 1 for one str), as
+        ``SentenceTransformer.encode`` gives them for a sentence-transformers export: texts
+        truncated to its ``max_seq_length`` (a logged warning says which), its pooling and
+        normalisation (arguments as in ``embed``). Texts run in batches of ``batch_size``,
+        longest first; ``progress`` shows a bar (None: for 8 batches or more)."""
+        pooling, normalize = self._pooling(pooling, normalize)
+        encoded = self.encode_texts(texts, method="embed_text")
+        out = np.zeros((len(encoded.ids), self.config.d_model), np.float32)
+        for rows in batches(len(encoded.ids), [len(i) for i in encoded.ids], batch_size, progress, "embed"):
+            types = [encoded.type_ids[r] for r in rows] if self.config.type_vocab_size else None
+            out[rows] = self.embed([encoded.ids[r] for r in rows], token_type_ids=types,
+                                   pooling=pooling, normalize=normalize)
+        return out

@@ -24,19 +24,17 @@ from tqdm import tqdm
 
 from tfport.config import ModelConfig
 from tfport.contract import MANIFEST_FILE, TOKENIZER_FILE, Manifest
-from tfport.embedding import EmbeddingSettings
 from tfport.generation import GenerationDefaults
 from tfport.integrity import VERIFY_MODES, check_graph_metadata, verify_files
 
 from .binding import GraphRunner
-from .decoding import strategy_for
-from .encoding import POOLINGS, EncoderOutput, pool
+from .decoding import LayoutDecoding, decoding_for
+from .defaults import RequestDefaults, sequence_states
+from .encoding import EncoderMethods
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
-from .sampling import SamplingParams, make_rng
+from .sampling import SamplingParams
 from .session import SessionSettings, graph_metadata, open_session
-from .texts import BATCH_SIZE, EncodedTexts, TruncatingTokenizer, batches, check_texts, report_truncation, \
-    tokenizer_truncation
 from .tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -45,7 +43,7 @@ logger = logging.getLogger(__name__)
 StepCallback = Callable[[int, np.ndarray], None]
 
 
-class Model:
+class Model(EncoderMethods):
     """The graphs of one export directory as ONNX Runtime sessions (see ``load_model``)."""
 
     def __init__(self, directory: Path, manifest: Manifest, runners: dict[str, GraphRunner],
@@ -55,8 +53,9 @@ class Model:
         self.runners = runners
         self.settings = settings
         self._tokenizer: TextTokenizer | None = None
-        # The checkpoint's stop ids and sampling defaults (generation_config.json), or None.
-        self.generation: GenerationDefaults | None = GenerationDefaults.read(directory)
+        # What a request leaves out: the checkpoint's stop ids, sampling defaults and forced
+        # tokens (generation_config.json), else the config's and the library's.
+        self.defaults = RequestDefaults(manifest.config, GenerationDefaults.read(directory))
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
@@ -137,13 +136,30 @@ class Model:
             self._tokenizer = TextTokenizer(path)
         return self._tokenizer
 
-    def _runner(self, graph: str, method: str) -> GraphRunner:
+    @property
+    def generation(self) -> GenerationDefaults | None:
+        """The export's generation_config.json (stop ids, sampling, forced tokens), or None."""
+        return self.defaults.generation
+
+    @generation.setter
+    def generation(self, generation: GenerationDefaults | None) -> None:
+        self.defaults = RequestDefaults(self.config, generation)
+
+    @property
+    def decoding(self) -> LayoutDecoding:
+        """The runtime side of the decoder's cache layout (``decoding.LayoutDecoding``)."""
+        return decoding_for(self.manifest.layout)
+
+    def runner(self, graph: str, method: str) -> GraphRunner:
+        """The session of ``graph`` ("encoder", "decoder", "classifier"); ``ValueError`` naming
+        ``method`` when this export has no such graph."""
         if graph not in self.runners:
             raise ValueError(f"{method}: model family {self.config.family!r} has no {graph} graph "
                              f"(it has {sorted(self.runners)})")
         return self.runners[graph]
 
-    def _text_tokenizer(self, argument: str) -> TextTokenizer:
+    def text_tokenizer(self, argument: str) -> TextTokenizer:
+        """The export's tokenizer; ``ValueError`` naming ``argument`` when it has none."""
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise ValueError(f"{argument}: this export has no {TOKENIZER_FILE}; pass token ids "
@@ -161,55 +177,36 @@ class Model:
 
         Arguments are checked now, before the first token is asked for.
         """
-        runner = self._runner("decoder", "generate")
+        runner = self.runner("decoder", "generate")
         config = self.config
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
         params = SamplingParams(**self.sampling(temperature, top_k, top_p))
-        rng = None if params.greedy and seed is None else make_rng(seed)
         stops = self.stop_ids(stop_token_ids)
         rows = split_prompts(input_ids, attention_mask)
         check_vocab(rows, config.vocab_size)
         first, static = self._first_decoder_inputs(rows, int(max_new_tokens))
         forced = self.forced_tokens(forced_bos_token_id, forced_eos_token_id, int(max_new_tokens),
                                     one_token_start=max(len(row) for row in first) == 1)
-        return generate_steps(strategy_for(self.manifest.layout), runner, first, int(max_new_tokens),
-                              params, rng, stops, config.fill_token_id, static, forced)
+        states = sequence_states(len(first), params, seed, int(max_new_tokens), stops, forced)
+        return generate_steps(self.decoding.strategy, runner, first, states, config.fill_token_id, static)
+
+    def sampling(self, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None) -> dict:
+        """The sampling arguments ``generate`` uses (``RequestDefaults.sampling``)."""
+        return self.defaults.sampling(temperature, top_k, top_p)
+
+    def stop_ids(self, stop_token_ids: Sequence[int] | None = None) -> tuple[int, ...]:
+        """The stop ids ``generate`` uses (``RequestDefaults.stop_ids``)."""
+        return self.defaults.stop_ids(stop_token_ids)
 
     def forced_tokens(self, forced_bos_token_id: int | tuple[()] | None = None,
                       forced_eos_token_id: int | Sequence[int] | None = None, max_new_tokens: int = 16,
                       one_token_start: bool = True) -> dict[int, tuple[int, ...]]:
-        """The steps ``generate`` forces -> the ids allowed there, as transformers' ForcedBOS /
-        ForcedEOS logits processors do: ``forced_bos_token_id`` at step 0 when the decoder starts
-        from one token (``one_token_start``: a seq2seq model's start token, or a one-token
-        prompt), ``forced_eos_token_id`` (an id or several) at the last of ``max_new_tokens``
-        steps, where transformers' ``max_length`` (prompt + ``max_new_tokens``) runs out; a forced
-        eos wins when both fall on one step. Each None takes the export's generation_config.json
-        (none without one); ``()`` forces nothing."""
-        defaults = self.generation or GenerationDefaults()
-        bos = self._forced_ids("forced_bos_token_id", forced_bos_token_id,
-                               () if defaults.forced_bos_token_id is None else (defaults.forced_bos_token_id,))
-        if len(bos) > 1:
-            raise ValueError(f"forced_bos_token_id={forced_bos_token_id!r}: expected one token id, () or None")
-        eos = self._forced_ids("forced_eos_token_id", forced_eos_token_id, defaults.forced_eos_token_ids)
-        forced = {0: bos} if bos and one_token_start else {}
-        if eos:
-            forced[max_new_tokens - 1] = eos
-        return forced
-
-    def _forced_ids(self, argument: str, value, default: tuple[int, ...]) -> tuple[int, ...]:
-        if value is None:
-            return default
-        ids = [value] if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) \
-                or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
-            raise TypeError(f"{argument}={value!r}: expected a token id, a sequence of them, () for "
-                            "none or None for the export's")
-        bad = [int(i) for i in ids if not 0 <= i < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"{argument}: {bad} outside [0, {self.config.vocab_size})")
-        return tuple(int(i) for i in ids)
+        """The steps ``generate`` forces -> the ids allowed there (``RequestDefaults.forced_tokens``)."""
+        return self.defaults.forced_tokens(forced_bos_token_id, forced_eos_token_id, max_new_tokens,
+                                           one_token_start)
 
     def _first_decoder_inputs(self, rows: list[np.ndarray], max_new_tokens: int
                               ) -> tuple[list[np.ndarray], dict]:
@@ -282,43 +279,12 @@ class Model:
 
         Keyword arguments are those of ``generate``; text stops before the first stop token.
         """
-        tokenizer = self._text_tokenizer("prompts")
+        tokenizer = self.text_tokenizer("prompts")
         single = isinstance(prompts, str)
         tokens = self.generate(tokenizer.encode_batch(prompts, "prompts"), **kwargs)
         stops = self.stop_ids(kwargs.get("stop_token_ids"))
         texts = [tokenizer.decode(cut_at_stop(row, stops)) for row in tokens]
         return texts[0] if single else texts
-
-    def sampling(self, temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None) -> dict:
-        """The sampling arguments ``generate`` uses: those given, the rest from the export's
-        generation defaults (greedy: temperature 0, top_k 0, top_p 1 without any)."""
-        defaults = self.generation.sampling if self.generation is not None else \
-            {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
-        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-        return {k: defaults[k] if v is None else v for k, v in given.items()}
-
-    def stop_ids(self, stop_token_ids: Sequence[int] | None = None) -> tuple[int, ...]:
-        """The stop ids ``generate`` uses: ``stop_token_ids`` checked, else every eos id of the
-        export's generation_config.json, else the config's eos."""
-        if stop_token_ids is None:
-            if self.generation is not None and self.generation.eos_token_ids:
-                return self.generation.eos_token_ids
-            eos = self.config.eos_token_id
-            return () if eos is None else (eos,)
-        if isinstance(stop_token_ids, np.ndarray):
-            stop_token_ids = stop_token_ids.tolist() if stop_token_ids.ndim == 1 else stop_token_ids
-        if isinstance(stop_token_ids, (int, str)) or not isinstance(stop_token_ids, Sequence):
-            raise TypeError(f"stop_token_ids={stop_token_ids!r}: expected a sequence of token "
-                            "ids (or None for the config's eos_token_id)")
-        odd = [i for i in stop_token_ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))]
-        if odd:
-            raise TypeError(f"stop_token_ids: {odd} are not integer token ids")
-        stops = tuple(int(i) for i in stop_token_ids)
-        bad = [i for i in stops if not 0 <= i < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: {bad} outside [0, {self.config.vocab_size})")
-        return stops
 
     def _cross_attention(self, ids: np.ndarray, mask: np.ndarray) -> dict:
         """Run encoder.onnx once -> the decoder's static inputs: ``encoder_attention_mask``
@@ -345,138 +311,6 @@ class Model:
         """``chat``, streamed: one text piece per generated token (see ``tfport.runtime.chat``)."""
         from .chat import chat_stream
         return chat_stream(self, messages, **kwargs)
-
-    # ---------------------------------------------------------------------------------- encoding
-    def encode(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
-               token_type_ids: Prompts | None = None) -> EncoderOutput:
-        """Per-token states of the encoder -> EncoderOutput (rows right-padded).
-
-        ``input_ids`` as in ``generate``; ``token_type_ids`` alike (same lengths), only for
-        exports whose config has token types (default all 0).
-        """
-        runner = self._runner("encoder", "encode")
-        config = self.config
-        rows = split_prompts(input_ids, attention_mask)
-        check_vocab(rows, config.vocab_size)
-        check_length("input_ids", max(len(r) for r in rows), config.max_positions,
-                     "the longest prompt")
-        ids, mask = pad_batch(rows, config.fill_token_id, "right")
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        if "token_type_ids" in runner.input_names:
-            feeds["token_type_ids"] = self._token_types(token_type_ids, attention_mask, rows)
-        elif token_type_ids is not None:
-            raise ValueError("token_type_ids: this export takes none (config.type_vocab_size=0)")
-        host = [t.name for t in runner.spec.outputs if not t.name.startswith("present.")]
-        out = {name: value.numpy() for name, value in runner.run(feeds, host_outputs=host).items()}
-        return EncoderOutput(out["last_hidden_state"], mask, out.get("pooler_output"),
-                             out.get("logits"), out.get("class_logits"))
-
-    def _token_types(self, token_type_ids: Prompts | None, attention_mask: np.ndarray | None,
-                     rows: list[np.ndarray]) -> np.ndarray:
-        if token_type_ids is None:
-            return pad_batch([np.zeros_like(r) for r in rows], 0, "right")[0]
-        types = split_prompts(token_type_ids, attention_mask, "token_type_ids")
-        lengths = [len(r) for r in rows]
-        if [len(t) for t in types] != lengths:
-            raise ValueError(f"token_type_ids: lengths {[len(t) for t in types]} do not match "
-                             f"input_ids {lengths}")
-        check_vocab(types, self.config.type_vocab_size, "token_type_ids")
-        return pad_batch(types, 0, "right")[0]
-
-    def embed(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
-              token_type_ids: Prompts | None = None, *, pooling: str | None = None,
-              normalize: bool | None = None) -> np.ndarray:
-        """Sentence embeddings float32 [B, E] pooled from ``last_hidden_state`` over real tokens
-        (``cls``, ``mean``, ``max``, ``mean_sqrt_len_tokens``, ``lasttoken``), optionally
-        L2-normalised. ``pooling`` / ``normalize`` default to the export's ``embedding.json``
-        (a sentence-transformers checkpoint's pipeline), else ``mean`` / False."""
-        pooling, normalize = self._pooling(pooling, normalize)
-        out = self.encode(input_ids, attention_mask, token_type_ids)
-        return pool(out.last_hidden_state, out.attention_mask, pooling, normalize)
-
-    @property
-    def embedding(self) -> EmbeddingSettings | None:
-        """The export's sentence-embedding pipeline (``embedding.json``), or None."""
-        if not hasattr(self, "_embedding"):
-            self._embedding = EmbeddingSettings.read(self.directory)
-        return self._embedding
-
-    def _pooling(self, pooling: str | None, normalize: bool | None) -> tuple[str, bool]:
-        settings = self.embedding or EmbeddingSettings()
-        pooling = settings.pooling if pooling is None else pooling
-        normalize = settings.normalize if normalize is None else normalize
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling={pooling!r}: expected one of {list(POOLINGS)}")
-        if not isinstance(normalize, (bool, np.bool_)):
-            raise TypeError(f"normalize={normalize!r}: expected true, false or None (the export's)")
-        return pooling, bool(normalize)
-
-    def text_limit(self) -> tuple[int, str]:
-        """(tokens, why): the length texts are truncated to -- the export's ``embedding.json``
-        ``max_seq_length``, else the truncation in ``tokenizer.json``, never above the model's
-        ``max_positions``."""
-        limit, why = self.config.max_positions, f"the model's max_positions={self.config.max_positions}"
-        settings = self.embedding
-        if settings is not None and settings.max_seq_length is not None:
-            if settings.max_seq_length < limit:
-                limit = settings.max_seq_length
-                why = f"max_seq_length={limit} in embedding.json (the checkpoint's sentence-transformers config)"
-        else:
-            configured = tokenizer_truncation(self._text_tokenizer("texts").path)
-            if configured is not None and configured < limit:
-                limit, why = configured, f"truncation max_length={configured} in tokenizer.json"
-        return limit, why
-
-    def _truncating(self) -> TruncatingTokenizer:
-        if getattr(self, "_truncating_tokenizer", None) is None:
-            limit, _ = self.text_limit()
-            self._truncating_tokenizer = TruncatingTokenizer(self._text_tokenizer("texts").path, limit)
-        return self._truncating_tokenizer
-
-    def encode_texts(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None,
-                     method: str = "encode_texts") -> EncodedTexts:
-        """Token ids of texts (or text pairs), truncated as ``text_limit`` says; a warning (log)
-        names the truncated rows. Texts are lowercased first when ``embedding.json`` says so."""
-        texts = check_texts(texts, "texts")
-        if pairs is not None:
-            pairs = check_texts(pairs, "pairs")
-            if len(pairs) != len(texts):
-                raise ValueError(f"pairs: {len(pairs)} texts for {len(texts)} texts; expected one "
-                                 "pair per text")
-        if self.embedding is not None and self.embedding.lowercase:
-            texts = [t.lower() for t in texts]
-            pairs = None if pairs is None else [t.lower() for t in pairs]
-        tokenizer = self._truncating()
-        encoded = tokenizer.encode(texts, pairs)
-        report_truncation(encoded.truncated, tokenizer.max_length, self.text_limit()[1], method)
-        return encoded
-
-    def classify(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None,
-                 **kwargs: Any) -> Any:
-        """Sequence classification of text(s), or of (text, pair) rows for rerankers and
-        cross-encoders -> ``Classification`` (logits [B, n_labels], label names from the
-        checkpoint's id2label, scores). Keyword arguments: ``batch_size``, ``progress``; see
-        ``tfport.runtime.classify``."""
-        from .classify import classify
-        return classify(self, texts, pairs, **kwargs)
-
-    def embed_text(self, texts: str | Sequence[str], *, pooling: str | None = None,
-                   normalize: bool | None = None, batch_size: int = BATCH_SIZE,
-                   progress: bool | None = None) -> np.ndarray:
-        """Sentence embeddings float32 [B, E] of text(s) (B = 1 for one str), as
-        ``SentenceTransformer.encode`` gives them for a sentence-transformers export: texts
-        truncated to its ``max_seq_length`` (a logged warning says which), its pooling and
-        normalisation (arguments as in ``embed``). Texts run in batches of ``batch_size``,
-        longest first; ``progress`` shows a bar (None: for 8 batches or more)."""
-        pooling, normalize = self._pooling(pooling, normalize)
-        encoded = self.encode_texts(texts, method="embed_text")
-        out = np.zeros((len(encoded.ids), self.config.d_model), np.float32)
-        for rows in batches(len(encoded.ids), [len(i) for i in encoded.ids], batch_size, progress, "embed"):
-            types = [encoded.type_ids[r] for r in rows] if self.config.type_vocab_size else None
-            out[rows] = self.embed([encoded.ids[r] for r in rows], token_type_ids=types,
-                                   pooling=pooling, normalize=normalize)
-        return out
-
 
 def cut_at_stop(tokens: Sequence[int], stop_token_ids: Sequence[int]) -> list[int]:
     """Tokens before the first stop id."""

@@ -46,9 +46,12 @@ strategy from it (tfport.runtime.decoding):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .config import ModelConfig
 from .dtypes import CACHE_DTYPES, COMPUTE_DTYPES, cache_dtype
@@ -140,9 +143,6 @@ def _concat_decoder(config: ModelConfig, dtype: str) -> tuple[list[TensorSpec], 
 
 def _inplace_decoder(config: ModelConfig, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Layout "inplace": seqlens_k / total_sequence_length in, one buffer as past and present."""
-    if config.family != "decoder":
-        raise ValueError(f"cache layout 'inplace' is for decoder-only models, not "
-                         f"family={config.family!r}")
     n = config.n_decoder_layers
     inputs = [_ids("input_ids", "sequence"), TensorSpec("seqlens_k", "int32", ("batch",)),
               TensorSpec("total_sequence_length", "int32", ())]
@@ -151,8 +151,56 @@ def _inplace_decoder(config: ModelConfig, dtype: str) -> tuple[list[TensorSpec],
     return inputs, outputs
 
 
-# Cache layout name -> the decoder graph's (inputs, outputs) for a config and KV dtype.
-LAYOUTS = {"concat": _concat_decoder, "inplace": _inplace_decoder}
+@dataclass(frozen=True)
+class CacheLayout:
+    """How a decoder graph takes its KV cache: one object per layout, registered in ``LAYOUTS``.
+
+    ``decoder_io(config, kv_dtype)`` -> the decoder graph's (inputs, outputs) TensorSpecs;
+    ``padding`` is the side prompts of different lengths are padded on ("left": every row's last
+    new token is at S - 1; "right": at its own last real position); ``decoder_only`` refuses
+    encoder-decoder configs. The export target that emits a layout names it (``Target.layout``),
+    the manifest records it, and the runtime decodes by it (``tfport.runtime.decoding``).
+    """
+
+    name: str
+    decoder_io: Callable[[ModelConfig, str], tuple[list[TensorSpec], list[TensorSpec]]]
+    padding: str = "left"
+    decoder_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.padding not in ("left", "right"):
+            raise ValueError(f"CacheLayout.padding={self.padding!r}: expected 'left' or 'right'")
+
+    def decoder_specs(self, config: ModelConfig, kv_dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """The decoder graph's (inputs, outputs) for ``config`` with caches in ``kv_dtype``."""
+        if self.decoder_only and config.family != "decoder":
+            raise ValueError(f"cache layout {self.name!r} is for decoder-only models, not "
+                             f"family={config.family!r}")
+        return self.decoder_io(config, kv_dtype)
+
+    def last_positions(self, query_mask: np.ndarray) -> np.ndarray:
+        """int [B]: each row's last real new token in ``query_mask`` [B, S] bool, the position a
+        ``logits="last"`` graph returns: S - 1 when left-padded, else the row's own last."""
+        batch, new = query_mask.shape
+        if self.padding == "left":
+            return np.full(batch, new - 1)
+        return new - 1 - np.argmax(query_mask[:, ::-1], axis=1)
+
+
+# Cache layout name -> its CacheLayout (register_layout adds one).
+LAYOUTS: dict[str, CacheLayout] = {}
+
+
+def register_layout(layout: CacheLayout) -> CacheLayout:
+    """Add ``layout`` to ``LAYOUTS`` (``ValueError`` for a name already taken)."""
+    if layout.name in LAYOUTS:
+        raise ValueError(f"cache layout {layout.name!r} is already registered")
+    LAYOUTS[layout.name] = layout
+    return layout
+
+
+CONCAT = register_layout(CacheLayout("concat", _concat_decoder, padding="left"))
+INPLACE = register_layout(CacheLayout("inplace", _inplace_decoder, padding="right", decoder_only=True))
 
 
 # Which positions' logits a decoder graph returns: "all" [B, S, V], or "last" [B, 1, V], the
@@ -169,18 +217,18 @@ def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "conc
     ``kv_dtype`` (None: the export dtype's default, ``tfport.dtypes.cache_dtype``)."""
     if logits not in LOGITS:
         raise ValueError(f"logits={logits!r}: expected one of {list(LOGITS)}")
-    if logits != "all" and (not config.has_decoder or config.n_labels):
+    if logits != "all" and (not config.has_decoder or config.classifier.n_labels):
         raise ValueError(f"logits={logits!r}: applies to a decoder's next-token logits; this "
-                         f"{config.family} model{' (a classifier)' if config.n_labels else ''} has none")
+                         f"{config.family} model{' (a classifier)' if config.classifier.n_labels else ''} has none")
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {list(DTYPES)}")
     cache = cache_dtype(dtype, kv_dtype)
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: expected one of {sorted(LAYOUTS)}")
     graphs: dict[str, GraphSpec] = {}
-    if config.family == "encoder-decoder" and config.n_labels:  # classifies, does not generate
+    if config.family == "encoder-decoder" and config.classifier.n_labels:  # classifies, does not generate
         inputs = (_ids("input_ids", "sequence"), _ids("attention_mask", "sequence"))
-        outputs = (TensorSpec("class_logits", "float32", ("batch", config.n_labels)),)
+        outputs = (TensorSpec("class_logits", "float32", ("batch", config.classifier.n_labels)),)
         return {"classifier": GraphSpec("classifier", "classifier.onnx", inputs, outputs)}
     if config.has_encoder:
         inputs = [_ids("input_ids", "sequence"), _ids("attention_mask", "sequence")]
@@ -191,14 +239,14 @@ def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "conc
             outputs.append(TensorSpec("pooler_output", "float32", ("batch", config.d_model)))
         if config.mlm_head:
             outputs.append(TensorSpec("logits", "float32", ("batch", "sequence", config.vocab_size)))
-        if config.n_labels:  # sequence classification head
-            outputs.append(TensorSpec("class_logits", "float32", ("batch", config.n_labels)))
+        if config.classifier.n_labels:  # sequence classification head
+            outputs.append(TensorSpec("class_logits", "float32", ("batch", config.classifier.n_labels)))
         if config.family == "encoder-decoder":
             outputs += _cache_specs(config, config.n_decoder_layers, "present", "encoder",
                                     "sequence", cache)
         graphs["encoder"] = GraphSpec("encoder", "encoder.onnx", tuple(inputs), tuple(outputs))
     if config.has_decoder:
-        inputs, outputs = LAYOUTS[layout](config, cache)
+        inputs, outputs = LAYOUTS[layout].decoder_specs(config, cache)
         if logits == "last":
             outputs[0] = TensorSpec("logits", "float32", ("batch", 1, config.vocab_size))
         graphs["decoder"] = GraphSpec("decoder", "decoder.onnx", tuple(inputs), tuple(outputs))

@@ -7,11 +7,11 @@ hooks and graph taps: the first diverging layer and piece), ``cli`` (``tfport pa
 """
 
 from .cases import CASES, PHASES, TOLERANCES, Case, CaseResult, Diff, token_agreement
-from .inputs import LAYOUT_INPUTS, CaseInputs, Prepared
+from .inputs import CaseInputs, Prepared
 from .localize import capture, first_divergence, localize
 from .reference import reference_module
 from .runner import PROVIDERS, Runner, cuda_available, make_session, validate_export
 
 __all__ = ["CASES", "PHASES", "TOLERANCES", "Case", "CaseResult", "Diff", "token_agreement",
-           "LAYOUT_INPUTS", "CaseInputs", "Prepared", "capture", "first_divergence", "localize",
+           "CaseInputs", "Prepared", "capture", "first_divergence", "localize",
            "PROVIDERS", "Runner", "cuda_available", "make_session", "validate_export", "reference_module"]

@@ -42,22 +42,13 @@ def export_logits(model_dir: str | Path, ids: np.ndarray) -> np.ndarray:
     """An export's logits [S, V] for one sequence ``ids`` [S] (its decoder must return every
     position's logits, ``logits="all"``), through the runtime's sessions and cache layout."""
     from tfport.runtime import load_model
-    from tfport.runtime.binding import empty_cache
-    from tfport.runtime.decoding.inplace import InplaceDecoder
 
     model = load_model(model_dir)
     runner = model.runners["decoder"]
     if runner.spec.outputs[0].shape[1] == 1:
         raise ValueError(f"model_dir={str(model_dir)!r}: exported with logits='last'; perplexity "
                          "needs every position's logits (re-export with logits='all')")
-    ids = np.asarray(ids, dtype=np.int64)[None]  # [1, S]
-    if model.manifest.layout == "inplace":
-        return InplaceDecoder(runner, 1, ids.shape[1])(ids, np.array([ids.shape[1] - 1]))[0]
-    mask = np.ones_like(ids)
-    feeds = {"input_ids": ids, "attention_mask": mask, **empty_cache(runner.spec, 1)}
-    if "position_ids" in runner.input_names:
-        feeds["position_ids"] = np.arange(ids.shape[1], dtype=np.int64)[None]
-    return runner.run(feeds, host_outputs=["logits"])["logits"].numpy()[0]
+    return model.decoding.score(runner, np.asarray(ids, dtype=np.int64)[None])  # [S, V]
 
 
 def greedy(model_dir: str | Path, prompts: list[list[int]], steps: int) -> np.ndarray:

@@ -1,6 +1,7 @@
 """The inputs of one case for one export: ONNX feeds, the matching reference call, and which
 positions are real. Decoder inputs are made in the ``concat`` cache layout, then re-laid out for
-the export's own layout (``LAYOUT_INPUTS``, one entry per ``tfport.contract.LAYOUTS`` value).
+the export's own layout by that layout's runtime module (``tfport.runtime.decoding``:
+``LayoutDecoding.relayout``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import torch
 from torch import nn
 
 from tfport.config import ModelConfig
-from tfport.contract import cache_names
+from tfport.contract import LAYOUTS, cache_names
 from tfport.models.cache import KVCache
 from tfport.models.positions import positions_from_mask
+
+from tfport.runtime.decoding import decoding_for
 
 from .cases import Case
 
@@ -70,7 +73,8 @@ class CaseInputs:
                  run_encoder: Callable[[Prepared], dict[str, np.ndarray]]):
         self.model, self.config, self.kv_dtype = model, config, kv_dtype
         self.model_dtype = next(model.parameters()).dtype
-        self.layout = LAYOUT_INPUTS[layout]
+        self.layout = LAYOUTS[layout]  # tfport.contract.CacheLayout
+        self.relayout = decoding_for(layout).relayout
         self.run_encoder = run_encoder
 
     def _ids(self, rng: np.random.Generator, shape) -> np.ndarray:
@@ -95,8 +99,14 @@ class CaseInputs:
         if self.config.family == "encoder":
             return [self._encoder(case, rng)]
         if self.config.family == "decoder":
-            adapted = self.layout.adapt(case)
-            return [self.layout.relayout(self._decoder(adapted, rng), adapted, rng, self)]
+            adapted = dataclasses.replace(case, batch=self.relayout.batch_for(case.batch, case.past, case.new))
+            prepared = self._decoder(adapted, rng)
+            feeds, buffers, to_reference = self.relayout(
+                prepared.feeds, adapted.past, lambda batch, slots: self.random_cache(rng, batch, slots, scale=100.0))
+            if buffers is None:
+                return [prepared]
+            return [dataclasses.replace(prepared, feeds=feeds, inplace=buffers,
+                                        to_reference_layout=to_reference, case=adapted)]
         encoder = self._encoder(case, rng)
         return [encoder, self._decoder(case, rng, encoder)]
 
@@ -188,77 +198,3 @@ class CaseInputs:
             return found
 
         return Prepared("decoder", feeds, reference, mask[:, case.past:].astype(bool), mask.astype(bool))
-
-
-
-class ConcatInputs:
-    """Layout "concat": the inputs as made."""
-
-    def adapt(self, case: Case) -> Case:
-        return case
-
-    def relayout(self, prepared: Prepared, case: Case, rng: np.random.Generator, maker: CaseInputs) -> Prepared:
-        return prepared
-
-    def last_positions(self, prepared: Prepared) -> np.ndarray:
-        """int [B]: the reference position a ``logits="last"`` graph returns per row (S - 1)."""
-        batch, new = prepared.query_mask.shape
-        return np.full(batch, new - 1)
-
-
-class InplaceInputs:
-    """Layout "inplace": the concat case re-laid out as ONNX Runtime's GroupQueryAttention wants
-    it. Each row's real tokens move to the front (right padding), its past to the front of a
-    buffer of P + S + 3 slots whose spare slots hold large random values (they must be ignored),
-    ``seqlens_k`` = each row's real P + S - 1. The kernel accepts several new tokens on top of a
-    past only for batch 1, so such cases run with batch 1."""
-
-    def adapt(self, case: Case) -> Case:
-        return dataclasses.replace(case, batch=1) if case.past and case.new > 1 else case
-
-    def relayout(self, portable: Prepared, case: Case, rng: np.random.Generator, maker: CaseInputs) -> Prepared:
-        c, mask = maker.config, portable.feeds["attention_mask"]  # [B, P+S], left- or right-padded
-        batch, total = mask.shape
-        slots = total + 3
-        real = mask.astype(bool)
-        new_real = real[:, case.past:]
-        ids = np.zeros_like(portable.feeds["input_ids"])
-        for b in range(batch):
-            ids[b, :new_real[b].sum()] = portable.feeds["input_ids"][b][new_real[b]]
-        feeds = {"input_ids": ids, "seqlens_k": (real.sum(1) - 1).astype(np.int32),
-                 "total_sequence_length": np.array(real.sum(1).max(), dtype=np.int32)}
-        buffers = {}
-        for name, past in portable.feeds.items():
-            if not name.startswith("past_key_values."):
-                continue
-            buffer = maker.random_cache(rng, batch, slots, scale=100.0)
-            for b in range(batch):
-                n_past = real[b, :case.past].sum()
-                buffer[b][:, :n_past] = past[b][:, real[b, :case.past]]
-            buffers[name] = buffer
-
-        def to_reference_layout(name: str, value: np.ndarray) -> np.ndarray:
-            if not name.startswith("present.") and value.shape[:2] == (batch, case.new):
-                # logits and taps [B, S, ...]: row b's queries are at its real new slots
-                out = np.zeros((batch, case.new) + value.shape[2:], dtype=value.dtype)
-                for b in range(batch):
-                    out[b, new_real[b]] = value[b, :new_real[b].sum()]
-                return out
-            if name.startswith("present."):  # [B, Hkv, M, D] -> [B, Hkv, P+S, D]
-                out = np.zeros(value.shape[:2] + (total,) + value.shape[3:], dtype=value.dtype)
-                for b in range(batch):
-                    out[b][:, real[b]] = value[b][:, :real[b].sum()]
-                return out
-            return value
-
-        return dataclasses.replace(portable, feeds=feeds, inplace=buffers,
-                                   to_reference_layout=to_reference_layout, case=case)
-
-    def last_positions(self, prepared: Prepared) -> np.ndarray:
-        """int [B]: each row's last real new token in the reference layout."""
-        real = prepared.query_mask
-        return real.shape[1] - 1 - np.argmax(real[:, ::-1], axis=1)
-
-
-# Cache layout (tfport.contract.LAYOUTS) -> how a decoder case is laid out for it.
-LAYOUT_INPUTS = {"concat": ConcatInputs(), "inplace": InplaceInputs()}

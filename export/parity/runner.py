@@ -191,7 +191,7 @@ class Runner:
             floor = self.rounding_floor(tensor, exact.get(name), real)
             if name == "logits" and actual[name].shape[1] == 1 < expected.shape[1]:  # logits="last"
                 rows = np.arange(expected.shape[0])
-                last = self.inputs.layout.last_positions(prepared)
+                last = self.inputs.layout.last_positions(prepared.query_mask)
                 expected, real = expected[rows, last][:, None], real[rows, last][:, None]
             result.diffs.append(_compare(name, expected, actual[name].astype(np.float32), real,
                                          tolerance, logits=name == "logits", floor=floor))

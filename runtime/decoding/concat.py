@@ -2,18 +2,26 @@
 followed by the new tokens; prompts are left-padded and described by the attention mask.
 
 State is explicit: the attention mask [B, T] grows by one column per step and the KV cache is a
-dict of OrtValues kept on the session's device (see ``binding``).
+dict of OrtValues kept on the session's device (see ``binding``). This module is the layout's
+whole runtime side: the fixed-batch strategy (``ConcatCache``), the row batch for serving
+(``ConcatRows``), the parity relayout (``ConcatRelayout``: none) and ``score``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import onnxruntime as ort
 
-from ..binding import PRESENT, Feed, GraphRunner, KVCache, empty_cache, past_name
+from tfport.contract import CONCAT
+from tfport.dtypes import NUMPY_DTYPES
+
+from ..binding import PRESENT, Feed, GraphRunner, KVCache, empty_cache, past_name, self_cache_inputs
 from ..inputs import pad_batch, positions_from_mask
+from .layout import LayoutDecoding, register_decoding
+from .rows import Row, check_prompt, check_step
 
 
 @dataclass
@@ -68,3 +76,101 @@ class ConcatCache:
             return next_logits
 
         return logits, advance
+
+
+class ConcatRows:
+    """Layout "concat": the live rows as one left-padded batch (cache [n, Hkv, P, D] with an
+    attention mask [n, P]) that steps like ``ConcatCache``; when rows join or leave, the batch is
+    rebuilt on the host with the common padding stripped.
+
+    A prompt is prefilled alone (batch 1) and joins the batch at the next step.
+    """
+
+    def __init__(self, runner: GraphRunner, capacity: int, max_length: int, pad_token_id: int = 0):
+        self.runner = runner
+        self.capacity = int(capacity)
+        self.max_length = int(max_length)
+        self.pad_token_id = pad_token_id
+        self.rows: list[Row] = []
+        self.names = self_cache_inputs(runner.spec)
+        self.cache: dict = {}  # name -> OrtValue or array [n, Hkv, P, D]
+        self.mask = np.zeros((0, 0), dtype=np.int64)  # [n, P]
+        self._members: list[Row] = []  # the rows the current cache holds, in order
+        if any(".encoder." in t.name for t in runner.spec.inputs):
+            raise ValueError("ConcatRows: seq2seq decoders (cross-attention inputs) are not "
+                             "batched per row; serve decoder-only exports")
+
+    def add(self, prompt: np.ndarray) -> tuple[Row, np.ndarray]:
+        prompt = check_prompt(self, prompt)
+        ids = prompt[None]
+        mask = np.ones_like(ids)
+        logits, cache = decoder_forward(self.runner, ids, mask, empty_cache(self.runner.spec, 1), {})
+        row = Row(len(self.rows), prompt.size, {n: v.numpy() for n, v in cache.items()})
+        self.rows.append(row)
+        return row, logits[0]
+
+    def remove(self, row: Row) -> None:
+        assert self.rows[row.index] is row, (row, self.rows)
+        del self.rows[row.index]
+        for index, other in enumerate(self.rows):
+            other.index = index
+        row.index = -1
+
+    def _rebuild(self) -> None:
+        """Lay the live rows out as one left-padded batch (only when membership changed)."""
+        old = {id(row): b for b, row in enumerate(self._members)}
+        host = {name: np.asarray(value.numpy() if isinstance(value, ort.OrtValue) else value)
+                for name, value in self.cache.items()}
+        width = max(row.length for row in self.rows)
+        n = len(self.rows)
+        mask = np.zeros((n, width), dtype=np.int64)
+        cache = {}
+        for name in self.names:
+            spec = self.runner.spec.input(name)
+            _, heads, _, dim = spec.shape
+            cache[name] = np.zeros((n, heads, width, dim), dtype=NUMPY_DTYPES[spec.dtype])
+        for b, row in enumerate(self.rows):
+            mask[b, width - row.length:] = 1
+            for name in self.names:
+                if row.pending is not None:
+                    source = row.pending[name][0]  # [Hkv, S, D]
+                else:  # the row's real tokens are the last `length` columns of its old slot
+                    source = host[name][old[id(row)], :, host[name].shape[2] - row.length:]
+                cache[name][b, :, width - row.length:] = source
+            row.pending = None
+        self.cache, self.mask, self._members = cache, mask, list(self.rows)
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        tokens = check_step(self, tokens)
+        if self._members != self.rows:
+            self._rebuild()
+        ones = np.ones((len(self.rows), 1), dtype=np.int64)
+        self.mask = np.concatenate([self.mask, ones], axis=1)  # [n, P+1]
+        logits, self.cache = decoder_forward(self.runner, tokens[:, None], self.mask, self.cache, {})
+        for row in self.rows:
+            row.length += 1
+        return logits
+
+
+class ConcatRelayout:
+    """Parity inputs are made in this layout: nothing to re-lay out."""
+
+    def batch_for(self, batch: int, past: int, new: int) -> int:
+        return batch
+
+    def __call__(self, feeds: dict[str, np.ndarray], past: int,
+                 random_buffer: Callable[[int, int], np.ndarray]):
+        return feeds, None, None
+
+
+def score(runner: GraphRunner, ids: np.ndarray) -> np.ndarray:
+    """Every position's logits [S, V] of one sequence ``ids`` int64 [1, S] (a decoder that
+    returns them all, ``logits="all"``), from an empty cache."""
+    mask = np.ones_like(ids)
+    feeds = {"input_ids": ids, "attention_mask": mask, **empty_cache(runner.spec, 1)}
+    if "position_ids" in runner.input_names:
+        feeds["position_ids"] = positions_from_mask(mask, ids.shape[1])
+    return runner.run(feeds, host_outputs=["logits"])["logits"].numpy()[0]
+
+
+DECODING = register_decoding(LayoutDecoding(CONCAT, ConcatCache(), ConcatRows, ConcatRelayout(), score))

@@ -12,20 +12,26 @@ instead of allocating and zeroing B * layers * 2 * Hkv * M * D values again (on 
 0.7 ms for SmolLM2-135M at M = 81, 19 ms at M = 2048). The slots a request has not written hold
 an earlier request's keys and values; the kernel never reads them (row b attends to its first
 ``seqlens_k[b] + 1`` slots only, all written by this request).
+
+This module is the layout's whole runtime side: the fixed-batch strategy (``InplaceBuffer``), the
+row batch for serving (``InplaceRows``), the parity relayout (``InplaceRelayout``) and ``score``.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnxruntime as ort
 
+from tfport.contract import INPLACE
 from tfport.dtypes import NUMPY_DTYPES
 
 from ..binding import PAST, PRESENT, Feed, GraphRunner
 from ..inputs import pad_batch
+from .layout import LayoutDecoding, register_decoding
+from .rows import Row, check_prompt, check_step
 
 KEPT = "inplace"  # GraphRunner.kept key of the idle decoder
 
@@ -173,3 +179,145 @@ class InplaceBuffer:
 
         weakref.finalize(advance, keep, runner, decoder)  # the request is over when advance goes
         return logits, advance
+
+
+class InplaceRows:
+    """Layout "inplace": one KV buffer per layer [capacity, Hkv, max_length, D], rows = its first
+    axis, live rows packed at the front so a step runs on the slice [:n] of every buffer.
+
+    On the CPU, OrtValues over numpy slices share their memory, so the kernel writes each row's
+    new keys/values in place and a slice's binding is made once per batch size. A prompt is
+    prefilled alone on its row's slice (the CPU GroupQueryAttention kernel takes several new
+    tokens on top of a cache only at batch 1). Removing a row moves the last row into its place.
+    """
+
+    def __init__(self, runner: GraphRunner, capacity: int, max_length: int, pad_token_id: int = 0):
+        if runner.device != "cpu":
+            raise ValueError(f"InplaceRows: device {runner.device!r} is not supported; row "
+                             "slices share host memory, which needs the CPU provider")
+        self.runner = runner
+        self.capacity = int(capacity)
+        self.max_length = int(max_length)
+        self.rows: list[Row] = []
+        self.buffers: dict[str, np.ndarray] = {}
+        for spec in runner.spec.inputs:
+            if spec.name.startswith(PAST):
+                _, heads, _, dim = spec.shape
+                self.buffers[spec.name] = np.zeros((self.capacity, heads, self.max_length, dim),
+                                                   dtype=NUMPY_DTYPES[spec.dtype])
+        self._bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
+        self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
+
+    def _binding(self, start: int, stop: int) -> ort.IOBinding:
+        """An IO binding with every buffer's rows [start:stop] bound as past and present."""
+        key = (start, stop)
+        if key not in self._bindings:
+            binding = self.runner.session.io_binding()
+            values = []
+            for name, buffer in self.buffers.items():
+                value = ort.OrtValue.ortvalue_from_numpy(buffer[start:stop])  # a view, no copy
+                values.append(value)
+                binding.bind_ortvalue_input(name, value)
+                binding.bind_ortvalue_output(PRESENT + name[len(PAST):], value)
+            self._bindings[key] = (binding, values)  # values: keep the views alive
+        return self._bindings[key][0]
+
+    def _run(self, start: int, stop: int, input_ids: np.ndarray, seqlens_k: np.ndarray) -> np.ndarray:
+        """input_ids [n, S] on rows [start:stop], seqlens_k [n] -> logits [n, S, V] (or [n, 1, V]
+        from an export with ``logits="last"``), written by the run into a fresh host array bound
+        as the output: the other outputs (the rows' caches, bound in place) are never read back."""
+        binding = self._binding(start, stop)
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length",
+                               np.array(seqlens_k.max() + 1, dtype=np.int32))
+        logits = np.empty((stop - start, self.rows_out or input_ids.shape[1], self.vocab), self.logits_dtype)
+        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        self.runner.session.run_with_iobinding(binding)
+        return logits
+
+    def add(self, prompt: np.ndarray) -> tuple[Row, np.ndarray]:
+        prompt = check_prompt(self, prompt)
+        index = len(self.rows)
+        length = prompt.size
+        logits = require_finite(self._run(index, index + 1, prompt[None], np.array([length - 1]))[0, -1])
+        row = Row(index, length)
+        self.rows.append(row)
+        return row, logits
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        tokens = check_step(self, tokens)
+        n = len(self.rows)
+        lengths = np.array([row.length for row in self.rows])
+        logits = self._run(0, n, tokens[:, None], lengths)[:, -1]  # new token's index = length
+        for row in self.rows:
+            row.length += 1
+        return logits
+
+    def remove(self, row: Row) -> None:
+        assert self.rows[row.index] is row, (row, self.rows)
+        last = self.rows.pop()
+        if last is not row:  # move the last row's cache into the freed place
+            for buffer in self.buffers.values():
+                buffer[row.index, :, :last.length] = buffer[last.index, :, :last.length]
+            last.index = row.index
+            self.rows[row.index] = last
+        row.index = -1
+
+
+class InplaceRelayout:
+    """A parity case made in the ``concat`` layout, re-laid out as ONNX Runtime's
+    GroupQueryAttention wants it. Each row's real tokens move to the front (right padding), its
+    past to the front of a buffer of P + S + 3 slots whose spare slots hold large random values
+    (they must be ignored), ``seqlens_k`` = each row's real P + S - 1. The CPU kernel takes
+    several new tokens on top of a past only at batch 1, so such cases run with batch 1."""
+
+    def batch_for(self, batch: int, past: int, new: int) -> int:
+        return 1 if past and new > 1 else batch
+
+    def __call__(self, feeds: dict[str, np.ndarray], past: int,
+                 random_buffer: Callable[[int, int], np.ndarray]):
+        """concat ``feeds`` (attention_mask [B, P+S], left- or right-padded) with ``past`` cached
+        slots -> (feeds, buffers bound as past and present, to_reference_layout(name, value))."""
+        mask = feeds["attention_mask"]
+        batch, total = mask.shape
+        real = mask.astype(bool)
+        new_real = real[:, past:]
+        new = new_real.shape[1]
+        ids = np.zeros_like(feeds["input_ids"])
+        for b in range(batch):
+            ids[b, :new_real[b].sum()] = feeds["input_ids"][b][new_real[b]]
+        laid = {"input_ids": ids, "seqlens_k": (real.sum(1) - 1).astype(np.int32),
+                "total_sequence_length": np.array(real.sum(1).max(), dtype=np.int32)}
+        buffers = {}
+        for name, cached in feeds.items():
+            if name.startswith(PAST):
+                buffer = random_buffer(batch, total + 3)  # [B, Hkv, P+S+3, D]
+                for b in range(batch):
+                    n_past = real[b, :past].sum()
+                    buffer[b][:, :n_past] = cached[b][:, real[b, :past]]
+                buffers[name] = buffer
+
+        def to_reference_layout(name: str, value: np.ndarray) -> np.ndarray:
+            if not name.startswith(PRESENT) and value.shape[:2] == (batch, new):
+                # logits and taps [B, S, ...]: row b's queries are at its real new slots
+                out = np.zeros((batch, new) + value.shape[2:], dtype=value.dtype)
+                for b in range(batch):
+                    out[b, new_real[b]] = value[b, :new_real[b].sum()]
+                return out
+            if name.startswith(PRESENT):  # [B, Hkv, M, D] -> [B, Hkv, P+S, D]
+                out = np.zeros(value.shape[:2] + (total,) + value.shape[3:], dtype=value.dtype)
+                for b in range(batch):
+                    out[b][:, real[b]] = value[b][:, :real[b].sum()]
+                return out
+            return value
+
+        return laid, buffers, to_reference_layout
+
+
+def score(runner: GraphRunner, ids: np.ndarray) -> np.ndarray:
+    """Every position's logits [S, V] of one sequence ``ids`` int64 [1, S] (``logits="all"``)."""
+    return InplaceDecoder(runner, 1, ids.shape[1])(ids, np.array([ids.shape[1] - 1]))[0]
+
+
+DECODING = register_decoding(LayoutDecoding(INPLACE, InplaceBuffer(), InplaceRows, InplaceRelayout(), score))

@@ -36,8 +36,10 @@ from typing import Protocol, Union
 
 import numpy as np
 
-from ..decoding.rows import Row, RowBatch, row_batch_for
-from ..sampling import SamplingParams, force_tokens, make_rng, next_token
+from ..decoding.engine import SequenceState, choose
+from ..decoding.rows import Row, RowBatch
+from ..defaults import sequence_states
+from ..sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +187,7 @@ class Handle:
 class _Live:
     handle: Handle
     row: Row
-    rng: np.random.Generator | None
-    last: int
-    forced: dict[int, tuple[int, ...]]  # step -> the only ids allowed (Model.forced_tokens)
+    state: SequenceState  # how its tokens are chosen (decoding.engine), and its tokens so far
 
 
 class Scheduler:
@@ -195,7 +195,7 @@ class Scheduler:
 
     def __init__(self, model, limits: SchedulerLimits = SchedulerLimits(),
                  observer: Observer | None = None):
-        runner = model._runner("decoder", "serve")
+        runner = model.runner("decoder", "serve")
         if model.config.family != "decoder":
             raise ValueError(f"Scheduler: family {model.config.family!r} is not batched per row; "
                              "serve decoder-only exports")
@@ -205,7 +205,7 @@ class Scheduler:
         self.max_length = min(limits.max_length or model.config.max_positions,
                               model.config.max_positions)
         self.observer = observer or _NoObserver()
-        self._make_batch = row_batch_for(model.manifest.layout)
+        self._make_batch = model.decoding.rows
         self.batch: RowBatch = self._new_batch()
         self._waiting: collections.deque[Handle] = collections.deque()
         self._live: list[_Live] = []
@@ -273,6 +273,11 @@ class Scheduler:
     def running(self) -> int:
         return len(self._live)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the scheduler thread is running (started and not stopped or dead)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> "Scheduler":
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="tfport-scheduler", daemon=True)
@@ -315,7 +320,7 @@ class Scheduler:
         if not self._live:
             return
         self._live.sort(key=lambda live: live.row.index)  # the batch's row order (rows move)
-        tokens = np.array([live.last for live in self._live], dtype=np.int64)
+        tokens = np.array([live.state.tokens[-1] for live in self._live], dtype=np.int64)
         start = time.perf_counter()
         try:
             logits = self.batch.step(tokens)  # [n, V], rows in the order of self._live
@@ -323,13 +328,14 @@ class Scheduler:
             logger.exception("decode step failed")
             self._fail_live(err)
             return
-        picked = self._sample(logits)
-        self.observer.step(len(self._live), len(picked), time.perf_counter() - start)
-        for live, token in zip(list(self._live), picked):
-            if isinstance(token, RuntimeError):
-                self._retire(live, Failed(token))
+        live = list(self._live)
+        picked, errors = choose(logits, [row.state for row in live])
+        self.observer.step(len(live), len(live) - len(errors), time.perf_counter() - start)
+        for b, row in enumerate(live):
+            if b in errors:
+                self._retire(row, Failed(errors[b]))
             else:
-                self._push(live, token)
+                self._push(row, int(picked[b]))
 
     def _stop_reason(self, handle: Handle, now: float) -> str | None:
         if handle.cancelled:
@@ -357,49 +363,25 @@ class Scheduler:
                 handle._emit(Failed(err))
                 self.observer.finished("error", time.monotonic() - handle.submitted)
                 continue
-            rng = None if request.params.greedy and request.seed is None else make_rng(request.seed)
             forced = self.model.forced_tokens(max_new_tokens=request.max_tokens,
                                               one_token_start=len(request.prompt) == 1)
-            live = _Live(handle, row, rng, -1, forced)
+            state, = sequence_states(1, request.params, request.seed, request.max_tokens,
+                                     request.stop_ids, forced)
+            live = _Live(handle, row, state)
             self._live.append(live)
             self.observer.first_token(time.monotonic() - handle.submitted)
-            try:
-                token = self._pick(live, logits)
-            except RuntimeError as err:  # NaN logits: this request only
-                self._retire(live, Failed(err))
+            picked, errors = choose(logits[None], [state])
+            if errors:  # NaN logits: this request only
+                self._retire(live, Failed(errors[0]))
                 continue
-            self._push(live, token)
-
-    def _pick(self, live: _Live, logits: np.ndarray) -> int:
-        """``live``'s next token from its logits [V]: the id its export forces at this step, else
-        its own sampling; ``RuntimeError`` for NaN logits (``sampling.check_logits``)."""
-        step = len(live.handle.tokens)
-        if step in live.forced:
-            logits = force_tokens(logits[None], live.forced[step])[0]
-        return int(next_token(logits[None], live.handle.request.params, live.rng)[0])
-
-    def _sample(self, logits: np.ndarray) -> list[int | RuntimeError]:
-        """One token per live row (logits [n, V]), each with its own parameters and generator,
-        or the error that ends the row (NaN logits)."""
-        picked: list[int | RuntimeError] = np.argmax(logits, axis=-1).tolist()  # greedy rows, vectorised
-        plain = np.isfinite(logits).all(axis=-1)
-        for b, live in enumerate(self._live):
-            if plain[b] and live.handle.request.params.greedy and len(live.handle.tokens) not in live.forced:
-                continue
-            try:
-                picked[b] = self._pick(live, logits[b])
-            except RuntimeError as err:
-                picked[b] = err
-        return picked
+            self._push(live, int(picked[0]))
 
     def _push(self, live: _Live, token: int) -> None:
-        handle, request = live.handle, live.handle.request
-        live.last = token
-        handle._emit(Token(token))
-        if token in request.stop_ids:
-            self._retire(live, Finished("stop"))
-        elif len(handle.tokens) >= request.max_tokens:
-            self._retire(live, Finished("length"))
+        """Report ``token`` and retire the row when it ended (``SequenceState.push``)."""
+        finish = live.state.push(token)
+        live.handle._emit(Token(token))
+        if finish:
+            self._retire(live, Finished(finish))
 
     def _retire(self, live: _Live, event: Event) -> None:
         self._live.remove(live)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tfport.runtime import load_model
-from tfport.runtime.decoding.rows import ROW_BATCHES, row_batch_for
+from tfport.runtime.decoding import DECODINGS
 from tfport.runtime.sampling import SamplingParams
 from tfport.runtime.serve.scheduler import (Failed, Finished, GenerationRequest, QueueFull,
                                             Scheduler, SchedulerLimits, Token)
@@ -18,7 +18,7 @@ from tfport.runtime.serve.scheduler import (Failed, Finished, GenerationRequest,
 LAYOUT_EXPORTS = {"inplace": "dec-ort", "concat": "dec-portable"}
 
 
-@pytest.fixture(scope="module", params=sorted(ROW_BATCHES))
+@pytest.fixture(scope="module", params=sorted(DECODINGS))
 def model(request, serve_exports):
     loaded = load_model(serve_exports[LAYOUT_EXPORTS[request.param]], intra_op_threads=1)
     assert loaded.manifest.layout == request.param
@@ -44,7 +44,7 @@ def solo(model, prompt, max_tokens, **kwargs) -> list[int]:
 def test_row_batch_greedy_equals_solo_as_rows_come_and_go(model):
     """The RowBatch alone: rows admitted when others are mid-way, removed when done."""
     cases = [(p, 3 + i % 7) for i, p in enumerate(prompts(9, seed=1))]
-    batch = row_batch_for(model.manifest.layout)(model.runners["decoder"], 3, 64)
+    batch = model.decoding.rows(model.runners["decoder"], 3, 64)
     out, live, waiting = {}, {}, list(range(len(cases)))
     while waiting or live:
         while waiting and len(batch.rows) < batch.capacity:

@@ -1,0 +1,108 @@
+"""The one step function: how the next token of every sequence is chosen, and when it ends.
+
+Every entry point that decodes runs it: ``Model.generate`` / ``stream`` / ``chat`` (a fixed batch,
+``tfport.runtime.generation``) and the server's scheduler (rows that come and go,
+``tfport.runtime.serve.scheduler``). Each sequence carries its own ``SequenceState``: sampling
+parameters and random generator, stop ids, token budget, the tokens the export forces at given
+steps, and logits processors. Per step:
+
+    tokens, errors = choose(logits, states)   # logits [n, V] -> int64 [n], {row: RuntimeError}
+    for state, token in zip(states, tokens):
+        state.push(int(token))                # records it; state.finish: "stop" | "length" | None
+
+``choose`` applies, per row, the forced ids of its step (``force_tokens``), then its processors
+in order, then picks greedily or samples. Greedy rows with nothing to apply are one vectorised
+argmax; sampled rows that share one parameter set and one generator (the rows of one
+``generate`` call) are drawn together, so a batch draws the same numbers as before the engine
+existed. NaN logits fail their row only (``errors``); +-inf are clipped (``check_logits``).
+
+Seams for what plugs in next:
+- a processor (``LogitsProcessor``) sees the row's tokens so far and may mask logits (a grammar);
+- a step may verify several proposed tokens: ``choose`` over the K + 1 positions' logits of one
+  row, then ``push`` until a pick differs from the proposal or the row finishes;
+- a row may start from a cached prefix: the layout's ``RowBatch.add`` owns how the cache is
+  filled; the state only counts generated tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..sampling import SamplingParams, force_tokens, next_token
+
+
+class LogitsProcessor(Protocol):
+    def __call__(self, tokens: Sequence[int], logits: np.ndarray) -> np.ndarray:
+        """(tokens generated so far, logits float32 [V]) -> logits [V] to pick from (a new array
+        or ``logits`` changed in place; -inf removes a token)."""
+        ...
+
+
+@dataclass(eq=False)
+class SequenceState:
+    """One sequence being decoded: ``params`` and ``rng`` (None when greedy), at most
+    ``max_tokens`` new tokens, ends at any of ``stop_ids`` (reported, then the row ends),
+    ``forced`` step -> the only ids allowed there (``Model.forced_tokens``), ``processors``
+    applied before picking. ``tokens`` are those pushed; ``finish`` is "stop" or "length" once
+    the sequence has ended."""
+
+    params: SamplingParams
+    rng: np.random.Generator | None
+    max_tokens: int
+    stop_ids: tuple[int, ...] = ()
+    forced: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    processors: tuple[LogitsProcessor, ...] = ()
+    tokens: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing to apply at this step: picked by the batch's vectorised argmax."""
+        return self.params.greedy and not self.processors and len(self.tokens) not in self.forced
+
+    def push(self, token: int) -> str | None:
+        """Record ``token`` -> why the sequence ended with it ("stop", "length") or None."""
+        self.tokens.append(token)
+        if token in self.stop_ids:
+            self.finish = "stop"
+        elif len(self.tokens) >= self.max_tokens:
+            self.finish = "length"
+        return self.finish
+
+    def adjust(self, logits: np.ndarray) -> np.ndarray:
+        """logits [V] -> what this step picks from: the forced ids, then the processors."""
+        step = len(self.tokens)
+        if step in self.forced:
+            logits = force_tokens(logits[None], self.forced[step])[0]
+        for processor in self.processors:
+            logits = processor(self.tokens, logits)
+        return logits
+
+
+def choose(logits: np.ndarray, states: Sequence[SequenceState]) -> tuple[np.ndarray, dict[int, RuntimeError]]:
+    """One token per row of ``logits`` [n, V] (row b is ``states[b]``'s) -> (int64 [n], the rows
+    that failed, with their error: NaN logits). Tokens of failed rows are meaningless."""
+    tokens = np.argmax(logits, axis=-1).astype(np.int64)  # the plain greedy rows, vectorised
+    errors: dict[int, RuntimeError] = {}
+    finite = np.isfinite(logits).all(axis=-1)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for b, state in enumerate(states):
+        if not (state.plain and finite[b]):
+            groups.setdefault((id(state.params), id(state.rng)), []).append(b)
+    for rows in groups.values():
+        nan = [b for b in rows if np.isnan(logits[b]).any()]
+        for b in nan:
+            errors[b] = RuntimeError(
+                "the model produced NaN logits; no token can be chosen. The export may be damaged "
+                "(load it with verify='full') or overflow in its dtype")
+        rows = [b for b in rows if b not in errors]
+        if not rows:
+            continue
+        block = np.stack([states[b].adjust(logits[b]) for b in rows])  # [m, V]
+        first = states[rows[0]]
+        tokens[rows] = next_token(block, first.params, first.rng)
+    return tokens, errors

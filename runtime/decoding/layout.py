@@ -1,0 +1,92 @@
+"""What a cache layout is on the runtime side, and the registry the runtime looks layouts up in.
+
+A cache layout (``tfport.contract.CacheLayout``: the decoder graph's I/O, padding side, last
+position) has one module here (``concat.py``, ``inplace.py``) holding everything the runtime does
+differently for it, registered as one ``LayoutDecoding``:
+
+- ``strategy``: a fixed batch from prefill to the end (``Model.generate`` / ``stream`` / ``chat``)
+      logits, advance = strategy.start(runner, rows, max_new_tokens, pad_token_id, static)
+      logits = advance(tokens, step)        # tokens int64 [B] just picked -> next logits [B, V]
+- ``rows``: the ``RowBatch`` class continuous batching runs (``rows.py`` says the interface);
+- ``relayout``: how a parity case made in the ``concat`` layout is fed to this layout's graph;
+- ``score``: every position's logits of one sequence (perplexity).
+
+The token loop (sampling, stops) is not a layout's: ``engine.choose`` serves every layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from tfport.contract import CacheLayout
+
+from ..binding import Feed, GraphRunner
+from .rows import RowBatch
+
+# advance(tokens int64 [B], step) -> logits float32 [B, V] after feeding those tokens (the
+# array may be the strategy's buffer, overwritten by the next call: read it before).
+Advance = Callable[[np.ndarray, int], np.ndarray]
+# (feeds of the concat layout, past length, random_buffer(batch, slots) -> [B, Hkv, slots, D]) ->
+# (this layout's feeds, buffers bound as past and present or None, to_reference_layout or None).
+RelaidInputs = tuple[dict, "dict | None", "Callable[[str, np.ndarray], np.ndarray] | None"]
+
+
+class DecodeStrategy(Protocol):
+    def start(self, runner: GraphRunner, rows: Sequence[np.ndarray], max_new_tokens: int,
+              pad_token_id: int, static: Mapping[str, Feed]) -> tuple[np.ndarray, Advance]:
+        """Run the prompts ``rows`` (checked int64 token lists; for seq2seq the decoder start
+        token) -> (last-position logits float32 [B, V], advance). ``static``: decoder inputs that
+        do not change between steps (seq2seq cross-attention K/V and encoder mask)."""
+        ...
+
+
+class Relayout(Protocol):
+    def batch_for(self, batch: int, past: int, new: int) -> int:
+        """The batch a parity case of ``new`` tokens on ``past`` cached ones runs with."""
+        ...
+
+    def __call__(self, feeds: dict[str, np.ndarray], past: int,
+                 random_buffer: Callable[[int, int], np.ndarray]) -> RelaidInputs:
+        ...
+
+
+@dataclass(frozen=True)
+class LayoutDecoding:
+    """A cache layout's runtime side (see the module docstring)."""
+
+    layout: CacheLayout
+    strategy: DecodeStrategy
+    rows: Callable[..., RowBatch]
+    relayout: Relayout
+    score: Callable[[GraphRunner, np.ndarray], np.ndarray]
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+
+DECODINGS: dict[str, LayoutDecoding] = {}
+
+
+def register_decoding(decoding: LayoutDecoding) -> LayoutDecoding:
+    """Add a layout's runtime side to ``DECODINGS`` (its ``CacheLayout`` must be registered in
+    ``tfport.contract.LAYOUTS`` under the same name)."""
+    from tfport.contract import LAYOUTS
+    if LAYOUTS.get(decoding.name) is not decoding.layout:
+        raise ValueError(f"layout {decoding.name!r}: register its CacheLayout in "
+                         "tfport.contract.LAYOUTS first (register_layout)")
+    if decoding.name in DECODINGS:
+        raise ValueError(f"layout {decoding.name!r}: its decoding is already registered")
+    DECODINGS[decoding.name] = decoding
+    return decoding
+
+
+def decoding_for(layout: str) -> LayoutDecoding:
+    """The runtime side of a cache layout (``Manifest.layout``)."""
+    if layout not in DECODINGS:
+        raise ValueError(f"layout={layout!r}: this runtime decodes {sorted(DECODINGS)}")
+    return DECODINGS[layout]

@@ -1,0 +1,106 @@
+"""What a decoding request leaves out, resolved in one place: the caller's value, else the
+export's ``generation_config.json`` (``tfport.generation.GenerationDefaults``), else the config's
+(eos), else the library's (greedy). ``Model.generate`` / ``stream`` / ``chat``, the CLI and the
+server all ask ``Model.defaults`` (``Model.sampling``, ``stop_ids`` and ``forced_tokens`` are its
+methods), and ``sequence_state`` turns the resolved values into the engine's per-sequence state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from tfport.config import ModelConfig
+from tfport.generation import GenerationDefaults
+
+from .decoding.engine import LogitsProcessor, SequenceState
+from .sampling import SamplingParams, make_rng
+
+# The library's sampling when neither the caller nor the export says anything: greedy.
+GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+
+
+class RequestDefaults:
+    """The defaults of one export: its ``config`` and ``generation`` (generation_config.json, or
+    None)."""
+
+    def __init__(self, config: ModelConfig, generation: GenerationDefaults | None):
+        self.config = config
+        self.generation = generation
+
+    def sampling(self, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None) -> dict:
+        """The sampling arguments ``generate`` uses: those given, the rest from the export's
+        generation defaults (greedy: temperature 0, top_k 0, top_p 1 without any)."""
+        defaults = self.generation.sampling if self.generation is not None else GREEDY
+        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        return {k: defaults[k] if v is None else v for k, v in given.items()}
+
+    def stop_ids(self, stop_token_ids: Sequence[int] | None = None) -> tuple[int, ...]:
+        """The stop ids ``generate`` uses: ``stop_token_ids`` checked, else every eos id of the
+        export's generation_config.json, else the config's eos."""
+        if stop_token_ids is None:
+            if self.generation is not None and self.generation.eos_token_ids:
+                return self.generation.eos_token_ids
+            eos = self.config.eos_token_id
+            return () if eos is None else (eos,)
+        if isinstance(stop_token_ids, np.ndarray):
+            stop_token_ids = stop_token_ids.tolist() if stop_token_ids.ndim == 1 else stop_token_ids
+        if isinstance(stop_token_ids, (int, str)) or not isinstance(stop_token_ids, Sequence):
+            raise TypeError(f"stop_token_ids={stop_token_ids!r}: expected a sequence of token "
+                            "ids (or None for the config's eos_token_id)")
+        odd = [i for i in stop_token_ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))]
+        if odd:
+            raise TypeError(f"stop_token_ids: {odd} are not integer token ids")
+        stops = tuple(int(i) for i in stop_token_ids)
+        bad = [i for i in stops if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad} outside [0, {self.config.vocab_size})")
+        return stops
+
+
+    def forced_tokens(self, forced_bos_token_id: int | tuple[()] | None = None,
+                      forced_eos_token_id: int | Sequence[int] | None = None, max_new_tokens: int = 16,
+                      one_token_start: bool = True) -> dict[int, tuple[int, ...]]:
+        """The steps ``generate`` forces -> the ids allowed there, as transformers' ForcedBOS /
+        ForcedEOS logits processors do: ``forced_bos_token_id`` at step 0 when the decoder starts
+        from one token (``one_token_start``: a seq2seq model's start token, or a one-token
+        prompt), ``forced_eos_token_id`` (an id or several) at the last of ``max_new_tokens``
+        steps, where transformers' ``max_length`` (prompt + ``max_new_tokens``) runs out; a forced
+        eos wins when both fall on one step. Each None takes the export's generation_config.json
+        (none without one); ``()`` forces nothing."""
+        defaults = self.generation or GenerationDefaults()
+        bos = self._forced_ids("forced_bos_token_id", forced_bos_token_id,
+                               () if defaults.forced_bos_token_id is None else (defaults.forced_bos_token_id,))
+        if len(bos) > 1:
+            raise ValueError(f"forced_bos_token_id={forced_bos_token_id!r}: expected one token id, () or None")
+        eos = self._forced_ids("forced_eos_token_id", forced_eos_token_id, defaults.forced_eos_token_ids)
+        forced = {0: bos} if bos and one_token_start else {}
+        if eos:
+            forced[max_new_tokens - 1] = eos
+        return forced
+
+    def _forced_ids(self, argument: str, value, default: tuple[int, ...]) -> tuple[int, ...]:
+        if value is None:
+            return default
+        ids = [value] if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) \
+                or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
+            raise TypeError(f"{argument}={value!r}: expected a token id, a sequence of them, () for "
+                            "none or None for the export's")
+        bad = [int(i) for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"{argument}: {bad} outside [0, {self.config.vocab_size})")
+        return tuple(int(i) for i in ids)
+
+
+def sequence_states(count: int, params: SamplingParams, seed: int | np.random.Generator | None,
+                    max_tokens: int, stop_ids: tuple[int, ...] = (),
+                    forced: Mapping[int, tuple[int, ...]] | None = None,
+                    processors: Sequence[LogitsProcessor] = ()) -> list[SequenceState]:
+    """The engine's states of ``count`` sequences decoded together with the same arguments: one
+    random generator from ``seed`` (``make_rng``) shared by all, none when greedy without a seed."""
+    rng = None if params.greedy and seed is None else make_rng(seed)
+    return [SequenceState(params, rng, max_tokens, stop_ids, forced or {}, tuple(processors))
+            for _ in range(count)]
