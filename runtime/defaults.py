@@ -17,8 +17,10 @@ from tfport.generation import GenerationDefaults
 from .decoding.engine import LogitsProcessor, SequenceState
 from .sampling import SamplingParams, make_rng
 
-# The library's sampling when neither the caller nor the export says anything: greedy.
+# The sampling a request gets where neither it nor the export says anything: the library is
+# greedy (as transformers' generate); the OpenAI API's documented default is temperature 1.
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+OPENAI = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
 
 class RequestDefaults:
@@ -30,10 +32,13 @@ class RequestDefaults:
         self.generation = generation
 
     def sampling(self, temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None) -> dict:
-        """The sampling arguments ``generate`` uses: those given, the rest from the export's
-        generation defaults (greedy: temperature 0, top_k 0, top_p 1 without any)."""
-        defaults = self.generation.sampling if self.generation is not None else GREEDY
+                 top_p: float | None = None, *, unsaid: dict = GREEDY) -> dict:
+        """The sampling arguments a request decodes with: those given; the rest from the export's
+        generation_config.json where it samples (``do_sample: true``); else ``unsaid``, the
+        caller's API default: greedy for the library (``generate``, ``chat``, the CLI), OpenAI's
+        temperature 1 for the server (``OPENAI``)."""
+        sampled = self.generation is not None and self.generation.do_sample
+        defaults = self.generation.sampling if sampled else unsaid
         given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         return {k: defaults[k] if v is None else v for k, v in given.items()}
 

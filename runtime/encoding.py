@@ -211,8 +211,15 @@ class EncoderMethods:
         truncated to its ``max_seq_length`` (a logged warning says which), its pooling and
         normalisation (arguments as in ``embed``). Texts run in batches of ``batch_size``,
         longest first; ``progress`` shows a bar (None: for 8 batches or more)."""
+        return self.embed_encoded(self.encode_texts(texts, method="embed_text"), pooling=pooling,
+                                  normalize=normalize, batch_size=batch_size, progress=progress)
+
+    def embed_encoded(self, encoded: EncodedTexts, *, pooling: str | None = None,
+                      normalize: bool | None = None, batch_size: int = BATCH_SIZE,
+                      progress: bool | None = None) -> np.ndarray:
+        """``embed_text`` of texts already encoded by ``encode_texts`` (whose ``ids`` also give
+        the token counts) -> float32 [B, E]."""
         pooling, normalize = self._pooling(pooling, normalize)
-        encoded = self.encode_texts(texts, method="embed_text")
         out = np.zeros((len(encoded.ids), self.config.d_model), np.float32)
         for rows in batches(len(encoded.ids), [len(i) for i in encoded.ids], batch_size, progress, "embed"):
             types = [encoded.type_ids[r] for r in rows] if self.config.type_vocab_size else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
@@ -88,3 +89,33 @@ class ModelObserver:
 
     def finished(self, reason: str, seconds: float) -> None:
         self.m.finished.labels(self.model, reason).inc()
+
+
+class MetricsMiddleware:
+    """ASGI middleware: counts every HTTP response by endpoint and status and times it (to the
+    last byte) in the ``ServeMetrics`` that ``metrics()`` returns (None while loading)."""
+
+    def __init__(self, app, metrics: Callable[[], ServeMetrics | None]):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            metrics = self.metrics()
+            if metrics is not None:
+                route = scope.get("route")
+                endpoint = getattr(route, "path", None) or "other"
+                metrics.requests.labels(endpoint, str(status["code"])).inc()
+                metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - start)

@@ -32,8 +32,29 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code}}
 
+    @classmethod
+    def from_validation(cls, errors: list[dict]) -> "ApiError":
+        """A 400 for pydantic's validation ``errors`` of a body: the first one, naming its field
+        (malformed JSON, or a union none of whose forms fits, said so)."""
+        if not errors:
+            return cls(400, "invalid request")
+        first = errors[0]
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", first.get("msg"))
+            return cls(400, f"the body is not valid JSON ({reason})")
+        fields = {next((str(p) for p in e.get("loc", ()) if p != "body"), None) for e in errors}
+        if len(errors) > 1 and len(fields) == 1 and None not in fields:  # a union: no form fits
+            field = fields.pop()
+            reasons = list(dict.fromkeys(e.get("msg") for e in errors))
+            return cls(400, f"{field}: none of its accepted forms fits ({'; '.join(reasons)})", field)
+        param = ".".join(loc) or None
+        return cls(400, f"{param or 'body'}: {first.get('msg')}", param)
 
-class _Request(BaseModel):
+
+class DecodingRequest(BaseModel):
+    """The fields completions and chat completions share: sampling, stops, ``n``, streaming."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -78,7 +99,7 @@ class _Request(BaseModel):
         return stops
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(DecodingRequest):
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     echo: bool = False
     logprobs: Optional[int] = None
@@ -125,7 +146,7 @@ class ChatMessage(BaseModel):
         return "".join(pieces)
 
 
-class ChatRequest(_Request):
+class ChatRequest(DecodingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = None
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)

@@ -1,20 +1,39 @@
-"""The models one server holds: an export directory each, with its scheduler (decoders) and what
-turns requests into token ids and token ids back into text."""
+"""The models one server holds, and how an API request becomes library calls.
+
+A ``ServedModel`` is one export directory: its ``Model``, its continuous-batching ``Scheduler``
+(decoders) and the conversions from request fields to the library's arguments. What the model
+computes is decided by the library alone, as for ``tfport generate`` / ``chat`` / ``embed``:
+sampling defaults by ``Model.sampling`` (request > generation_config.json > greedy), stop ids by
+``Model.stop_ids``, chat prompts and end-of-turn ids by ``tfport.runtime.chat``, forced tokens by
+the scheduler (``Model.forced_tokens``), embeddings by ``Model.embed_text`` for texts (the
+export's truncation, lower-casing, pooling and normalisation) and ``Model.embed`` for token ids
+(the export's pooling and normalisation).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Union
 
 import numpy as np
 
+from ..chat import chat_format
+from ..defaults import OPENAI
 from ..model import Model
+from ..sampling import SamplingParams
 from ..session import SessionSettings
 from ..tokenizer import TextStream, TextTokenizer
-from .protocol import ApiError
+from .protocol import ApiError, DecodingRequest
+from .handles import GenerationRequest, Handle, QueueFull
 from .scheduler import Scheduler, SchedulerLimits
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+# A completion prompt or an embedding input: a text, texts, token ids or token id lists.
+Inputs = Union[str, list[str], list[int], list[list[int]]]
 
 
 @dataclass(frozen=True)
@@ -46,14 +65,6 @@ class ServeOptions:
     @property
     def limits(self) -> SchedulerLimits:
         return SchedulerLimits(self.max_rows, self.max_queue, self.max_length)
-
-
-def chat_prompt(model: Model, messages: list[dict]) -> tuple[list[int], tuple[int, ...]]:
-    """Prompt ids of ``messages`` rendered with the export's chat template, and the ids that end
-    the assistant's turn (``tfport.runtime.chat``)."""
-    from ..chat import chat_format
-    fmt = chat_format(model)
-    return fmt.prompt_ids(messages), fmt.stop_ids
 
 
 class ServedModel:
@@ -88,9 +99,13 @@ class ServedModel:
         if self.scheduler is not None:
             self.scheduler.stop()
 
-    @property
-    def tokenizer(self) -> TextTokenizer | None:
-        return self.model.tokenizer
+    def health(self) -> dict:
+        """``family``; for a decoder also its ``running`` and ``waiting`` rows and whether its
+        scheduler thread is ``alive``."""
+        if self.scheduler is None:
+            return {"family": self.family}
+        return {"family": self.family, "running": self.scheduler.running,
+                "waiting": self.scheduler.waiting, "alive": self.scheduler.alive}
 
     def require(self, family: str, endpoint: str) -> None:
         if self.family != family:
@@ -98,7 +113,15 @@ class ServedModel:
             raise ApiError(400, f"model {self.name!r} is a {self.family} export; {endpoint} needs "
                                 f"{kind} export", "model")
 
-    def prompts(self, prompt, param: str = "prompt") -> list[list[int]]:
+    # ------------------------------------------------------------------------------ token ids
+    def _tokenizer(self, param: str) -> TextTokenizer:
+        tokenizer = self.model.tokenizer
+        if tokenizer is None:
+            raise ApiError(400, f"{param}: model {self.name!r} has no tokenizer.json; send token ids "
+                                "instead of text", param)
+        return tokenizer
+
+    def prompts(self, prompt: Inputs, param: str = "prompt") -> list[list[int]]:
         """A completion prompt / embedding input -> token id lists: a str, a list of str, a list
         of ids or a list of id lists."""
         if isinstance(prompt, str):
@@ -110,11 +133,7 @@ class ServedModel:
         rows = []
         for index, item in enumerate(prompt):
             if isinstance(item, str):
-                tokenizer = self.tokenizer
-                if tokenizer is None:
-                    raise ApiError(400, f"{param}: model {self.name!r} has no tokenizer.json; send "
-                                        "token ids instead of text", param)
-                item = tokenizer.encode(item)
+                item = self._tokenizer(param).encode(item)
             if not item:
                 raise ApiError(400, f"{param}[{index}]: empty; expected at least one token", param)
             rows.append([int(t) for t in item])
@@ -127,61 +146,92 @@ class ServedModel:
         return rows
 
     def chat(self, messages: list[dict]) -> tuple[list[int], tuple[int, ...]]:
+        """Prompt ids of ``messages`` rendered with the export's chat template, and the ids that
+        end the assistant's turn (``tfport.runtime.chat``, as ``Model.chat`` takes them)."""
         try:
-            return chat_prompt(self.model, messages)
+            fmt = chat_format(self.model)
+            return fmt.prompt_ids(messages), fmt.stop_ids
         except (ValueError, TypeError) as err:
             raise ApiError(400, str(err), "messages") from None
 
+    def text_stream(self) -> TextStream | None:
+        tokenizer = self.model.tokenizer
+        return None if tokenizer is None else TextStream(tokenizer)
+
+    # ----------------------------------------------------------------------------- generation
     def stop_ids(self, ignore_eos: bool, extra: Sequence[int] | None,
                  defaults: tuple[int, ...] | None = None) -> tuple[int, ...]:
-        ids = () if ignore_eos else (defaults if defaults is not None else self.model.stop_ids())
+        """The ids that end a row: ``defaults`` (None: ``Model.stop_ids``'s, those of
+        ``Model.generate``) unless ``ignore_eos``, plus the request's ``stop_token_ids``."""
+        ids = () if ignore_eos else (self.model.stop_ids() if defaults is None else defaults)
         if extra:
-            vocab = self.model.config.vocab_size
-            bad = [i for i in extra if not 0 <= i < vocab]
-            if bad:
-                raise ApiError(400, f"stop_token_ids: {bad} outside [0, {vocab})", "stop_token_ids")
+            try:
+                extra = self.model.stop_ids(extra)
+            except (ValueError, TypeError) as err:
+                raise ApiError(400, str(err), "stop_token_ids") from None
             ids = tuple(dict.fromkeys([*ids, *extra]))
         return ids
 
-    def text_stream(self) -> TextStream | None:
-        tokenizer = self.tokenizer
-        return None if tokenizer is None else TextStream(tokenizer)
+    def sampling(self, body: DecodingRequest) -> SamplingParams:
+        """The request's sampling; the fields it leaves out from the export's
+        generation_config.json where it samples, else OpenAI's defaults (temperature 1), resolved
+        where ``Model.generate`` resolves its own (``RequestDefaults.sampling``)."""
+        top_k = 0 if body.top_k == -1 else body.top_k  # vLLM's -1: keep all, as 0 does
+        try:
+            return SamplingParams(**self.model.defaults.sampling(body.temperature, top_k, body.top_p,
+                                                                 unsaid=OPENAI))
+        except ValueError as err:
+            raise ApiError(400, str(err), str(err).split("=")[0]) from None
 
-    def embed(self, rows: list[list[int]]) -> np.ndarray:
-        """Mean-pooled, L2-normalised sentence embeddings float32 [B, E] (runs in a worker
-        thread; one batch at a time per model)."""
+    def max_tokens(self, requested: int | None, prompt: Sequence[int] | None = None) -> int:
+        """A request's ``max_tokens``, at most the server's cap. Left out: OpenAI's 16 for a
+        completion; for a chat ``prompt``, as many as the context and the cap allow."""
+        if requested is None:
+            if prompt is None:
+                return min(DEFAULT_COMPLETION_TOKENS, self.options.max_tokens)
+            room = self.scheduler.max_length - len(prompt) + 1  # the last token is not fed back
+            return max(1, min(self.options.max_tokens, room))
+        if requested > self.options.max_tokens:
+            raise ApiError(400, f"max_tokens={requested}: more than this server's limit of "
+                                f"{self.options.max_tokens} per request", "max_tokens")
+        return requested
+
+    def submit(self, prompts: list[list[int]], body: DecodingRequest, max_tokens: int,
+               stop_ids: tuple[int, ...], loop: asyncio.AbstractEventLoop) -> list[Handle]:
+        """Queue ``body.n`` sequences per prompt (each its own seed, ``seed + i``) -> handles
+        delivering to ``loop``; ``ApiError`` 400 for a request that cannot run, 429 when the
+        queue is full."""
+        params = self.sampling(body)
+        count = len(prompts) * body.n
+        if count > self.options.max_queue:
+            raise ApiError(400, f"n: {len(prompts)} prompt(s) x n={body.n} = {count} sequences, more "
+                                f"than this server's queue of {self.options.max_queue}", "n")
+        rows = [prompt for prompt in prompts for _ in range(body.n)]
+        requests = [GenerationRequest(prompt, max_tokens, params,
+                                      None if body.seed is None else body.seed + index, stop_ids,
+                                      self.options.timeout) for index, prompt in enumerate(rows)]
+        try:
+            return self.scheduler.submit(requests, loop=loop)
+        except QueueFull as err:
+            raise ApiError(429, str(err), code="queue_full") from None
+        except ValueError as err:
+            raise ApiError(400, str(err), "max_tokens" if "max_tokens" in str(err) else "prompt") from None
+
+    # ----------------------------------------------------------------------------- embeddings
+    def embed(self, inputs: Inputs) -> tuple[np.ndarray, int]:
+        """Sentence embeddings float32 [B, E] of an embedding ``input`` and the tokens it took:
+        texts as ``Model.embed_text`` embeds them, token ids as ``Model.embed`` does, both with
+        the export's settings (``tfport embed``). Runs in a worker thread; one batch at a time
+        per model."""
+        texts = [inputs] if isinstance(inputs, str) else inputs
         with self._embed_lock:
-            return self.model.embed(rows, pooling="mean", normalize=True)
-
-
-class StopText:
-    """Text pieces in, text out up to the first ``stop`` string: a piece is held back while the
-    text's end could be the start of a stop string."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = list(stops)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""  # everything pushed
-        self.shown = 0  # characters returned so far
-        self.stopped = False
-
-    def push(self, piece: str) -> str:
-        if self.stopped:
-            return ""
-        start = max(0, len(self.text) - self.hold)
-        self.text += piece
-        if self.stops:
-            hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-            if hits:
-                self.stopped = True
-                return self._show(min(hits))
-        return self._show(len(self.text) - self.hold)
-
-    def finish(self) -> str:
-        return "" if self.stopped else self._show(len(self.text))
-
-    def _show(self, end: int) -> str:
-        if end <= self.shown:
-            return ""
-        out, self.shown = self.text[self.shown:end], end
-        return out
+            try:
+                if texts and all(isinstance(t, str) for t in texts):
+                    self._tokenizer("input")
+                    encoded = self.model.encode_texts(texts, method="embeddings")
+                    tokens = sum(len(ids) for ids in encoded.ids)
+                    return self.model.embed_encoded(encoded, progress=False), tokens
+                rows = self.prompts(inputs, "input")
+                return self.model.embed(rows), sum(len(row) for row in rows)
+            except (ValueError, TypeError) as err:
+                raise ApiError(400, f"input: {err}", "input") from None

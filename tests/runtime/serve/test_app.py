@@ -157,9 +157,12 @@ def test_chat_uses_the_template(server, client, serve_exports):
 
 
 def test_embeddings_equal_the_runtime(server, client, serve_exports):
+    """What ``tfport embed`` gives: the export's own pooling and normalisation (this one has no
+    embedding.json: mean pooling, not normalised); test_embeddings.py checks sentence-transformers
+    pipelines against SentenceTransformer.encode."""
     model = load_model(serve_exports["enc"], intra_op_threads=1)
     texts = ["w5 w6 w7", "w9"]
-    expected = model.embed_text(texts, pooling="mean", normalize=True)
+    expected = model.embed_text(texts)
     out = client.embeddings.create(model="enc", input=texts)
     assert [d.index for d in out.data] == [0, 1]
     np.testing.assert_allclose(np.array([d.embedding for d in out.data]), expected, atol=1e-6)
@@ -282,4 +285,25 @@ def test_sampling_defaults_come_from_the_exports_generation_config(server, serve
     model = load_model(serve_exports["dec-portable"], intra_op_threads=1)
     model.generation = defaults
     expected = model.generate([prompt], max_new_tokens=8, temperature=0.7, seed=1, stop_token_ids=())[0].tolist()
+    assert response.json()["choices"][0]["token_ids"] == expected
+
+
+@pytest.mark.parametrize("do_sample", [None, False, True],
+                         ids=["no-generation-config", "do-sample-false", "do-sample-true"])
+def test_omitted_sampling_fields_follow_the_export_else_openai(server, serve_exports, monkeypatch, do_sample):
+    """A request that leaves temperature, top_k and top_p out samples with the export's
+    generation_config.json where it samples (as ``Model.generate`` does), else with the OpenAI
+    API's default temperature 1 (where ``Model.generate`` is greedy)."""
+    from tfport.generation import GenerationDefaults
+
+    url, state = server
+    defaults = None if do_sample is None else GenerationDefaults(do_sample=do_sample, temperature=0.9, top_k=7)
+    monkeypatch.setattr(state.models["dec-portable"].model, "generation", defaults)
+    prompt = [1, 17, 33, 8, 40]
+    response = httpx.post(url + "/v1/completions", json={
+        "model": "dec-portable", "prompt": prompt, "max_tokens": 8, "seed": 3, "ignore_eos": True})
+    model = load_model(serve_exports["dec-portable"], intra_op_threads=1)
+    sampling = {"temperature": 0.9, "top_k": 7, "top_p": 1.0} if do_sample else \
+        {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    expected = model.generate([prompt], max_new_tokens=8, seed=3, stop_token_ids=(), **sampling)[0].tolist()
     assert response.json()["choices"][0]["token_ids"] == expected
