@@ -29,6 +29,7 @@ from tfport.integrity import VERIFY_MODES, check_graph_metadata, verify_files
 
 from .binding import GraphRunner
 from .decoding import LayoutDecoding, decoding_for
+from .decoding.speculative import Speculation, SpeculationStats, speculate
 from .defaults import RequestDefaults, sequence_states
 from .encoding import EncoderMethods
 from .generation import generate_steps
@@ -172,7 +173,10 @@ class Model(EncoderMethods):
                temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                seed: int | np.random.Generator | None = None,
                forced_bos_token_id: int | tuple[()] | None = None,
-               forced_eos_token_id: int | Sequence[int] | None = None) -> Iterator[np.ndarray]:
+               forced_eos_token_id: int | Sequence[int] | None = None,
+               speculative: "Speculation | str | os.PathLike | Model | None" = None,
+               draft_tokens: int | None = None,
+               speculation: SpeculationStats | None = None) -> Iterator[np.ndarray]:
         """Tokens int64 [B] per step, as they are produced (see ``generate`` for arguments).
 
         Arguments are checked now, before the first token is asked for.
@@ -190,6 +194,10 @@ class Model(EncoderMethods):
         forced = self.forced_tokens(forced_bos_token_id, forced_eos_token_id, int(max_new_tokens),
                                     one_token_start=max(len(row) for row in first) == 1)
         states = sequence_states(len(first), params, seed, int(max_new_tokens), stops, forced)
+        if speculative is not None:
+            return speculate(self, first, states, speculative, draft_tokens, speculation)
+        if draft_tokens is not None:
+            raise ValueError(f"draft_tokens={draft_tokens!r}: applies with speculative=...")
         return generate_steps(self.decoding.strategy, runner, first, states, config.fill_token_id, static)
 
     def sampling(self, temperature: float | None = None, top_k: int | None = None,
@@ -237,6 +245,8 @@ class Model(EncoderMethods):
                  seed: int | np.random.Generator | None = None,
                  forced_bos_token_id: int | tuple[()] | None = None,
                  forced_eos_token_id: int | Sequence[int] | None = None,
+                 speculative: "Speculation | str | os.PathLike | Model | None" = None,
+                 draft_tokens: int | None = None, speculation: SpeculationStats | None = None,
                  callback: StepCallback | None = None, progress: bool = False) -> np.ndarray:
         """Continue prompts -> generated tokens int64 [B, N], N <= max_new_tokens.
 
@@ -254,6 +264,15 @@ class Model(EncoderMethods):
         and ``forced_eos_token_id`` (the only choice at the last step) default to the export's
         generation_config.json, as transformers' generate does; ``()`` forces nothing
         (``forced_tokens``).
+
+        ``speculative`` decodes speculatively (``decoding.speculative``): ``"lookup"`` proposes
+        from n-gram matches in the prompt and output, a draft export's directory (or ``Model``)
+        from a smaller model with the same vocabulary; up to ``draft_tokens`` (default 8) per
+        step, K adapted to the acceptance rate and the measured cost of verifying (a
+        ``Speculation`` says all three, and can fix K). Greedy tokens
+        are plain greedy decoding's; sampled ones follow the same distribution (not the same
+        draws). ``speculation`` (a ``SpeculationStats``) collects proposed / accepted counts.
+        Decoder-only exports with every position's logits (``logits="all"``).
         """
         if callback is not None and not callable(callback):
             raise TypeError(f"callback={callback!r}: expected a function callback(step, tokens) "
@@ -263,7 +282,8 @@ class Model(EncoderMethods):
         steps = self.stream(input_ids, attention_mask, max_new_tokens=max_new_tokens,
                             stop_token_ids=stop_token_ids, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, forced_bos_token_id=forced_bos_token_id,
-                            forced_eos_token_id=forced_eos_token_id)
+                            forced_eos_token_id=forced_eos_token_id, speculative=speculative,
+                            draft_tokens=draft_tokens, speculation=speculation)
         tokens = []
         with tqdm(total=int(max_new_tokens), desc="generate", unit="tok", file=sys.stderr,
                   disable=not progress, leave=False) as bar:

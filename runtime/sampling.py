@@ -139,9 +139,14 @@ def next_token(logits: np.ndarray, params: SamplingParams,
         return np.argmax(logits, axis=-1).astype(np.int64)
     if rng is None:
         raise ValueError("rng: sampling (temperature > 0) needs a numpy.random.Generator")
-    scaled = apply_temperature(logits, params.temperature)
-    filtered = top_p_filter(top_k_filter(scaled, params.top_k), params.top_p)
-    return sample(softmax(filtered), rng)
+    return sample(distribution(logits, params), rng)
+
+
+def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The probabilities float64 [B, V] a sampled row draws from: ``logits`` [B, V] (checked,
+    ``check_logits``) at ``params.temperature``, filtered by top-k then top-p."""
+    scaled = apply_temperature(check_logits(logits), params.temperature)
+    return softmax(top_p_filter(top_k_filter(scaled, params.top_k), params.top_p))
 
 
 def force_tokens(logits: np.ndarray, token_ids: tuple[int, ...]) -> np.ndarray:

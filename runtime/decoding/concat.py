@@ -21,7 +21,8 @@ from tfport.dtypes import NUMPY_DTYPES
 from ..binding import PRESENT, Feed, GraphRunner, KVCache, empty_cache, past_name, self_cache_inputs
 from ..inputs import pad_batch, positions_from_mask
 from .layout import LayoutDecoding, register_decoding
-from .rows import Row, check_prompt, check_step
+from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
+from .inplace import logits_layout
 
 
 @dataclass
@@ -34,10 +35,11 @@ class DecodeState:
 
 
 def decoder_forward(runner: GraphRunner, input_ids: np.ndarray, attention_mask: np.ndarray,
-                    cache: Mapping[str, Feed],
-                    static: Mapping[str, Feed]) -> tuple[np.ndarray, KVCache]:
+                    cache: Mapping[str, Feed], static: Mapping[str, Feed],
+                    every_position: bool = False) -> tuple[np.ndarray, KVCache]:
     """One decoder call: input_ids [B, S], attention_mask [B, P+S], cache [B, Hkv, P, D]
-    -> (last-position logits float32 [B, V], present cache [B, Hkv, P+S, D] as OrtValues).
+    -> (last-position logits float32 [B, V], or [B, S, V] with ``every_position``; present cache
+    [B, Hkv, P+S, D] as OrtValues).
 
     ``static`` holds the inputs that do not change between steps (seq2seq
     ``encoder_attention_mask`` and cross-attention K/V). ``position_ids`` [B, S] are counted
@@ -50,7 +52,8 @@ def decoder_forward(runner: GraphRunner, input_ids: np.ndarray, attention_mask: 
     feeds.update(static)
     presents = [t.name for t in runner.spec.outputs if t.name.startswith(PRESENT)]
     outputs = runner.run(feeds, device_outputs=presents, host_outputs=["logits"])
-    logits = outputs["logits"].numpy()[:, -1]  # [B, V]
+    logits = outputs["logits"].numpy()
+    logits = logits if every_position else logits[:, -1]  # [B, S, V] or [B, V]
     if not np.isfinite(logits).all():
         raise RuntimeError(f"the decoder produced non-finite logits (cache length "
                            f"{attention_mask.shape[1] - input_ids.shape[1]}); the export or its "
@@ -81,7 +84,9 @@ class ConcatCache:
 class ConcatRows:
     """Layout "concat": the live rows as one left-padded batch (cache [n, Hkv, P, D] with an
     attention mask [n, P]) that steps like ``ConcatCache``; when rows join or leave, the batch is
-    rebuilt on the host with the common padding stripped.
+    rebuilt on the host with the common padding stripped. Rewound tokens stay in the cache as
+    masked columns (positions are counted from the mask, so the holes are invisible) until a
+    rebuild drops them.
 
     A prompt is prefilled alone (batch 1) and joins the batch at the next step.
     """
@@ -96,6 +101,7 @@ class ConcatRows:
         self.cache: dict = {}  # name -> OrtValue or array [n, Hkv, P, D]
         self.mask = np.zeros((0, 0), dtype=np.int64)  # [n, P]
         self._members: list[Row] = []  # the rows the current cache holds, in order
+        self.all_logits = logits_layout(runner)[0] is None  # every position's (extend needs it)
         if any(".encoder." in t.name for t in runner.spec.inputs):
             raise ValueError("ConcatRows: seq2seq decoders (cross-attention inputs) are not "
                              "batched per row; serve decoder-only exports")
@@ -117,7 +123,8 @@ class ConcatRows:
         row.index = -1
 
     def _rebuild(self) -> None:
-        """Lay the live rows out as one left-padded batch (only when membership changed)."""
+        """Lay the live rows out as one left-padded batch without holes (when membership changed,
+        or rewound tokens left too many masked columns)."""
         old = {id(row): b for b, row in enumerate(self._members)}
         host = {name: np.asarray(value.numpy() if isinstance(value, ort.OrtValue) else value)
                 for name, value in self.cache.items()}
@@ -131,25 +138,48 @@ class ConcatRows:
             cache[name] = np.zeros((n, heads, width, dim), dtype=NUMPY_DTYPES[spec.dtype])
         for b, row in enumerate(self.rows):
             mask[b, width - row.length:] = 1
+            real = None if row.pending is not None else self.mask[old[id(row)]].astype(bool)
             for name in self.names:
                 if row.pending is not None:
-                    source = row.pending[name][0]  # [Hkv, S, D]
-                else:  # the row's real tokens are the last `length` columns of its old slot
-                    source = host[name][old[id(row)], :, host[name].shape[2] - row.length:]
+                    source = row.pending[name][0, :, :row.length]  # [Hkv, S, D]
+                else:  # the row's real tokens: the unmasked columns of its old slot
+                    source = host[name][old[id(row)]][:, real]
                 cache[name][b, :, width - row.length:] = source
             row.pending = None
         self.cache, self.mask, self._members = cache, mask, list(self.rows)
 
+    def _feed(self, ids: np.ndarray, new_mask: np.ndarray) -> np.ndarray:
+        """ids [n, S] with new_mask [n, S] (1: a real token) on top of the live rows -> logits
+        [n, S, V]; the mask and every row's length grow."""
+        if self._members != self.rows or self.mask.shape[1] > 2 * max(r.length for r in self.rows) + 16:
+            self._rebuild()
+        self.mask = np.concatenate([self.mask, new_mask], axis=1)  # [n, P+S]
+        logits, self.cache = decoder_forward(self.runner, ids, self.mask, self.cache, {}, every_position=True)
+        for row, count in zip(self.rows, new_mask.sum(axis=1).tolist()):
+            row.length += count
+        return logits
+
     def step(self, tokens: np.ndarray) -> np.ndarray:
         tokens = check_step(self, tokens)
-        if self._members != self.rows:
-            self._rebuild()
-        ones = np.ones((len(self.rows), 1), dtype=np.int64)
-        self.mask = np.concatenate([self.mask, ones], axis=1)  # [n, P+1]
-        logits, self.cache = decoder_forward(self.runner, tokens[:, None], self.mask, self.cache, {})
-        for row in self.rows:
-            row.length += 1
-        return logits
+        return self._feed(tokens[:, None], np.ones((len(self.rows), 1), dtype=np.int64))[:, -1]
+
+    def extend(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
+        chunks = check_chunks(self, chunks, self.all_logits)
+        width = max(c.size for c in chunks)
+        ids = np.full((len(chunks), width), self.pad_token_id, dtype=np.int64)
+        new_mask = np.zeros((len(chunks), width), dtype=np.int64)  # a short chunk: masked tail
+        for b, chunk in enumerate(chunks):
+            ids[b, :chunk.size], new_mask[b, :chunk.size] = chunk, 1
+        logits = self._feed(ids, new_mask)
+        return [logits[b, :chunk.size] for b, chunk in enumerate(chunks)]
+
+    def rewind(self, row: Row, count: int) -> None:
+        check_rewind(row, count)
+        if count and row.pending is None:  # mask the last `count` real columns of its slot
+            b = self._members.index(row)
+            real = np.nonzero(self.mask[b])[0]
+            self.mask[b, real[len(real) - count:]] = 0
+        row.length -= count  # a pending prompt's cache is cut at its length when merged
 
 
 class ConcatRelayout:

@@ -16,12 +16,15 @@ argmax; sampled rows that share one parameter set and one generator (the rows of
 ``generate`` call) are drawn together, so a batch draws the same numbers as before the engine
 existed. NaN logits fail their row only (``errors``); +-inf are clipped (``check_logits``).
 
-Seams for what plugs in next:
-- a processor (``LogitsProcessor``) sees the row's tokens so far and may mask logits (a grammar);
-- a step may verify several proposed tokens: ``choose`` over the K + 1 positions' logits of one
-  row, then ``push`` until a pick differs from the proposal or the row finishes;
-- a row may start from a cached prefix: the layout's ``RowBatch.add`` owns how the cache is
-  filled; the state only counts generated tokens.
+A step may also verify K proposed tokens (speculative decoding, ``speculative``): the target's
+logits after the row's last token and after each proposal, [K + 1, V], go to ``verify``, which
+pushes the accepted run and one token of the target's own (greedy: the proposals that equal the
+target's pick; sampling: the rejection rule of Leviathan et al. 2023 / Chen et al. 2023, so the
+tokens follow the target's distribution exactly).
+
+Seams for what plugs in next: a processor (``LogitsProcessor``) sees the row's tokens so far and
+may mask logits (a grammar); a row may start from a cached prefix (the layout's ``RowBatch.add``
+owns how the cache is filled; the state only counts generated tokens).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..sampling import SamplingParams, force_tokens, next_token
+from ..sampling import SamplingParams, distribution, force_tokens, next_token, sample
 
 
 class LogitsProcessor(Protocol):
@@ -106,3 +109,57 @@ def choose(logits: np.ndarray, states: Sequence[SequenceState]) -> tuple[np.ndar
         first = states[rows[0]]
         tokens[rows] = next_token(block, first.params, first.rng)
     return tokens, errors
+
+
+def verify(state: SequenceState, logits: np.ndarray, proposal: Sequence[int],
+           draft: np.ndarray | None = None) -> tuple[list[int], RuntimeError | None]:
+    """Push the run ``state`` takes from ``proposal`` (K token ids) -> (the tokens pushed, at
+    least one unless it failed; the error that ends the row: NaN logits, or None).
+
+    ``logits`` [K + 1, V]: the target's after the row's last token and after each proposal.
+    Greedy: proposals are accepted while they equal the target's pick, then the target's pick
+    follows (the tokens of plain greedy decoding). Sampling: proposal d_i is accepted with
+    probability min(1, p_i(d_i) / q_i(d_i)); on rejection a token is drawn from
+    max(p_i - q_i, 0) normalised; after K acceptances one more from p_K. ``draft`` [K, V] is q
+    (the draft model's distributions), None for a deterministic drafter (q_i one-hot on d_i).
+    The run stops where the sequence ends (a stop id, ``max_tokens``).
+    """
+    pushed: list[int] = []
+    try:
+        for i in range(len(proposal) + 1):
+            offered = int(proposal[i]) if i < len(proposal) else None
+            if state.params.greedy:
+                tokens, errors = choose(logits[i:i + 1], [state])
+                if errors:
+                    return pushed, errors[0]
+                token = int(tokens[0])
+            else:
+                token = _sample_against(state, logits[i], offered, None if draft is None or offered is None
+                                        else draft[i])
+            pushed.append(token)
+            if state.push(token) or token != offered:
+                return pushed, None
+    except RuntimeError as err:  # NaN logits (sampling.check_logits)
+        return pushed, err
+    return pushed, None
+
+
+def _sample_against(state: SequenceState, logits: np.ndarray, offered: int | None,
+                    q: np.ndarray | None) -> int:
+    """One sampled token of the rejection rule: ``offered`` (accepted with probability
+    min(1, p / q)) or a draw from the residual; a plain draw from p when nothing is offered."""
+    p = distribution(state.adjust(logits)[None], state.params)[0]  # [V] float64
+    if offered is None:
+        return int(sample(p[None], state.rng)[0])
+    q_offered = 1.0 if q is None else float(q[offered])
+    if state.rng.random() * q_offered < p[offered]:  # u < p / q without dividing by 0
+        return offered
+    residual = p.copy()
+    if q is None:
+        residual[offered] = 0.0
+    else:
+        residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    if total <= 0:  # p == q where it matters: every draw is accepted, rejection cannot happen
+        residual, total = p, 1.0
+    return int(sample(residual[None] / total, state.rng)[0])

@@ -31,7 +31,7 @@ from tfport.dtypes import NUMPY_DTYPES
 from ..binding import PAST, PRESENT, Feed, GraphRunner
 from ..inputs import pad_batch
 from .layout import LayoutDecoding, register_decoding
-from .rows import Row, check_prompt, check_step
+from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
 
 KEPT = "inplace"  # GraphRunner.kept key of the idle decoder
 
@@ -207,6 +207,7 @@ class InplaceRows:
                                                    dtype=NUMPY_DTYPES[spec.dtype])
         self._bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
         self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
+        self.all_logits = self.rows_out is None  # every position's (extend needs it)
 
     def _binding(self, start: int, stop: int) -> ort.IOBinding:
         """An IO binding with every buffer's rows [start:stop] bound as past and present."""
@@ -253,6 +254,24 @@ class InplaceRows:
         for row in self.rows:
             row.length += 1
         return logits
+
+    def extend(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
+        """Each row's chunk on its own slice (the CPU kernel takes several new tokens on top of a
+        cache only at batch 1); rows of one token each step together."""
+        chunks = check_chunks(self, chunks, self.all_logits)
+        if all(c.size == 1 for c in chunks):
+            return list(self.step(np.concatenate(chunks))[:, None])
+        out = []
+        for row, chunk in zip(self.rows, chunks):
+            index = row.index
+            out.append(self._run(index, index + 1, chunk[None], np.array([row.length + chunk.size - 1]))[0])
+            row.length += chunk.size
+        return out
+
+    def rewind(self, row: Row, count: int) -> None:
+        """The rewound slots are overwritten by the next tokens; the kernel never reads them."""
+        check_rewind(row, count)
+        row.length -= count
 
     def remove(self, row: Row) -> None:
         assert self.rows[row.index] is row, (row, self.rows)

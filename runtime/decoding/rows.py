@@ -11,6 +11,11 @@ and a finished row is released at once. Each cache layout's module has its ``Row
     logits = batch.step(tokens)            # tokens int64 [n] for batch.rows, in order -> [n, V]
     batch.remove(row)                      # frees the row; the others keep their state
 
+Speculative decoding feeds several tokens per row and forgets the rejected ones:
+
+    logits = batch.extend(chunks)          # chunks[b] int64 [S_b] for rows[b] -> [S_b, V] each
+    batch.rewind(row, count)               # forget the last ``count`` tokens of the row's cache
+
 A row's tokens do not depend on its neighbours: each prompt is prefilled alone (batch 1), and a
 decode step sees only the row's own cache (masked padding or its own ``seqlens_k``).
 Decoder-only exports; seq2seq (cross-attention inputs per row) is not batched here.
@@ -39,6 +44,7 @@ class RowBatch(Protocol):
     rows: list[Row]
     capacity: int
     max_length: int
+    all_logits: bool  # whether the graph returns every position's logits (extend needs it)
 
     def add(self, prompt: np.ndarray) -> tuple[Row, np.ndarray]:
         """Prefill ``prompt`` int64 [S] into a free row -> (the row, last logits float32 [V])."""
@@ -52,6 +58,16 @@ class RowBatch(Protocol):
         """Release ``row``; the other rows keep their caches."""
         ...
 
+    def extend(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
+        """Feed ``chunks[b]`` (int64 [S_b], S_b >= 1) on top of ``rows[b]``'s cache -> each
+        row's logits float32 [S_b, V] (position i: after its chunk's token i). Needs an export
+        whose decoder returns every position's logits (``logits="all"``)."""
+        ...
+
+    def rewind(self, row: Row, count: int) -> None:
+        """Forget the last ``count`` tokens of ``row``'s cache (rejected proposals)."""
+        ...
+
 
 def check_prompt(batch: RowBatch, prompt: np.ndarray) -> np.ndarray:
     prompt = np.asarray(prompt, dtype=np.int64)
@@ -62,6 +78,29 @@ def check_prompt(batch: RowBatch, prompt: np.ndarray) -> np.ndarray:
     if len(batch.rows) >= batch.capacity:
         raise RuntimeError(f"no free row: all {batch.capacity} are live")
     return prompt
+
+
+def check_chunks(batch: RowBatch, chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
+    """``chunks`` checked for ``batch.extend``: one non-empty int64 [S_b] per live row that fits
+    in the row's ``max_length``; ``all_logits``: whether the graph returns every position's."""
+    if len(chunks) != len(batch.rows):
+        raise ValueError(f"chunks: expected {len(batch.rows)} (one per live row), got {len(chunks)}")
+    chunks = [np.asarray(c, dtype=np.int64).reshape(-1) for c in chunks]
+    if any(c.size == 0 for c in chunks):
+        raise ValueError("chunks: every row needs at least one token")
+    if not all_logits and any(c.size > 1 for c in chunks):
+        raise ValueError("extend: this export returns the last position's logits only "
+                         "(logits='last'); several tokens per row need logits='all'")
+    full = [row.index for row, c in zip(batch.rows, chunks) if row.length + c.size > batch.max_length]
+    if full:
+        raise ValueError(f"rows {full}: the chunk would pass max_length={batch.max_length} tokens")
+    return chunks
+
+
+def check_rewind(row: Row, count: int) -> None:
+    if not 0 <= count <= row.length - 1:
+        raise ValueError(f"count={count}: expected 0 to {row.length - 1} (the row keeps at least "
+                         "one token)")
 
 
 def check_step(batch: RowBatch, tokens: np.ndarray) -> np.ndarray:

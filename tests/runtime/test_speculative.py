@@ -1,0 +1,208 @@
+"""Speculative decoding (runtime/decoding/speculative.py): greedy tokens equal plain greedy
+decoding's on both cache layouts for every drafter, with rows accepting different counts, stops
+inside an accepted run and the token budget running out mid-run; sampled tokens follow the
+target's distribution (a chi-square test against the distribution computed from the model's own
+logits); bad arguments are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tfport.export import ExportOptions, export_model
+from tfport.models import build_model
+from tfport.presets import get_preset
+from tfport.runtime import load_model
+from tfport.runtime.decoding.drafters import PromptLookup, Proposal
+from tfport.runtime.decoding.speculative import Speculation, SpeculationStats, expected_tokens
+from tfport.runtime.sampling import SamplingParams, distribution
+
+# (target, preset): both cache layouts; on concat, each way positions enter (RoPE, learned
+# absolute, ALiBi), since rewound tokens stay as masked columns there.
+TARGETS = [("portable", "tiny-decoder"), ("portable", "tiny-decoder-gpt2"),
+           ("portable", "tiny-decoder-alibi"), ("ort", "tiny-decoder")]
+
+
+def _export(root, name, preset, target, seed, overrides=None, **options):
+    config = get_preset(preset).replace(tie_embeddings=False, d_model=64, max_positions=128, **(overrides or {}))
+    model = build_model(config, seed=seed)
+    with torch.no_grad():  # every parameter off its initial value, for varied continuations
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    export_model(model, root / name, ExportOptions(target=target, **options))
+    return load_model(root / name, intra_op_threads=1)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculative")
+    out = {(t, p): _export(root, f"{t}-{p}", p, t, seed=5) for t, p in TARGETS}
+    out["draft"] = _export(root, "draft", "tiny-decoder", "portable", seed=9)  # same vocabulary, other weights
+    return out
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    base = rng.integers(4, vocab, size=10).tolist()
+    return [base * 3, rng.integers(4, vocab, size=7).tolist(), (base[:4] * 5)[:13]]
+
+
+class Scripted:
+    """Proposes, per row, the first ``right[key]`` tokens of the known greedy continuation, then
+    a wrong token: rows accept exactly what the script says, different counts per row."""
+
+    name = "scripted"
+
+    def __init__(self, truth: list[list[int]], prompt_lengths: list[int], right: list[int], vocab: int):
+        self.truth, self.lengths, self.right, self.vocab = truth, prompt_lengths, right, vocab
+
+    def start(self, count, params, rng):
+        return self
+
+    def propose(self, keys, contexts, ks):
+        out = []
+        for key, context, k in zip(keys, contexts, ks):
+            done = len(context) - self.lengths[key]  # tokens generated so far
+            follow = self.truth[key][done:done + min(k, self.right[key])]
+            wrong = [(t + 1) % self.vocab for t in self.truth[key][done + len(follow):done + len(follow) + 1]]
+            out.append(Proposal((follow + wrong)[:k]))
+        return out
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "draft", "self"])
+@pytest.mark.parametrize("key", TARGETS, ids=lambda k: "-".join(k))
+def test_greedy_tokens_equal_plain_decoding(models, key, drafter):
+    model = models[key]
+    rows = prompts(model.config.vocab_size)
+    plain = model.generate(rows, max_new_tokens=30, stop_token_ids=())
+    speculative = {"lookup": "lookup", "draft": models["draft"], "self": model}[drafter]
+    stats = SpeculationStats()
+    tokens = model.generate(rows, max_new_tokens=30, stop_token_ids=(), speculative=speculative,
+                            speculation=stats)
+    np.testing.assert_array_equal(tokens, plain)
+    assert stats.tokens == plain.size - len(rows) and stats.proposed > 0  # the prefill picks the first
+    if drafter == "self":  # the target drafting for itself is always right
+        assert stats.accepted == stats.proposed and stats.tokens_per_forward > 2
+
+
+@pytest.mark.parametrize("key", TARGETS, ids=lambda k: "-".join(k))
+def test_rows_accepting_different_counts_stops_and_budget(models, key):
+    model = models[key]
+    rows = prompts(model.config.vocab_size)
+    plain = model.generate(rows, max_new_tokens=24, stop_token_ids=()).tolist()
+    scripted = Scripted(plain, [len(r) for r in rows], [8, 0, 3], model.config.vocab_size)
+    stats = SpeculationStats()
+    tokens = model.generate(rows, max_new_tokens=24, stop_token_ids=(),
+                            speculative=Speculation(scripted, 8, adaptive=False), speculation=stats)
+    assert tokens.tolist() == plain
+    assert 0 < stats.accepted < stats.proposed  # some rows accepted runs, others nothing
+
+    # A stop id inside row 0's accepted run ends it there; the others go on (they rarely hit it).
+    stop = plain[0][5]
+    expected = model.generate(rows, max_new_tokens=24, stop_token_ids=[stop])
+    got = model.generate(rows, max_new_tokens=24, stop_token_ids=[stop],
+                         speculative=Speculation(Scripted(plain, [len(r) for r in rows], [8, 8, 8],
+                                                          model.config.vocab_size), adaptive=False))
+    np.testing.assert_array_equal(got, expected)
+    assert got[0].tolist().index(stop) <= 5
+
+    # The budget runs out in the middle of a run of 8 correct proposals.
+    budget = model.generate(rows, max_new_tokens=6, stop_token_ids=(),
+                            speculative=Speculation(Scripted(plain, [len(r) for r in rows], [8, 8, 8],
+                                                             model.config.vocab_size), adaptive=False))
+    assert budget.tolist() == [row[:6] for row in plain]
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's statistic of ``counts`` against ``probs`` (inf when a count falls outside the
+    support)."""
+    expected = probs * counts.sum()
+    keep = expected > 0
+    if counts[~keep].sum():
+        return float("inf")
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+class Favourite:
+    """A deterministic drafter (q one-hot): proposes a fixed token per last token."""
+
+    name = "favourite"
+
+    def __init__(self, table: dict[int, int]):
+        self.table = table
+
+    def start(self, count, params, rng):
+        return self
+
+    def propose(self, keys, contexts, ks):
+        return [Proposal([self.table[context[-1]]] if k else []) for context, k in zip(contexts, ks)]
+
+
+@pytest.mark.parametrize("drafter", ["deterministic", "draft"])
+def test_sampled_tokens_follow_the_target_distribution(models, drafter):
+    """Tokens 1 and 2 of many sampled rows (token 2 verified against one proposal) against
+    p(t1) p(t2 | t1) computed from the target's own logits, top-k 4 (16 cells): chi-square below
+    the 0.1% critical value for 15 degrees of freedom (37.70). The same counts against
+    p(t1) q(t2 | t1), what accepting every draft proposal would give, are far off."""
+    model, draft = models[("portable", "tiny-decoder")], models["draft"]
+    params = SamplingParams(temperature=1.5, top_k=4)
+    prompt = prompts(model.config.vocab_size)[0][:9]
+
+    def next_probs(source, context) -> np.ndarray:
+        logits = source.decoding.score(source.runners["decoder"], np.array([context]))
+        return distribution(logits[-1:], params)[0]
+
+    first = next_probs(model, prompt)
+    target, accept_all = np.zeros((2, first.size, first.size))
+    favourite = {}  # t1 -> the most likely t2: what the deterministic drafter proposes
+    for t1 in np.nonzero(first)[0]:
+        target[t1] = first[t1] * next_probs(model, prompt + [int(t1)])
+        accept_all[t1] = first[t1] * next_probs(draft, prompt + [int(t1)])
+        favourite[int(t1)] = int(np.argmax(target[t1]))
+
+    counts = np.zeros_like(target)
+    stats = SpeculationStats()
+    rng = np.random.default_rng(1234)
+    speculative = Speculation(Favourite(favourite) if drafter == "deterministic" else draft, 1, adaptive=False)
+    for _ in range(6):
+        tokens = model.generate([prompt] * 400, max_new_tokens=3, stop_token_ids=(), temperature=1.5,
+                                top_k=4, seed=rng, speculative=speculative, speculation=stats)
+        np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
+    assert stats.proposed == 2400  # every token 2 was a verification
+    assert 0 < stats.accepted < stats.proposed
+    assert _chi_square(counts, target) < 37.70
+    if drafter == "draft":
+        assert _chi_square(counts, accept_all) > 10 * 37.70
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5 and expected_tokens(0.0, 4) == 1
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_match():
+    rows = PromptLookup(max_ngram=2).start(1, SamplingParams(), None)
+    context = [5, 6, 7, 8, 9, 5, 6]
+    assert rows.propose([0], [context], [3])[0].tokens == [7, 8, 9]
+    assert rows.propose([0], [context + [1]], [3])[0].tokens == []  # 1 never occurred before
+    assert rows.propose([0], [context + [7]], [2])[0].tokens == [8, 9]
+
+
+def test_bad_arguments_are_refused(models, tmp_path):
+    model = models[("portable", "tiny-decoder")]
+    with pytest.raises(TypeError, match="speculative=3"):
+        model.generate([[5, 6]], speculative=3)
+    with pytest.raises(ValueError, match="speculative='nope'"):
+        model.generate([[5, 6]], speculative="nope")
+    with pytest.raises(ValueError, match="draft_tokens=0"):
+        model.generate([[5, 6]], speculative="lookup", draft_tokens=0)
+    with pytest.raises(ValueError, match="draft_tokens=4: applies with speculative"):
+        model.generate([[5, 6]], draft_tokens=4)
+    other = _export(tmp_path, "other-vocab", "tiny-decoder", "portable", seed=1,
+                    overrides={"vocab_size": model.config.vocab_size + 8})
+    with pytest.raises(ValueError, match="vocab_size"):
+        model.generate([[5, 6]], speculative=other)
+    last = _export(tmp_path, "last", "tiny-decoder", "portable", seed=1, logits="last")
+    with pytest.raises(ValueError, match="logits='last'"):
+        last.generate([[5, 6]], speculative="lookup")
