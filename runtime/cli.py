@@ -16,9 +16,11 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from tfport.integrity import VERIFY_MODES
 
+from .decoding.speculative import SpeculationStats
 from .model import Model, cut_at_stop, load_model
 from .encoding import POOLINGS
 from .session import PROVIDERS
@@ -75,6 +77,39 @@ def _add_verify(parser: argparse.ArgumentParser) -> None:
                              "(default), fast (files over 64 MiB by size only) or none")
 
 
+def _add_speculative(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speculative", metavar="lookup|DRAFT_DIR", default=None,
+                        help="decode speculatively: 'lookup' proposes from n-gram matches in the "
+                             "prompt and output, DRAFT_DIR is a smaller decoder export with the "
+                             "same vocabulary (same tokens when greedy; a summary on stderr)")
+    parser.add_argument("--draft-tokens", type=positive_int, default=None, metavar="K",
+                        help="most tokens proposed per step (default 8; adapted to the acceptance "
+                             "rate and the measured cost of verifying)")
+
+
+def _speculation(args: argparse.Namespace, model: Model) -> dict:
+    """generate/chat keyword arguments for ``--speculative`` (a draft export opened once)."""
+    if args.speculative is None:
+        if args.draft_tokens is not None:
+            raise ValueError("--draft-tokens: applies with --speculative")
+        return {}
+    drafter = args.speculative
+    if drafter != "lookup":
+        if not Path(drafter).is_dir():
+            raise ValueError(f"--speculative {drafter!r}: expected 'lookup' or the directory of a "
+                             "draft decoder export")
+        drafter = Model.load(drafter, settings=model.settings, verify=args.verify)
+    return {"speculative": drafter, "draft_tokens": args.draft_tokens, "speculation": SpeculationStats()}
+
+
+def _report_speculation(options: dict) -> None:
+    stats = options.get("speculation")
+    if stats is not None:
+        print(f"speculative: {stats.proposed} proposed, {stats.accepted} accepted "
+              f"({stats.acceptance_rate:.0%}), {stats.tokens_per_forward:.2f} tokens per target "
+              "forward", file=sys.stderr)
+
+
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     """Register ``generate`` and ``embed``."""
     gen = subparsers.add_parser("generate",
@@ -96,6 +131,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                      help="the first generated token of a seq2seq model, e.g. mBART-50's target "
                           "language code (default: the export's generation_config.json)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    _add_speculative(gen)
     gen.set_defaults(func=run_generate)
 
     chat = subparsers.add_parser(
@@ -105,6 +141,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     chat.add_argument("model_dir", metavar="DIR", help="directory written by 'tfport export'")
     chat.add_argument("--system", help="system message opening the conversation")
     chat.add_argument("--message", help="answer this one message and exit (no prompt, no loop)")
+    _add_speculative(chat)
     chat.add_argument("--max-new-tokens", type=positive_int, default=256, help="per reply (default 256)")
     chat.add_argument("--temperature", type=float, default=None,
                       help="0 is greedy (default: the export's generation_config.json, else greedy)")
@@ -153,15 +190,17 @@ def run_generate(args: argparse.Namespace) -> int:
     model, prompts = _open(args)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=args.stop,
-                   forced_bos_token_id=args.forced_bos)
+                   forced_bos_token_id=args.forced_bos, **_speculation(args, model))
     text = args.text is not None
     if args.stream:
         if len(prompts) != 1:
             raise ValueError(f"--stream: expects one prompt, got {len(prompts)}")
         _stream(model, prompts, options, text)
+        _report_speculation(options)
         return 0
     progress = args.max_new_tokens >= PROGRESS_MIN_TOKENS
     tokens = model.generate(prompts, progress=progress, **options)
+    _report_speculation(options)
     stops = model.stop_ids(args.stop)
     for row in tokens:
         kept = cut_at_stop(row, stops)
@@ -214,11 +253,20 @@ def run_chat(args: argparse.Namespace) -> int:
     model.runner("decoder", "chat")  # a decoder with a template and a tokenizer, before input is read
     chat_format(model)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, **_speculation(args, model))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
         _reply(model, [*messages, {"role": "user", "content": args.message}], options)
+        _report_speculation(options)
         return 0
+    try:
+        _conversation(model, messages, options)
+    finally:
+        _report_speculation(options)
+    return 0
+
+
+def _conversation(model: Model, messages: list[dict], options: dict) -> None:
     interactive = sys.stdin.isatty()
     while True:
         if interactive:
@@ -226,7 +274,7 @@ def run_chat(args: argparse.Namespace) -> int:
             sys.stderr.flush()
         line = sys.stdin.readline()
         if not line or line.strip() == QUIT:  # EOF or /quit
-            return 0
+            return
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})

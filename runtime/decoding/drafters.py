@@ -1,10 +1,12 @@
 """Drafters: cheap proposals of the next K tokens, for the target to verify in one forward.
 
-A drafter makes one ``DraftRows`` per decoding run (``start(count)``); each step it is asked, for
-the live rows (keys 0..count-1), what follows each row's context (prompt + tokens so far):
+A drafter makes one ``DraftRows`` per decoding run or scheduler (``start(capacity)``); each step
+it is asked, for the live rows (any hashable keys, at most ``capacity`` at once), what follows
+each row's context (prompt + tokens so far), and told when a row ends:
 
-    drafts = drafter.start(count)
-    proposals = drafts.propose(keys, contexts, ks)   # -> [Proposal(tokens, probs)] per key
+    drafts = drafter.start(capacity)
+    proposals = drafts.propose(keys, contexts, ks, states)  # -> [Proposal(tokens, probs)] per key
+    drafts.forget(key)                                      # the row ended
 
 ``Proposal.tokens`` may be shorter than asked (even empty: nothing to propose, the step is a
 plain one); ``probs`` [len(tokens), V] are the distributions the tokens were drawn from (a draft
@@ -18,13 +20,15 @@ model that samples), or None for a deterministic drafter. The verification rule
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from ..sampling import SamplingParams, distribution, sample
+from ..sampling import distribution, sample
+from .engine import SequenceState
 
 if TYPE_CHECKING:  # the model module imports the decoding package
     from ..model import Model
@@ -37,19 +41,23 @@ class Proposal:
 
 
 class DraftRows(Protocol):
-    def propose(self, keys: Sequence[int], contexts: Sequence[Sequence[int]],
-                ks: Sequence[int]) -> list[Proposal]:
+    def propose(self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], ks: Sequence[int],
+                states: Sequence[SequenceState]) -> list[Proposal]:
         """At most ``ks[i]`` tokens to follow ``contexts[i]`` (row ``keys[i]``'s prompt and
-        tokens so far) for each live row."""
+        tokens so far) for each live row; ``states[i]`` says how the row samples (a draft model
+        draws with its parameters and generator)."""
+        ...
+
+    def forget(self, key: Hashable) -> None:
+        """Row ``key`` ended."""
         ...
 
 
 class Drafter(Protocol):
     name: str
 
-    def start(self, count: int, params: SamplingParams, rng: np.random.Generator | None) -> DraftRows:
-        """Drafts for a run of ``count`` rows sampled with ``params`` (a draft model samples
-        from its own distribution with them; ``rng`` seeds its draws)."""
+    def start(self, capacity: int) -> DraftRows:
+        """Drafts for up to ``capacity`` rows at once."""
         ...
 
 
@@ -66,22 +74,26 @@ class PromptLookup:
                              "1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def start(self, count: int, params: SamplingParams, rng: np.random.Generator | None) -> "LookupRows":
-        return LookupRows(self, count)
+    def start(self, capacity: int) -> "LookupRows":
+        return LookupRows(self)
 
 
 class LookupRows:
     """Per row, an index n-gram -> the end of its most recent occurrence, grown as the context
     grows (each step indexes the new tokens only)."""
 
-    def __init__(self, lookup: PromptLookup, count: int):
+    def __init__(self, lookup: PromptLookup):
         self.lookup = lookup
-        self.index: list[dict[tuple[int, ...], int]] = [{} for _ in range(count)]
-        self.indexed = [0] * count  # n-grams ending before this position are indexed
+        self.index: dict[Hashable, dict[tuple[int, ...], int]] = defaultdict(dict)
+        self.indexed: dict[Hashable, int] = defaultdict(int)  # n-grams ending before it are indexed
 
-    def propose(self, keys: Sequence[int], contexts: Sequence[Sequence[int]],
-                ks: Sequence[int]) -> list[Proposal]:
+    def propose(self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], ks: Sequence[int],
+                states: Sequence[SequenceState]) -> list[Proposal]:
         return [Proposal(self._follow(key, context, k) if k else []) for key, context, k in zip(keys, contexts, ks)]
+
+    def forget(self, key: Hashable) -> None:
+        self.index.pop(key, None)
+        self.indexed.pop(key, None)
 
     def _follow(self, key: int, context: Sequence[int], k: int) -> list[int]:
         index, end = self.index[key], len(context)
@@ -112,69 +124,77 @@ class DraftModel:
                              f"from the target's {target_vocab}; a draft must share the vocabulary")
         self.model = model
 
-    def start(self, count: int, params: SamplingParams, rng: np.random.Generator | None) -> "DraftModelRows":
-        return DraftModelRows(self.model, count, params, rng)
+    def start(self, capacity: int) -> "DraftModelRows":
+        return DraftModelRows(self.model, capacity)
 
 
 class DraftModelRows:
     """The draft's rows follow the target's: before proposing, each row's draft cache is cut to
-    the longest prefix it shares with the row's context and fed the rest."""
+    the longest prefix it shares with the row's context and fed the rest; then all rows draft
+    together, one batched step per proposed token."""
 
-    def __init__(self, model: "Model", count: int, params: SamplingParams, rng: np.random.Generator | None):
+    def __init__(self, model: "Model", capacity: int):
         config = model.config
-        self.batch = model.decoding.rows(model.runner("decoder", "speculative"), count,
+        self.batch = model.decoding.rows(model.runner("decoder", "speculative"), capacity,
                                          config.max_positions, config.fill_token_id)
-        self.params = params
-        self.rng = None if rng is None else np.random.default_rng(rng.integers(2**63))
-        self.rows: dict[int, object] = {}
-        self.fed: dict[int, list[int]] = {}  # key -> the tokens in its draft cache
+        self.rows: dict[Hashable, object] = {}
+        self.fed: dict[Hashable, list[int]] = {}  # key -> the tokens in its draft cache
 
-    def _pick(self, logits: np.ndarray) -> tuple[int, np.ndarray | None]:
-        if self.params.greedy:
-            return int(np.argmax(logits)), None
-        q = distribution(logits[None], self.params)[0]
-        return int(sample(q[None], self.rng)[0]), q
-
-    def propose(self, keys: Sequence[int], contexts: Sequence[Sequence[int]],
-                ks: Sequence[int]) -> list[Proposal]:
-        for key in [k for k in self.rows if k not in set(keys)]:  # rows that ended
+    def forget(self, key: Hashable) -> None:
+        if key in self.rows:
             self.batch.remove(self.rows.pop(key))
-        live = [(key, list(context), k) for key, context, k in zip(keys, contexts, ks)]
-        chunks = {}
-        for key, context, _ in live:
-            if key not in self.rows:
-                self.rows[key], _ = self.batch.add(np.asarray(context[:-1] or context[:1], np.int64))
-                self.fed[key] = list(context[:-1] or context[:1])
-            fed = self.fed[key]
-            common = next((i for i, (a, b) in enumerate(zip(fed, context)) if a != b), min(len(fed), len(context)))
-            common = min(common, len(context) - 1)  # the last token is fed again: its logits are needed
-            self.batch.rewind(self.rows[key], len(fed) - max(common, 1))
-            del fed[max(common, 1):]
-            chunks[key] = context[len(fed):]
-        order = sorted(self.rows, key=lambda key: self.rows[key].index)  # the batch's row order
-        logits = self.batch.extend([np.asarray(chunks[key], np.int64) for key in order])
-        drafts = {key: Proposal([], []) for key in order}
-        last = {}
-        for key, chunk, rows_logits in zip(order, (chunks[k] for k in order), logits):
-            self.fed[key].extend(int(t) for t in chunk)
-            last[key] = rows_logits[-1]
-        want = dict((key, k) for key, _, k in live)
-        for step in range(max(want.values(), default=0)):
-            for key in order:
-                if step < want[key]:
-                    token, q = self._pick(last[key])
-                    drafts[key].tokens.append(token)
-                    drafts[key].probs.append(q)
-            if step + 1 >= max(want.values()):
-                break
-            feed = np.array([drafts[key].tokens[-1] if drafts[key].tokens else self.fed[key][-1] for key in order])
-            stepped = self.batch.step(feed)
-            for key, token, row_logits in zip(order, feed, stepped):
-                self.fed[key].append(int(token))
-                last[key] = row_logits
+            del self.fed[key]
+
+    def _sync(self, key: Hashable, context: list[int]) -> list[int]:
+        """Cut row ``key``'s draft cache to what it shares with ``context`` (all but its last
+        token at most) -> the tokens to feed next (at least the last)."""
+        if key not in self.rows:
+            self.rows[key], _ = self.batch.add(np.asarray(context[:-1], np.int64))
+            self.fed[key] = list(context[:-1])
+        fed = self.fed[key]
+        common = 0
+        limit = min(len(fed), len(context) - 1)
+        while common < limit and fed[common] == context[common]:
+            common += 1
+        common = max(common, 1)  # a row keeps one token: its first is its prompt's
+        self.batch.rewind(self.rows[key], len(fed) - common)
+        del fed[common:]
+        return context[common:]
+
+    def propose(self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], ks: Sequence[int],
+                states: Sequence[SequenceState]) -> list[Proposal]:
+        wanted = {key: (k, state) for key, k, state in zip(keys, ks, states) if k}
+        chunks = {key: self._sync(key, list(context)) for key, context in zip(keys, contexts) if key in wanted}
+        drafts: dict[Hashable, Proposal] = {key: Proposal([], []) for key in wanted}
+        if wanted:
+            order = [key for key in sorted(self.rows, key=lambda key: self.rows[key].index)]
+            feed = {key: chunks.get(key, [self.fed[key][-1]]) for key in order}  # idle rows: rewound later
+            logits = dict(zip(order, self.batch.extend([np.asarray(feed[key], np.int64) for key in order])))
+            for step in range(max(k for k, _ in wanted.values())):
+                for key in order:
+                    self.fed[key].extend(int(t) for t in feed[key])
+                    if key in wanted and step < wanted[key][0]:
+                        token, q = _draw(logits[key][-1], wanted[key][1])
+                        drafts[key].tokens.append(token)
+                        drafts[key].probs.append(q)
+                if step + 1 == max(k for k, _ in wanted.values()):
+                    break
+                feed = {key: [drafts[key].tokens[-1]] if key in drafts and len(drafts[key].tokens) > step
+                        else [self.fed[key][-1]] for key in order}
+                stepped = self.batch.step(np.array([feed[key][0] for key in order], np.int64))
+                logits = {key: stepped[b][None] for b, key in enumerate(order)}
         out = []
-        for key, _, _ in live:
-            draft = drafts[key]
-            probs = None if self.params.greedy or not draft.tokens else np.stack(draft.probs)
-            out.append(Proposal(draft.tokens, probs))
+        for key in keys:
+            draft = drafts.get(key, Proposal([]))
+            sampled = draft.tokens and draft.probs and draft.probs[0] is not None
+            out.append(Proposal(draft.tokens, np.stack(draft.probs) if sampled else None))
         return out
+
+
+def _draw(logits: np.ndarray, state: SequenceState) -> tuple[int, np.ndarray | None]:
+    """The draft's token from its logits [V] with the row's sampling: greedy, or drawn with the
+    row's generator (returning the distribution it was drawn from)."""
+    if state.params.greedy:
+        return int(np.argmax(logits)), None
+    q = distribution(logits[None], state.params)[0]
+    return int(sample(q[None], state.rng)[0]), q

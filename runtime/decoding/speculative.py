@@ -2,9 +2,12 @@
 in one forward on top of the row's cache, and the rows keep the accepted run (``engine.verify``)
 and forget the rest (``RowBatch.rewind``).
 
-    stats = SpeculationStats()
-    for tokens in speculative_steps(batch, prompts, states, PromptLookup(), KPolicy(8, cost), pad, stats):
+    speculator = Speculator(batch, runner, Speculation("lookup"), PromptLookup(), stats)
+    for tokens in speculative_steps(batch, prompts, states, speculator, pad_token_id):
         ...                                   # int64 [B] per step, as plain decoding yields them
+
+(``speculate`` builds them for ``Model.stream``; the server's scheduler uses a ``Speculator`` of
+its own over its running batch.)
 
 Greedy output is token for token plain greedy decoding's; sampled output follows the target's
 distribution exactly (the rejection rule). K is chosen per row and step by ``KPolicy`` from the
@@ -16,9 +19,10 @@ pay.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +30,7 @@ import numpy as np
 
 from .drafters import Drafter, DraftModel, PromptLookup, Proposal
 from .engine import SequenceState, choose, verify
-from .rows import RowBatch
+from .rows import Row, RowBatch
 
 
 @dataclass
@@ -108,55 +112,97 @@ def measure_costs(batch: RowBatch, k_max: int, repeats: int = 3) -> Callable[[in
     return lambda size: 1.0 + slope * (size - 1)
 
 
+class Speculator:
+    """One decoding run's or scheduler's speculation over ``batch``: drafts, K per row, the
+    verification of each row's run, and the statistics. Rows are named by any hashable key.
+
+        proposals = speculator.propose(keys, contexts, states, lengths)   # before a forward
+        logits = batch.extend([[last, *p.tokens] for each row])           # one target forward
+        pushed, error = speculator.verify(key, row, state, logits, proposal)
+    """
+
+    def __init__(self, batch: RowBatch, runner, speculation: "Speculation", drafter: Drafter,
+                 stats: SpeculationStats | None = None):
+        self.batch, self.speculation = batch, speculation
+        self.policy = KPolicy(speculation.draft_tokens, None)
+        self.drafts = drafter.start(batch.capacity)
+        self.stats = stats if stats is not None else SpeculationStats()
+        self.costs = runner.kept.setdefault(_COSTS, {})  # (rows, K) -> cost(s), per session
+
+    def propose(self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]],
+                states: Sequence[SequenceState], rows: Sequence[Row]) -> list[Proposal]:
+        """Each live row's proposal (``rows`` are theirs in ``batch``): K from the policy, within
+        the row's token budget and cache room."""
+        k_max = self.policy.k_max
+        if self.speculation.adaptive:
+            key = (len(self.batch.rows), k_max)
+            if key not in self.costs:
+                self.costs[key] = measure_costs(self.batch, k_max)
+            self.policy.cost = self.costs[key]
+        ks = [max(0, min(self.policy.k(key), state.max_tokens - len(state.tokens) - 1,
+                         self.batch.max_length - row.length - 1))
+              for key, state, row in zip(keys, states, rows)]
+        return self.drafts.propose(keys, contexts, ks, states)
+
+    def verify(self, key: Hashable, row: Row, state: SequenceState, logits: np.ndarray,
+               proposal: Proposal) -> tuple[list[int], int, RuntimeError | None]:
+        """Push the run ``state`` takes (``engine.verify``) and forget the rejected proposals in
+        the row's cache -> (the tokens pushed, how many were accepted proposals, the error that
+        ends the row or None); a row that ended is forgotten by the drafter."""
+        offered = proposal.tokens
+        pushed, error = verify(state, logits, offered, proposal.probs)
+        accepted = next((n for n, (a, t) in enumerate(zip(pushed, offered)) if a != t),
+                        min(len(pushed), len(offered)))
+        self.stats.forwards += 1
+        self.stats.proposed += len(offered)
+        self.stats.accepted += accepted
+        self.stats.tokens += len(pushed)
+        self.policy.record(key, len(offered), accepted)
+        if state.finish or error is not None:
+            self.forget(key)
+        else:
+            self.batch.rewind(row, len(offered) - accepted)
+        return pushed, accepted, error
+
+    def forget(self, key: Hashable) -> None:
+        self.drafts.forget(key)
+        self.policy.alpha.pop(key, None)
+
+
 def speculative_steps(batch: RowBatch, prompts: Sequence[np.ndarray], states: Sequence[SequenceState],
-                      drafter: Drafter, policy: KPolicy, pad_token_id: int,
-                      stats: SpeculationStats | None = None) -> Iterator[np.ndarray]:
+                      speculator: Speculator, pad_token_id: int) -> Iterator[np.ndarray]:
     """Decode ``prompts`` (checked int64 [S_b]) on an empty ``batch`` with speculation; yields
     int64 [B] per step like plain decoding (rows that ended carry ``pad_token_id``). Rows advance
     by different counts per forward; a step is yielded once every live row has its token.
     ``RuntimeError`` for NaN logits."""
-    stats = stats if stats is not None else SpeculationStats()
     count = len(prompts)
     added = [batch.add(prompt) for prompt in prompts]
     rows = [row for row, _ in added]
     picked, errors = choose(np.stack([logits for _, logits in added]), states)
-    _raise(errors)
+    if errors:
+        raise RuntimeError(f"rows {sorted(errors)}: {next(iter(errors.values()))}")
     contexts = [[int(t) for t in prompt] for prompt in prompts]
     ready: list[collections.deque[int]] = [collections.deque() for _ in range(count)]
     for b, token in enumerate(picked.tolist()):
         states[b].push(token)
         _take(batch, rows[b], states[b], [token], contexts[b], ready[b])
-    drafts = drafter.start(count, states[0].params, states[0].rng)
     while True:
         while all(ready[b] or states[b].finish for b in range(count)) and any(ready):
             yield np.array([ready[b].popleft() if ready[b] else pad_token_id for b in range(count)])
-        live = [b for b in range(count) if not states[b].finish]
+        live = sorted((b for b in range(count) if not states[b].finish), key=lambda b: rows[b].index)
         if not live:
             return
-        room = [min(states[b].max_tokens - len(states[b].tokens) - 1, batch.max_length - rows[b].length - 1)
-                for b in live]
-        ks = [max(0, min(policy.k(b), r)) for b, r in zip(live, room)]
-        proposals: list[Proposal] = drafts.propose(live, [contexts[b] for b in live], ks)
-        order = sorted(range(len(live)), key=lambda i: rows[live[i]].index)  # the batch's row order
-        chunks = [np.array([contexts[live[i]][-1], *proposals[i].tokens], np.int64) for i in order]
-        logits = dict(zip(order, batch.extend(chunks)))
-        stats.forwards += len(live)
-        for i, b in enumerate(live):
-            offered = proposals[i].tokens
-            pushed, error = verify(states[b], logits[i], offered, proposals[i].probs)
+        proposals = speculator.propose(live, [contexts[b] for b in live], [states[b] for b in live],
+                                       [rows[b] for b in live])
+        chunks = [np.array([contexts[b][-1], *p.tokens], np.int64) for b, p in zip(live, proposals)]
+        for b, proposal, logits in zip(live, proposals, batch.extend(chunks)):
+            pushed, _, error = speculator.verify(b, rows[b], states[b], logits, proposal)
             if error is not None:
                 raise error
-            accepted = next((n for n, (a, t) in enumerate(zip(pushed, offered)) if a != t), min(len(pushed), len(offered)))
-            stats.proposed += len(offered)
-            stats.accepted += accepted
-            stats.tokens += len(pushed)
-            policy.record(b, len(offered), accepted)
-            if not states[b].finish:
-                batch.rewind(rows[b], len(offered) - accepted)
             _take(batch, rows[b], states[b], pushed, contexts[b], ready[b])
 
 
-def _take(batch: RowBatch, row, state: SequenceState, tokens: list[int], context: list[int],
+def _take(batch: RowBatch, row: Row, state: SequenceState, tokens: list[int], context: list[int],
           ready: collections.deque) -> None:
     """Tokens the engine pushed for a row: ready to yield and part of its context; the row
     leaves the batch once it ended."""
@@ -164,11 +210,6 @@ def _take(batch: RowBatch, row, state: SequenceState, tokens: list[int], context
     ready.extend(tokens)
     if state.finish:
         batch.remove(row)
-
-
-def _raise(errors: dict[int, RuntimeError]) -> None:
-    if errors:
-        raise RuntimeError(f"rows {sorted(errors)}: {next(iter(errors.values()))}")
 
 
 # Verification costs measured once per (decoder session, rows, K): cost(s) functions.
@@ -190,37 +231,31 @@ class Speculation:
 def speculate(model, rows: Sequence[np.ndarray], states: Sequence[SequenceState], speculative,
               draft_tokens: int | None, stats: SpeculationStats | None) -> Iterator[np.ndarray]:
     """``Model.stream``'s decoding with ``speculative`` (a ``Speculation``, or its ``drafter``
-    alone); ``draft_tokens`` overrides its K."""
+    alone); ``draft_tokens`` overrides its K. Checks everything before returning."""
     if not isinstance(speculative, Speculation):
         speculative = Speculation(speculative)
+    if draft_tokens is not None:
+        speculative = dataclasses.replace(speculative, draft_tokens=draft_tokens)
+    KPolicy(speculative.draft_tokens, None)  # checks draft_tokens
     drafter = drafter_for(speculative.drafter, model)
-    k_max = speculative.draft_tokens if draft_tokens is None else draft_tokens
-    policy = KPolicy(k_max, None)  # checks draft_tokens now; costs measured below when adaptive
     config = model.config
     if config.family != "decoder":
         raise ValueError(f"speculative: family {config.family!r} is not supported; speculative "
                          "decoding runs decoder-only exports")
     runner = model.runner("decoder", "generate")
-    length = max(len(row) for row in rows) + max(state.max_tokens for state in states) + k_max + 1
+    length = max(len(row) for row in rows) + max(state.max_tokens for state in states) + speculative.draft_tokens + 1
     batch = model.decoding.rows(runner, len(rows), min(length, config.max_positions), config.fill_token_id)
+    check_speculative(batch)
+    speculator = Speculator(batch, runner, speculative, drafter, stats)
+    return speculative_steps(batch, rows, states, speculator, config.fill_token_id)
+
+
+def check_speculative(batch: RowBatch) -> None:
+    """``ValueError`` for a row batch whose graph cannot verify proposals."""
     if not batch.all_logits:
         raise ValueError("speculative: this export returns the last position's logits only "
                          "(logits='last'); verifying proposals needs every position's (re-export "
                          "with logits='all')")
-
-    def steps() -> Iterator[np.ndarray]:
-        costs = runner.kept.setdefault(_COSTS, {})
-        inner = speculative_steps(batch, rows, states, drafter, policy, config.fill_token_id, stats)
-        first = next(inner)  # prefilled: the rows are there to time verification on
-        key = (len(batch.rows), k_max)
-        if speculative.adaptive:
-            if key not in costs and batch.rows:
-                costs[key] = measure_costs(batch, k_max)
-            policy.cost = costs.get(key, policy.cost)
-        yield first
-        yield from inner
-
-    return steps()
 
 
 def drafter_for(speculative, model) -> Drafter:

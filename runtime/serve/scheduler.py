@@ -36,6 +36,7 @@ import numpy as np
 
 from ..decoding.engine import SequenceState, choose
 from ..decoding.rows import Row, RowBatch
+from ..decoding.speculative import Speculation, SpeculationStats, Speculator, check_speculative, drafter_for
 from ..defaults import sequence_states
 from .handles import (Event, Failed, Finished, GenerationRequest, Handle, Observer, QueueFull,  # noqa: F401
                       Token, NullObserver)
@@ -73,7 +74,7 @@ class Scheduler:
     """Continuous batching over one decoder ``Model`` (see the module docstring)."""
 
     def __init__(self, model, limits: SchedulerLimits = SchedulerLimits(),
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, speculation: Speculation | None = None):
         runner = model.runner("decoder", "serve")
         if model.config.family != "decoder":
             raise ValueError(f"Scheduler: family {model.config.family!r} is not batched per row; "
@@ -85,6 +86,10 @@ class Scheduler:
                               model.config.max_positions)
         self.observer = observer or NullObserver()
         self._make_batch = model.decoding.rows
+        # Speculative decoding (decoding.speculative): every step verifies each row's proposals.
+        self.speculation = speculation
+        self._drafter = None if speculation is None else drafter_for(speculation.drafter, model)
+        self.speculation_stats = SpeculationStats()
         self.batch: RowBatch = self._new_batch()
         self._waiting: collections.deque[Handle] = collections.deque()
         self._live: list[_Live] = []
@@ -93,8 +98,14 @@ class Scheduler:
         self._stopping = False
 
     def _new_batch(self) -> RowBatch:
-        return self._make_batch(self.runner, self.limits.max_rows, self.max_length,
-                                self.model.config.fill_token_id)
+        batch = self._make_batch(self.runner, self.limits.max_rows, self.max_length,
+                                 self.model.config.fill_token_id)
+        self._speculator = None
+        if self.speculation is not None:
+            check_speculative(batch)
+            self._speculator = Speculator(batch, self.runner, self.speculation, self._drafter,
+                                          self.speculation_stats)
+        return batch
 
     # ------------------------------------------------------------------------------ public API
     def check(self, request: GenerationRequest) -> None:
@@ -199,6 +210,9 @@ class Scheduler:
         if not self._live:
             return
         self._live.sort(key=lambda live: live.row.index)  # the batch's row order (rows move)
+        if self._speculator is not None:
+            self._speculate()
+            return
         tokens = np.array([live.state.tokens[-1] for live in self._live], dtype=np.int64)
         start = time.perf_counter()
         try:
@@ -215,6 +229,35 @@ class Scheduler:
                 self._retire(row, Failed(errors[b]))
             else:
                 self._push(row, int(picked[b]))
+
+    def _speculate(self) -> None:
+        """One step of every live row with speculation: its proposals verified in one forward,
+        then the run it takes pushed token by token."""
+        live, speculator = list(self._live), self._speculator
+        start = time.perf_counter()
+        try:
+            proposals = speculator.propose([id(row.handle) for row in live],
+                                           [[*row.handle.request.prompt, *row.state.tokens] for row in live],
+                                           [row.state for row in live], [row.row for row in live])
+            chunks = [np.array([row.state.tokens[-1], *p.tokens], np.int64) for row, p in zip(live, proposals)]
+            logits = self.batch.extend(chunks)  # [S_b, V] per row, rows in the order of live
+        except Exception as err:
+            logger.exception("decode step failed")
+            self._fail_live(err)
+            return
+        runs = [(row, *speculator.verify(id(row.handle), row.row, row.state, row_logits, proposal))
+                for row, proposal, row_logits in zip(live, proposals, logits)]
+        self.observer.step(len(live), sum(len(pushed) for _, pushed, _, _ in runs), time.perf_counter() - start)
+        for (row, pushed, accepted, error), proposal in zip(runs, proposals):
+            row.handle.proposed += len(proposal.tokens)
+            row.handle.accepted += accepted
+            self.observer.speculated(len(proposal.tokens), accepted)
+            for token in pushed:
+                row.handle._emit(Token(token))
+            if error is not None:
+                self._retire(row, Failed(error))
+            elif row.state.finish:
+                self._retire(row, Finished(row.state.finish))
 
     def _stop_reason(self, handle: Handle, now: float) -> str | None:
         if handle.cancelled:
@@ -265,6 +308,8 @@ class Scheduler:
     def _retire(self, live: _Live, event: Event) -> None:
         self._live.remove(live)
         self.batch.remove(live.row)
+        if self._speculator is not None:
+            self._speculator.forget(id(live.handle))
         live.handle._emit(event)
         reason = event.reason if isinstance(event, Finished) else "error"
         self.observer.finished(reason, time.monotonic() - live.handle.submitted)

@@ -57,10 +57,13 @@ class Scripted:
     def __init__(self, truth: list[list[int]], prompt_lengths: list[int], right: list[int], vocab: int):
         self.truth, self.lengths, self.right, self.vocab = truth, prompt_lengths, right, vocab
 
-    def start(self, count, params, rng):
+    def start(self, capacity):
         return self
 
-    def propose(self, keys, contexts, ks):
+    def forget(self, key):
+        pass
+
+    def propose(self, keys, contexts, ks, states):
         out = []
         for key, context, k in zip(keys, contexts, ks):
             done = len(context) - self.lengths[key]  # tokens generated so far
@@ -132,10 +135,13 @@ class Favourite:
     def __init__(self, table: dict[int, int]):
         self.table = table
 
-    def start(self, count, params, rng):
+    def start(self, capacity):
         return self
 
-    def propose(self, keys, contexts, ks):
+    def forget(self, key):
+        pass
+
+    def propose(self, keys, contexts, ks, states):
         return [Proposal([self.table[context[-1]]] if k else []) for context, k in zip(contexts, ks)]
 
 
@@ -182,11 +188,11 @@ def test_expected_tokens_is_the_geometric_sum():
 
 
 def test_prompt_lookup_proposes_what_followed_the_last_match():
-    rows = PromptLookup(max_ngram=2).start(1, SamplingParams(), None)
+    rows = PromptLookup(max_ngram=2).start(1)
     context = [5, 6, 7, 8, 9, 5, 6]
-    assert rows.propose([0], [context], [3])[0].tokens == [7, 8, 9]
-    assert rows.propose([0], [context + [1]], [3])[0].tokens == []  # 1 never occurred before
-    assert rows.propose([0], [context + [7]], [2])[0].tokens == [8, 9]
+    assert rows.propose([0], [context], [3], [None])[0].tokens == [7, 8, 9]
+    assert rows.propose([0], [context + [1]], [3], [None])[0].tokens == []  # 1 never occurred before
+    assert rows.propose([0], [context + [7]], [2], [None])[0].tokens == [8, 9]
 
 
 def test_bad_arguments_are_refused(models, tmp_path):
@@ -206,3 +212,35 @@ def test_bad_arguments_are_refused(models, tmp_path):
     last = _export(tmp_path, "last", "tiny-decoder", "portable", seed=1, logits="last")
     with pytest.raises(ValueError, match="logits='last'"):
         last.generate([[5, 6]], speculative="lookup")
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "draft"])
+@pytest.mark.parametrize("key", [("portable", "tiny-decoder"), ("ort", "tiny-decoder")], ids=lambda k: "-".join(k))
+def test_the_scheduler_speculates_with_continuous_batching(models, key, drafter):
+    """Requests joining and leaving a speculating running batch get their solo greedy tokens,
+    with stop ids and budgets of their own; the proposals are counted per request."""
+    from tfport.runtime.serve.scheduler import GenerationRequest, Scheduler, SchedulerLimits
+
+    model = models[key]
+    speculation = Speculation("lookup" if drafter == "lookup" else models["draft"])
+    scheduler = Scheduler(model, SchedulerLimits(max_rows=3, max_queue=16), speculation=speculation).start()
+    try:
+        rows = prompts(model.config.vocab_size) * 2
+        budgets = [20, 9, 14, 5, 25, 12]
+        solos = [model.generate([p], max_new_tokens=n, stop_token_ids=())[0].tolist()
+                 for p, n in zip(rows, budgets)]
+        stops = [(), (), (solos[2][4],), (), (), ()]
+        handles = scheduler.submit([GenerationRequest(p, n, stop_ids=s) for p, n, s in zip(rows, budgets, stops)])
+        results = [handle.result() for handle in handles]
+    finally:
+        scheduler.stop()
+    for i, ((tokens, reason), solo) in enumerate(zip(results, solos)):
+        if stops[i]:
+            end = solo.index(stops[i][0]) + 1
+            assert (tokens, reason) == (solo[:end], "stop"), i
+        else:
+            assert (tokens, reason) == (solo, "length"), i
+    assert scheduler.speculation_stats.proposed == sum(h.proposed for h in handles) > 0
+    assert scheduler.speculation_stats.accepted == sum(h.accepted for h in handles)
+    if drafter == "lookup":  # these prompts repeat themselves; the other random model rarely agrees
+        assert scheduler.speculation_stats.accepted > 0
