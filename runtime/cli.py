@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tfport.integrity import VERIFY_MODES
 
-from .decoding.speculative import SpeculationStats
+from .decoding.speculative import Speculation, SpeculationStats
 from .model import Model, cut_at_stop, load_model
 from .encoding import POOLINGS
 from .session import PROVIDERS
@@ -85,13 +85,16 @@ def _add_speculative(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-tokens", type=positive_int, default=None, metavar="K",
                         help="most tokens proposed per step (default 8; adapted to the acceptance "
                              "rate and the measured cost of verifying)")
+    parser.add_argument("--speculative-inexact", action="store_true",
+                        help="speculate on a quantised export too, whose verified tokens can differ "
+                             "from plain decoding's (its kernels round several rows differently)")
 
 
 def _speculation(args: argparse.Namespace, model: Model) -> dict:
     """generate/chat keyword arguments for ``--speculative`` (a draft export opened once)."""
     if args.speculative is None:
-        if args.draft_tokens is not None:
-            raise ValueError("--draft-tokens: applies with --speculative")
+        if args.draft_tokens is not None or args.speculative_inexact:
+            raise ValueError("--draft-tokens, --speculative-inexact: apply with --speculative")
         return {}
     drafter = args.speculative
     if drafter != "lookup":
@@ -99,7 +102,8 @@ def _speculation(args: argparse.Namespace, model: Model) -> dict:
             raise ValueError(f"--speculative {drafter!r}: expected 'lookup' or the directory of a "
                              "draft decoder export")
         drafter = Model.load(drafter, settings=model.settings, verify=args.verify)
-    return {"speculative": drafter, "draft_tokens": args.draft_tokens, "speculation": SpeculationStats()}
+    return {"speculative": Speculation(drafter, exact=not args.speculative_inexact),
+            "draft_tokens": args.draft_tokens, "speculation": SpeculationStats()}
 
 
 def _report_speculation(options: dict) -> None:

@@ -221,11 +221,14 @@ class Speculation:
     """How to speculate: ``drafter`` ("lookup", a draft export's directory, a draft ``Model`` or
     a ``Drafter``), at most ``draft_tokens`` proposals per step; ``adaptive`` chooses K per row
     and step (``KPolicy``: acceptance and measured cost, 0 where it does not pay), else always
-    ``draft_tokens`` (within the token budget)."""
+    ``draft_tokens`` (within the token budget). ``exact`` refuses a quantised target, whose
+    verified tokens can differ from plain decoding's (``check_speculative``); False accepts that.
+    """
 
     drafter: object
     draft_tokens: int = 8
     adaptive: bool = True
+    exact: bool = True  # refuse targets whose verified tokens can differ from plain decoding's
 
 
 def speculate(model, rows: Sequence[np.ndarray], states: Sequence[SequenceState], speculative,
@@ -245,13 +248,23 @@ def speculate(model, rows: Sequence[np.ndarray], states: Sequence[SequenceState]
     runner = model.runner("decoder", "generate")
     length = max(len(row) for row in rows) + max(state.max_tokens for state in states) + speculative.draft_tokens + 1
     batch = model.decoding.rows(runner, len(rows), min(length, config.max_positions), config.fill_token_id)
-    check_speculative(batch)
+    check_speculative(model, batch, speculative)
     speculator = Speculator(batch, runner, speculative, drafter, stats)
     return speculative_steps(batch, rows, states, speculator, config.fill_token_id)
 
 
-def check_speculative(batch: RowBatch) -> None:
-    """``ValueError`` for a row batch whose graph cannot verify proposals."""
+def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:
+    """``ValueError`` for a target that cannot verify proposals (``batch`` is its row batch), or
+    whose verified tokens can differ from plain decoding's while ``speculation.exact``."""
+    quantization = model.manifest.quantization
+    if speculation.exact and quantization is not None:
+        raise ValueError(
+            f"speculative: this export's weights are quantised ({quantization.get('format', 'int')}); "
+            "ONNX Runtime's CPU kernel for them (MatMulNBits at accuracy level 4) computes a row "
+            "differently when several rows run together (int8 activations) than alone (measured up "
+            "to 1.25 logits apart on SmolLM2-135M int4), so verified tokens can differ from plain "
+            "greedy decoding. Speculate on a float export (a quantised export can be its draft), or "
+            "accept inexact tokens: Speculation(..., exact=False), --speculative-inexact")
     if not batch.all_logits:
         raise ValueError("speculative: this export returns the last position's logits only "
                          "(logits='last'); verifying proposals needs every position's (re-export "

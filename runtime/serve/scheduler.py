@@ -102,7 +102,7 @@ class Scheduler:
                                  self.model.config.fill_token_id)
         self._speculator = None
         if self.speculation is not None:
-            check_speculative(batch)
+            check_speculative(self.model, batch, self.speculation)
             self._speculator = Speculator(batch, self.runner, self.speculation, self._drafter,
                                           self.speculation_stats)
         return batch

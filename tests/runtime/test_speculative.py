@@ -244,3 +244,30 @@ def test_the_scheduler_speculates_with_continuous_batching(models, key, drafter)
     assert scheduler.speculation_stats.accepted == sum(h.accepted for h in handles)
     if drafter == "lookup":  # these prompts repeat themselves; the other random model rarely agrees
         assert scheduler.speculation_stats.accepted > 0
+
+
+def test_a_quantised_target_is_refused_unless_inexact_is_accepted(models, tmp_path):
+    """ONNX Runtime's MatMulNBits computes several rows differently from one (int8 activations),
+    so exact speculation refuses quantised targets; exact=False runs them."""
+    quantised = _export(tmp_path, "int4", "tiny-decoder", "ort", seed=5, quantize="int4")
+    rows = prompts(quantised.config.vocab_size)
+    with pytest.raises(ValueError, match=r"quantised \(int4\).*exact=False"):
+        quantised.generate(rows, max_new_tokens=8, speculative="lookup")
+    tokens = quantised.generate(rows, max_new_tokens=8, speculative=Speculation("lookup", exact=False))
+    assert tokens.shape == (len(rows), 8)
+
+
+def test_cli_speculative_prints_the_plain_tokens_and_a_summary(models, capsys):
+    from tfport.cli import main
+
+    model = models[("portable", "tiny-decoder")]
+    ids = ",".join(str(t) for t in prompts(model.config.vocab_size)[0])
+    assert main(["generate", str(model.directory), "--ids", ids, "--max-new-tokens", "20"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", str(model.directory), "--ids", ids, "--max-new-tokens", "20",
+                 "--speculative", "lookup", "--draft-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == plain
+    assert "speculative:" in captured.err and "accepted" in captured.err
+    with pytest.raises(SystemExit):
+        main(["generate", str(model.directory), "--ids", ids, "--draft-tokens", "0", "--speculative", "lookup"])
