@@ -7,8 +7,10 @@ import logging
 
 from tfport.contract import DTYPES, KV_DTYPES, LOGITS
 
-from .calibrate import BUILTIN, DEFAULT_TOKENS, HEAD_BITS, Calibration
-from .exporter import MAX_OPSET, MIN_OPSET, export_checkpoint_or_preset
+from .calibrate import HEAD_BITS
+from .hessians import BUILTIN, DEFAULT_TOKENS, Calibration
+from .exporter import export_checkpoint_or_preset
+from .options import MAX_OPSET, MIN_OPSET, ExportOptions
 from .quantize import BITS as QUANTIZE_FORMATS
 from .quantize import BLOCK_SIZES
 from .targets import DEFAULT_TARGET, TARGETS
@@ -23,12 +25,12 @@ def run_export(args: argparse.Namespace) -> int:
     elif args.calibration_tokens is not None:
         raise ValueError(f"--calibration-tokens={args.calibration_tokens}: applies with --calibration "
                          f"({BUILTIN} or a text file)")
-    manifest = export_checkpoint_or_preset(
-        args.source, args.out, seed=args.seed, dtype=args.dtype, opset=args.opset, target=args.target,
-        validate=not args.no_validate, tokenizer=args.tokenizer, overwrite=args.force,
-        show_progress=None if not args.progress else True, quantize=args.quantize,
-        block_size=args.block_size, symmetric=args.symmetric, logits=args.logits, kv_dtype=args.kv_dtype,
-        calibration=calibration, head_bits=args.head_bits)
+    options = ExportOptions(
+        dtype=args.dtype, opset=args.opset, target=args.target, validate=not args.no_validate,
+        tokenizer=args.tokenizer, overwrite=args.force, show_progress=None if not args.progress else True,
+        quantize=args.quantize, block_size=args.block_size, symmetric=args.symmetric, logits=args.logits,
+        kv_dtype=args.kv_dtype, calibration=calibration, head_bits=args.head_bits)
+    manifest = export_checkpoint_or_preset(args.source, args.out, options, seed=args.seed)
     graphs = ", ".join(g.file for g in manifest.graphs.values())
     cache = f", KV cache {manifest.kv_dtype}" if manifest.kv_dtype != manifest.dtype and "decoder" in manifest.graphs else ""
     quantized = "" if manifest.quantization is None else f", {describe_quantization(manifest.quantization)}"

@@ -3,14 +3,14 @@
 They mirror ``tfport.models`` one to one (same order of operations, same float32 islands), so an
 exported graph computes what the PyTorch module computes. Every product with a weight matrix goes
 through ``project`` (the one place where weight dtype, layout and quantisation are decided).
-Position schemes come from ``positions.POSITION_EMITTERS``; how rotary embedding and attention
-are lowered is the export target's (``targets``).
+Position schemes come from ``positions.POSITION_EMITTERS``; how masks, rotary embedding,
+attention and a residual sum with the RMSNorm reading it are lowered is the export target's,
+asked through ``lowering.Target`` (the emitters never import a target).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 from onnx import TensorProto
@@ -22,10 +22,8 @@ from tfport.models.layers import Block, FeedForward, RMSNorm
 from tfport.models.stack import Embeddings, Stack
 
 from .graph import GraphBuilder, to_numpy
+from .lowering import StackInputs, Target, heads, split_qkv
 from .positions import POSITION_EMITTERS
-
-if TYPE_CHECKING:
-    from .targets import Target
 
 _np = to_numpy
 
@@ -72,12 +70,54 @@ def norm(g: GraphBuilder, x: str, module: nn.Module, name: str) -> str:
     attention norm when ``config.first_attn_norm`` is false) returns x."""
     if isinstance(module, nn.Identity):
         return x
-    weight = g.weight(f"{name}.weight", _np(module.weight) + getattr(module, "offset", 0.0))
+    weight = _norm_weight(g, module, name)
     if isinstance(module, RMSNorm):
         return g.fn("RMSNorm", x, weight, epsilon=float(module.eps), name=name)
     bias = g.weight(f"{name}.bias", _np(module.bias))
     return g.op("LayerNormalization", x, weight, bias, axis=-1, epsilon=float(module.eps),
                 stash_type=1, name=name)
+
+
+def _norm_weight(g: GraphBuilder, module: nn.Module, name: str) -> str:
+    return g.weight(f"{name}.weight", _np(module.weight) + getattr(module, "offset", 0.0))
+
+
+@dataclass(frozen=True)
+class Residual:
+    """The residual stream x + delta [B, S, E] with the Add not emitted yet (``delta`` None: x
+    itself), so that the norm reading the sum next is lowered together with it
+    (``Target.add_rms_norm``). ``taps`` are the reference points the sum stands for."""
+
+    x: str
+    delta: str | None = None
+    add_name: str = ""
+    taps: tuple[str, ...] = ()
+
+
+def settle(g: GraphBuilder, stream: Residual) -> str:
+    """The stream as one value: its Add emitted (and tapped) if still pending."""
+    if stream.delta is None:
+        return stream.x
+    return _tapped(g, stream, g.op("Add", stream.x, stream.delta, name=stream.add_name))
+
+
+def normed(g: GraphBuilder, target: Target, stream: Residual, module: nn.Module, name: str) -> tuple[str, str]:
+    """(module(stream), the stream's value): a pending residual sum and the RMSNorm reading it
+    go to the target as one (ONNX Runtime has a fused kernel for the pair)."""
+    if stream.delta is None:
+        return norm(g, stream.x, module, name), stream.x
+    if not isinstance(module, RMSNorm):
+        summed = settle(g, stream)
+        return norm(g, summed, module, name), summed
+    out, summed = target.add_rms_norm(g, stream.x, stream.delta, _norm_weight(g, module, name),
+                                      float(module.eps), name, stream.add_name)
+    return out, _tapped(g, stream, summed)
+
+
+def _tapped(g: GraphBuilder, stream: Residual, value: str) -> str:
+    for point in stream.taps:
+        g.tap(point, value)
+    return value
 
 
 def activation(g: GraphBuilder, x: str, kind: str, name: str) -> str:
@@ -118,38 +158,6 @@ def feed_forward(g: GraphBuilder, x: str, module: FeedForward, kind: str, name: 
     return linear(g, hidden, module.down, f"{name}.down")
 
 
-def heads(g: GraphBuilder, x: str, n: int, head_dim: int, name: str) -> str:
-    """[B, S, N*D] -> [B, N, S, D]."""
-    shaped = g.op("Reshape", x, g.const([0, 0, n, head_dim], name="heads_shape"), name=f"{name}.reshape")
-    return g.op("Transpose", shaped, perm=[0, 2, 1, 3], name=f"{name}.transpose")
-
-
-@dataclass
-class StackInputs:
-    """Graph values every layer of a stack reads, made once per stack by the export target."""
-
-    target: Target
-    bias: str | None = None  # float32 [B, 1|H, S, T]: masks and position bias
-    position_ids: str | None = None  # int64 [B, S]
-    rotary: tuple[str, ...] = ()  # the target's rotary tables (inv_freq, or cos and sin)
-    memory_bias: str | None = None  # float32 [B, 1, S, Senc] (cross-attention)
-    extra: dict[str, str] = field(default_factory=dict)  # target-specific graph values
-    # The sliding-window layers' bias and rotary tables (config.sliding_window, rope_local_theta).
-    local_bias: str | None = None
-    local_rotary: tuple[str, ...] = ()
-    window: int | None = None  # set on the view a sliding-window layer reads (see ``layer``)
-    # A bias each layer computes from its queries and keys (positions.DisentangledGraphBias), or None.
-    content_bias: object | None = None
-
-    def layer(self, config: ModelConfig, index: int) -> "StackInputs":
-        """What layer ``index`` reads: the stack's values, or for a sliding-window layer its
-        windowed bias, its rotary tables and ``window``."""
-        if not config.is_local(index):
-            return self
-        return replace(self, bias=self.local_bias, rotary=self.local_rotary or self.rotary,
-                       window=config.sliding_window)
-
-
 def head_norm(g: GraphBuilder, x: str, module: nn.Module, n: int, head_dim: int, name: str) -> str:
     """Per-head RMSNorm over D of x [B, S, N*D] (Qwen3 / Gemma 3 q and k norms) -> [B, S, N*D]."""
     shaped = g.op("Reshape", x, g.const([0, 0, n, head_dim], name="heads_shape"), name=f"{name}.reshape")
@@ -163,12 +171,13 @@ def self_attention(g: GraphBuilder, x: str, module: Attention, ctx: StackInputs,
     -> (output [B, S, E], present (k, v) or None)."""
     h, hkv, d = module.n_heads, module.kv_heads, module.head_dim
     qkv = linear(g, x, module.qkv, f"{name}.qkv")  # [B, S, (H + 2 Hkv) D]
-    q, k, v = g.op("Split", qkv, g.const([h * d, hkv * d, hkv * d], name="qkv_split"), axis=-1,
-                   outputs=3, name=f"{name}.split")  # [B, S, N*D] each
-    if module.q_norm is not None:
+    if module.q_norm is None:  # the target splits the packed product, or reads it whole
+        out, present = ctx.target.attend_qkv(g, qkv, module, ctx, past, name)
+    else:
+        q, k, v = split_qkv(g, qkv, module, name)  # [B, S, N*D] each
         q = head_norm(g, q, module.q_norm, h, d, f"{name}.q_norm")
         k = head_norm(g, k, module.k_norm, hkv, d, f"{name}.k_norm")
-    out, present = ctx.target.attend(g, q, k, v, module, ctx, past, name)
+        out, present = ctx.target.attend(g, q, k, v, module, ctx, past, name)
     g.tap(f"{name}.context", out)
     return g.tap(name, linear(g, out, module.out, f"{name}.out")), present
 
@@ -189,22 +198,26 @@ def cross_attention(g: GraphBuilder, x: str, module: Attention, memory: tuple[st
     return g.tap(name, linear(g, out, module.out, f"{name}.out"))
 
 
-def block(g: GraphBuilder, x: str, module: Block, config: ModelConfig, ctx: StackInputs,
+def block(g: GraphBuilder, stream: Residual, module: Block, config: ModelConfig, ctx: StackInputs,
           past: tuple[str, str] | None, memory: tuple[str, str] | None, name: str
-          ) -> tuple[str, tuple[str, str] | None]:
-    """One block, pre- or post-norm -> (states [B, S, E], present (k, v) or None)."""
+          ) -> tuple[Residual, tuple[str, str] | None]:
+    """One block, pre- or post-norm -> (states [B, S, E] as a residual stream whose last Add may
+    be pending, present (k, v) or None)."""
     present = None
+    target = ctx.target
 
-    def residual(x: str, norm_module: nn.Module, f, part: str) -> str:
+    def residual(stream: Residual, norm_module: nn.Module, f, part: str) -> Residual:
         if module.pre:
-            normed = g.tap(f"{name}.{part}_norm", norm(g, x, norm_module, f"{name}.{part}_norm"))
-            out = f(normed)
+            normed_x, x = normed(g, target, stream, norm_module, f"{name}.{part}_norm")
+            out = f(g.tap(f"{name}.{part}_norm", normed_x))
             post = getattr(module, f"{part}_post_norm", None)
             if post is not None:  # Gemma 2/3: the sublayer's output is normalised too
                 out = g.tap(f"{name}.{part}_post_norm", norm(g, out, post, f"{name}.{part}_post_norm"))
-            return g.op("Add", x, out, name=f"{name}.{part}_residual")
-        summed = g.op("Add", x, f(x), name=f"{name}.{part}_residual")
-        return g.tap(f"{name}.{part}_norm", norm(g, summed, norm_module, f"{name}.{part}_norm"))
+            return Residual(x, out, f"{name}.{part}_residual")
+        x = settle(g, stream)
+        out, _ = normed(g, target, Residual(x, f(x), f"{name}.{part}_residual"), norm_module,
+                        f"{name}.{part}_norm")
+        return Residual(g.tap(f"{name}.{part}_norm", out))
 
     def attend(h: str) -> str:
         nonlocal present
@@ -212,36 +225,42 @@ def block(g: GraphBuilder, x: str, module: Block, config: ModelConfig, ctx: Stac
         return out
 
     if module.parallel:  # x + attn(attn_norm(x)) + ffn(ffn_norm(x)), as the reference adds them
+        x = settle(g, stream)
         attn_in = g.tap(f"{name}.attn_norm", norm(g, x, module.attn_norm, f"{name}.attn_norm"))
         ffn_in = g.tap(f"{name}.ffn_norm", norm(g, x, module.ffn_norm, f"{name}.ffn_norm"))
         x = g.op("Add", x, attend(attn_in), name=f"{name}.attn_residual")
         ffn = g.tap(f"{name}.ffn", feed_forward(g, ffn_in, module.ffn, config.activation, f"{name}.ffn"))
-        return g.tap(name, g.op("Add", x, ffn, name=f"{name}.ffn_residual")), present
-    x = residual(x, module.attn_norm, attend, "attn")
+        return Residual(x, ffn, f"{name}.ffn_residual", (name,)), present
+    stream = residual(stream, module.attn_norm, attend, "attn")
     if module.cross_attn is not None:
-        x = residual(x, module.cross_norm,
-                     lambda h: cross_attention(g, h, module.cross_attn, memory, ctx, f"{name}.cross_attn"), "cross")
-    x = residual(x, module.ffn_norm, lambda h: g.tap(
+        stream = residual(stream, module.cross_norm,
+                          lambda h: cross_attention(g, h, module.cross_attn, memory, ctx, f"{name}.cross_attn"),
+                          "cross")
+    stream = residual(stream, module.ffn_norm, lambda h: g.tap(
         f"{name}.ffn", feed_forward(g, h, module.ffn, config.activation, f"{name}.ffn")), "ffn")
-    return g.tap(name, x), present
+    if stream.delta is None:
+        return Residual(g.tap(name, stream.x)), present
+    return Residual(stream.x, stream.delta, stream.add_name, (name,)), present
 
 
-def embeddings(g: GraphBuilder, module: Embeddings, config: ModelConfig, input_ids: str, position_ids: str | None,
-               token_type_ids: str | None, token_table: str, name: str) -> str:
+def embeddings(g: GraphBuilder, target: Target, module: Embeddings, config: ModelConfig, input_ids: str,
+               position_ids: str | None, token_type_ids: str | None, token_table: str, name: str) -> str:
     """Token (+ position table) (+ token type) embeddings, optional norm -> [B, S, E]."""
     x = gather_rows(g, token_table, input_ids, f"{name}.tokens")
     if module.scale != 1.0:  # Gemma: sqrt(E) in the model dtype, as the reference rounds it
         x = g.op("Mul", x, g.const(module.scale, g.dtype, "embedding_scale"), name=f"{name}.scale")
+    stream = Residual(x)  # the last addend stays pending for the norm
     positions = POSITION_EMITTERS[config.position].embedding(g, module, position_ids, name)
     if positions is not None:
-        x = g.op("Add", x, positions, name=f"{name}.add_positions")
+        stream = Residual(x, positions, f"{name}.add_positions")
     if module.token_types is not None:
+        x = settle(g, stream)
         types = g.op("Gather", g.weight(f"{name}.token_types", _np(module.token_types.weight)),
                      token_type_ids, name=f"{name}.token_types")
-        x = g.op("Add", x, types, name=f"{name}.add_token_types")
-    if module.norm is not None:
-        x = norm(g, x, module.norm, f"{name}.norm")
-    return x
+        stream = Residual(x, types, f"{name}.add_token_types")
+    if module.norm is None:
+        return settle(g, stream)
+    return normed(g, target, stream, module.norm, f"{name}.norm")[0]
 
 
 def stack(g: GraphBuilder, module: Stack, config: ModelConfig, target: Target, inputs: dict[str, str], *,
@@ -255,16 +274,17 @@ def stack(g: GraphBuilder, module: Stack, config: ModelConfig, target: Target, i
     Returns (states [B, S, E] in the model dtype, per-layer present (k, v) or None).
     """
     ctx = target.stack_inputs(g, module, config, inputs, causal, name)
-    x = g.tap(f"{name}.embed", embeddings(g, module.embed, config, inputs["input_ids"], inputs.get("position_ids"),
-                                          inputs.get("token_type_ids"), token_table, f"{name}.embed"))
-    presents = []
+    x = g.tap(f"{name}.embed", embeddings(g, target, module.embed, config, inputs["input_ids"],
+                                          inputs.get("position_ids"), inputs.get("token_type_ids"), token_table,
+                                          f"{name}.embed"))
+    stream, presents = Residual(x), []
     for i, layer in enumerate(module.layers):
         past = pasts[i] if pasts is not None else None
         memory = memories[i] if memories is not None else None
-        x, present = block(g, x, layer, config, ctx.layer(config, i), past, memory, f"{name}.layers.{i}")
+        stream, present = block(g, stream, layer, config, ctx.layer(config, i), past, memory, f"{name}.layers.{i}")
         presents.append(present)
         if progress is not None:
             progress.update(1)
-    if module.norm is not None:
-        x = g.tap(f"{name}.norm", norm(g, x, module.norm, f"{name}.norm"))
-    return x, presents
+    if module.norm is None:
+        return settle(g, stream), presents
+    return g.tap(f"{name}.norm", normed(g, target, stream, module.norm, f"{name}.norm")[0]), presents

@@ -3,7 +3,7 @@ super-blocks of llama.cpp's "K-quants" (Q4_K_M, Q5_K_M ...), as the export's qua
 without re-quantising.
 
 ggml's legacy block types are blockwise quantisations along each row, 32 values per block, with
-an fp16 scale ``d`` -- exactly ``export.quantize.BlockQuantized``:
+an fp16 scale ``d`` -- exactly ``export.blocks.BlockQuantized``:
 
 * Q4_0: 16 bytes of nibbles, ``w = (q - 8) d``: 4 bits, symmetric (implicit zero point 8);
 * Q8_0: 32 int8 ``q``, ``w = q d``: 8 bits, symmetric (codes q + 128, implicit zero point 128);
@@ -49,7 +49,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .quantize import BlockQuantized, QuantScheme, RowIndex, RowParts
+from .blocks import BlockQuantized, RowParts
+from .quantize import QuantScheme
+from .row_index import RowIndex
 
 log = logging.getLogger(__name__)
 

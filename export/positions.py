@@ -67,12 +67,12 @@ class _Relative(PositionEmitter):
     def bias(self, g, stack, attention_mask, length, causal, name):
         """T5 relative bias; the bucket constants are computed here as PyTorch computes them."""
         config: ModelConfig = stack.config
-        buckets = config.relative_buckets if causal else config.relative_buckets // 2
+        buckets = config.relative.buckets if causal else config.relative.buckets // 2
         max_exact = buckets // 2
         table = g.weight(f"{name}.relative_bias", to_numpy(stack.relative_bias.weight))
         return g.fn("RelativePositionBias", attention_mask, length, table, bidirectional=int(not causal),
                     num_buckets=buckets, max_exact=max_exact,
-                    log_max_ratio=math.log(config.relative_max_distance / max_exact),
+                    log_max_ratio=math.log(config.relative.max_distance / max_exact),
                     name=f"{name}.relative")
 
 
@@ -120,7 +120,7 @@ class _Disentangled(PositionEmitter):
         index = g.fn("DisentangledIndex", attention_mask, length, table, name=f"{name}.disentangled_index")
         with torch.no_grad():
             relative = stack.relative_norm(stack.relative_embeddings.weight).detach().float().cpu()  # [2R, E]
-        return DisentangledGraphBias(index, relative, stack.config.relative_terms)
+        return DisentangledGraphBias(index, relative, stack.config.disentangled.effective_terms)
 
 
 POSITION_EMITTERS: dict[str, PositionEmitter] = {

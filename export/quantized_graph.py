@@ -1,4 +1,4 @@
-"""The graph side of quantised weights: how ``export.quantize``'s blocks are stored as ONNX
+"""The graph side of quantised weights: how ``export.blocks`` are stored as ONNX
 initializers (int4 / uint4 / int8 / uint8, packed bytes for the contrib operators), the
 ``WeightQuantizer`` a ``GraphBuilder`` holds (every weight product and token gather of one graph,
 lowered by the export target: ``project_quantized``, ``gather_quantized``), the block offsets of
@@ -12,7 +12,8 @@ import logging
 
 import numpy as np
 
-from .quantize import BlockQuantized, QuantScheme, RowParts, gatherable, pack_nibbles
+from .blocks import BlockQuantized, RowParts, pack_nibbles
+from .quantize import QuantScheme, gatherable
 
 log = logging.getLogger(__name__)
 

@@ -76,7 +76,7 @@ def _generation(directory: Path, model: nn.Module) -> GenerationDefaults | None:
     from tfport.models.hf import is_hf_checkpoint
     from tfport.models.hf.configs import CONFIG_FILE, read_json
 
-    if not is_hf_checkpoint(directory) or model.config.family == "encoder" or model.config.n_labels:
+    if not is_hf_checkpoint(directory) or model.config.family == "encoder" or model.config.classifier.n_labels:
         return None  # an encoder, or a classifier: nothing generates
     generation = directory / GENERATION_CONFIG_FILE
     return GenerationDefaults.from_hf(read_json(generation) if generation.is_file() else None,

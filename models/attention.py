@@ -64,9 +64,9 @@ class Attention(nn.Module):
         self.scale = config.softmax_scale
         self.softcap = config.attn_logit_softcap
         self.rotary_dim = config.rotary_channels  # channels RoPE rotates (partial rotary: < D)
-        self.rope_factor = config.rope_attention_factor  # scales cos and sin (longrope)
-        self.interleaved = config.rope_interleaved  # GPT-J's channel pairing
-        self.dropout = config.attention_dropout  # on the attention probabilities, train() only
+        self.rope_factor = config.rope.attention_factor  # scales cos and sin (longrope)
+        self.interleaved = config.rope.interleaved  # GPT-J's channel pairing
+        self.dropout = config.dropout.attention  # on the attention probabilities, train() only
         self.cross = cross
         q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
         bias = config.attention_bias

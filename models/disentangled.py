@@ -27,7 +27,7 @@ from tfport.config import ModelConfig
 
 def relative_rows(config: ModelConfig) -> int:
     """Rows of the relative embedding table: 2R, R the buckets (or the max distance unbucketed)."""
-    return 2 * (config.disentangled_buckets or config.disentangled_max_distance)
+    return 2 * (config.disentangled.buckets or config.disentangled.max_distance)
 
 
 def log_bucket(relative: torch.Tensor, buckets: int, max_distance: int) -> torch.Tensor:
@@ -50,10 +50,10 @@ def index_table(config: ModelConfig) -> torch.Tensor:
     ``disentangled_max_distance`` -> int64 [2M + 1]: the bucket (or i - j itself) shifted by R and
     clipped to [0, 2R - 1]. Positions beyond +-M read the end rows, as they do in transformers
     (its buckets reach the clip by distance M, for even bucket counts)."""
-    limit, span = config.disentangled_max_distance, relative_rows(config) // 2
+    limit, span = config.disentangled.max_distance, relative_rows(config) // 2
     relative = torch.arange(-limit, limit + 1)
-    if config.disentangled_buckets is not None:
-        relative = log_bucket(relative, config.disentangled_buckets, limit)
+    if config.disentangled.buckets is not None:
+        relative = log_bucket(relative, config.disentangled.buckets, limit)
     table = (relative + span).clamp(0, 2 * span - 1)
     assert table[0] == 0 and table[-1] == 2 * span - 1, "the table must reach both end rows"
     return table

@@ -55,16 +55,16 @@ def pool_states(x: torch.Tensor, attention_mask: torch.Tensor, pooling: str) -> 
 
 class ClassifierHead(nn.Module):
     """pool -> dense -> activation -> (LayerNorm) -> out [n_labels] (see ModelConfig's
-    ``n_labels``); dropout before ``out`` in train mode, as the Hugging Face heads have."""
+    ``classifier``); dropout before ``out`` in train mode, as the Hugging Face heads have."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.pooling = config.classifier_pooling
+        self.pooling = config.classifier.pooling
         self.dense = nn.Linear(config.d_model, config.d_model)
-        self.act = CLASSIFIER_ACTIVATIONS[config.classifier_activation]
-        self.norm = make_norm(config) if config.classifier_norm else None
-        self.dropout = nn.Dropout(config.residual_dropout)
-        self.out = nn.Linear(config.d_model, config.n_labels)
+        self.act = CLASSIFIER_ACTIVATIONS[config.classifier.activation]
+        self.norm = make_norm(config) if config.classifier.norm else None
+        self.dropout = nn.Dropout(config.dropout.residual)
+        self.out = nn.Linear(config.d_model, config.classifier.n_labels)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """States [B, S, E], attention_mask [B, S] -> logits [B, n_labels]."""
@@ -89,7 +89,7 @@ class EncoderModel(nn.Module):
                              token_types=config.type_vocab_size > 0)
         self.pooler = nn.Linear(config.d_model, config.d_model) if config.pooler else None
         self.mlm = MLMHead(config, tokens) if config.mlm_head else None
-        self.classifier = ClassifierHead(config) if config.n_labels else None
+        self.classifier = ClassifierHead(config) if config.classifier.n_labels else None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> EncoderOutput:

@@ -27,7 +27,7 @@ class EncoderDecoderLM(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = tokens.weight
-        self.classifier = ClassifierHead(config) if config.n_labels else None  # read by ``classify``
+        self.classifier = ClassifierHead(config) if config.classifier.n_labels else None  # read by ``classify``
 
     def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, attention_mask [B, Senc] -> encoder states [B, Senc, E]."""
@@ -59,13 +59,13 @@ class EncoderDecoderLM(nn.Module):
         [B, n_labels].
 
         The decoder reads ``input_ids`` shifted right (the last slot dropped) after a start token
-        (``config.classifier_decoder_start``: ``decoder_start_token_id``, or each row's last real
+        (``config.classifier.decoder_start``: ``decoder_start_token_id``, or each row's last real
         token as mBART's) at slot positions 0..S-1 over the encoder's states; the head reads its
         state at each row's last real eos. Transformers reads the last eos too, and refuses a
         batch whose rows hold different numbers of eos tokens.
         """
         if self.classifier is None:
-            raise ValueError("classify: this model has no sequence classification head (config.n_labels=0)")
+            raise ValueError("classify: this model has no sequence classification head (config.classifier.n_labels=0)")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         eos = (input_ids == self.config.eos_token_id) & attention_mask.bool()  # [B, S]
@@ -75,7 +75,7 @@ class EncoderDecoderLM(nn.Module):
                              "classification head reads the decoder at each row's last one")
         memory = self.cross_kv(self.encode(input_ids, attention_mask))
         slots = torch.arange(input_ids.shape[1], device=input_ids.device)
-        if self.config.classifier_decoder_start == "last_token":
+        if self.config.classifier.decoder_start == "last_token":
             last_real = torch.where(attention_mask.bool(), slots, -1).amax(dim=1)  # [B]
             start = input_ids.gather(1, last_real[:, None])  # [B, 1]
         else:

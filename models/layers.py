@@ -31,7 +31,7 @@ class FeedForward(nn.Module):
         self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.mlp_bias) if config.gated_ffn else None
         self.up = nn.Linear(config.d_model, config.d_ff, bias=config.mlp_bias)
         self.down = nn.Linear(config.d_ff, config.d_model, bias=config.mlp_bias)
-        self.dropout = nn.Dropout(config.ffn_dropout)  # on the hidden activations, train() only
+        self.dropout = nn.Dropout(config.dropout.ffn)  # on the hidden activations, train() only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.act(self.gate(x)) * self.up(x) if self.gate is not None else self.act(self.up(x))
@@ -51,7 +51,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, cross: bool = False, first: bool = False):
         super().__init__()
         self.pre = config.norm_position == "pre"
-        self.dropout = nn.Dropout(config.residual_dropout)  # sublayer outputs, train() only
+        self.dropout = nn.Dropout(config.dropout.residual)  # sublayer outputs, train() only
         self.attn_norm = nn.Identity() if first and not config.first_attn_norm else make_norm(config)
         self.attn = Attention(config)
         self.cross_norm = make_norm(config) if cross else None

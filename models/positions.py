@@ -38,28 +38,28 @@ def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) 
     scaling divides frequencies whose wavelength 2 pi / f exceeds L / low_freq_factor (L the
     original context) by the factor, keeps those below L / high_freq_factor, and in between blends
     f / factor and f with weight s = (L / wavelength - low) / (high - low) on f. ``local`` gives
-    the sliding-window layers' frequencies: base ``rope_local_theta``, unscaled. Longrope divides
+    the sliding-window layers' frequencies: base ``rope.local_theta``, unscaled. Longrope divides
     each frequency by its short factor (``long``: its long factor).
     """
     dim = config.rotary_channels
-    theta = config.rope_theta
-    if local and config.rope_local_theta is not None:
-        return (1.0 / config.rope_local_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
-    if config.rope_scaling == "ntk":
-        theta = theta * config.rope_scaling_factor ** (dim / (dim - 2))
+    theta = config.rope.theta
+    if local and config.rope.local_theta is not None:
+        return (1.0 / config.rope.local_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
+    if config.rope.scaling == "ntk":
+        theta = theta * config.rope.scaling_factor ** (dim / (dim - 2))
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    factor = config.rope_scaling_factor
-    if config.rope_scaling == "linear":
+    factor = config.rope.scaling_factor
+    if config.rope.scaling == "linear":
         inv_freq = inv_freq / factor
-    elif config.rope_scaling == "yarn":
+    elif config.rope.scaling == "yarn":
         inv_freq = yarn_blend(config, inv_freq)
-    elif config.rope_scaling == "longrope":
-        factors = config.rope_long_factor if long else config.rope_short_factor
+    elif config.rope.scaling == "longrope":
+        factors = config.rope.long_factor if long else config.rope.short_factor
         inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float64) * theta ** (
             torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    elif config.rope_scaling == "llama3":
-        context = config.rope_original_max_positions
-        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+    elif config.rope.scaling == "llama3":
+        context = config.rope.original_max_positions
+        low, high = config.rope.low_freq_factor, config.rope.high_freq_factor
         wavelength = 2 * math.pi / inv_freq
         smooth = (context / wavelength - low) / (high - low)
         blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
@@ -70,16 +70,16 @@ def rope_inv_freq(config: ModelConfig, local: bool = False, long: bool = False) 
 
 def yarn_blend(config: ModelConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     """YaRN's frequencies (Peng et al., 2023) from the unscaled ones [R/2]: channel pair i keeps f
-    (extrapolation) below the correction dim of ``rope_beta_fast`` rotations over the trained
-    context L, takes f / factor (interpolation) above that of ``rope_beta_slow``, and blends
-    linearly in between; the dims are floored / ceiled when ``rope_truncate``."""
-    dim, theta, factor = config.rotary_channels, config.rope_theta, config.rope_scaling_factor
+    (extrapolation) below the correction dim of ``rope.beta_fast`` rotations over the trained
+    context L, takes f / factor (interpolation) above that of ``rope.beta_slow``, and blends
+    linearly in between; the dims are floored / ceiled when ``rope.truncate``."""
+    dim, theta, factor = config.rotary_channels, config.rope.theta, config.rope.scaling_factor
 
     def correction_dim(rotations: float) -> float:
-        return dim * math.log(config.rope_original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        return dim * math.log(config.rope.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
-    if config.rope_truncate:
+    low, high = correction_dim(config.rope.beta_fast), correction_dim(config.rope.beta_slow)
+    if config.rope.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
@@ -104,12 +104,12 @@ def dynamic_inv_freq(config: ModelConfig, position_ids: torch.Tensor, inv_freq: 
     the trained context L, else the frequencies of base theta * (factor n / L - factor + 1)^(R/(R-2))
     (float32, as the graphs compute them)."""
     n = int(position_ids.max()) + 1
-    context = config.rope_original_max_positions
-    if config.rope_scaling != "dynamic" or n <= context:
+    context = config.rope.original_max_positions
+    if config.rope.scaling != "dynamic" or n <= context:
         return inv_freq
-    dim, factor = config.rotary_channels, config.rope_scaling_factor
+    dim, factor = config.rotary_channels, config.rope.scaling_factor
     growth = torch.tensor(factor * n / context - (factor - 1), dtype=torch.float32) ** (dim / (dim - 2))
-    base = torch.tensor(config.rope_theta, dtype=torch.float32) * growth
+    base = torch.tensor(config.rope.theta, dtype=torch.float32) * growth
     exponents = torch.arange(0, dim, 2, dtype=torch.float32) / dim
     return 1.0 / base ** exponents
 
@@ -117,7 +117,7 @@ def dynamic_inv_freq(config: ModelConfig, position_ids: torch.Tensor, inv_freq: 
 def uses_long_factors(config: ModelConfig, position_ids: torch.Tensor) -> bool:
     """Longrope: whether this call's longest row runs past the trained context (transformers'
     max(position_ids) + 1 > original_max_position_embeddings)."""
-    return config.rope_scaling == "longrope" and int(position_ids.max()) + 1 > config.rope_original_max_positions
+    return config.rope.scaling == "longrope" and int(position_ids.max()) + 1 > config.rope.original_max_positions
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False
@@ -271,18 +271,18 @@ class Learned(PositionScheme):
 class Rotary(PositionScheme):
     def init_stack(self, stack, config):
         stack.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [D/2]
-        if config.rope_local_theta is not None:
+        if config.rope.local_theta is not None:
             stack.register_buffer("local_inv_freq", rope_inv_freq(config, local=True), persistent=False)
-        if config.rope_scaling == "longrope":
+        if config.rope.scaling == "longrope":
             stack.register_buffer("long_inv_freq", rope_inv_freq(config, long=True), persistent=False)
 
     def rotary(self, stack, position_ids, local=False):
         config = stack.config
-        if local and config.rope_local_theta is not None:
+        if local and config.rope.local_theta is not None:
             return rope_cos_sin(position_ids, stack.local_inv_freq)
         inv_freq = stack.long_inv_freq if uses_long_factors(config, position_ids) else stack.inv_freq
         inv_freq = dynamic_inv_freq(config, position_ids, inv_freq)
-        return rope_cos_sin(position_ids, inv_freq, config.rope_attention_factor)
+        return rope_cos_sin(position_ids, inv_freq, config.rope.attention_factor)
 
 
 class Alibi(PositionScheme):
@@ -295,11 +295,11 @@ class Alibi(PositionScheme):
 
 class Relative(PositionScheme):
     def init_stack(self, stack, config):  # one bucket table for all layers of the stack
-        stack.relative_bias = nn.Embedding(config.relative_buckets, config.n_heads)  # [buckets, H]
+        stack.relative_bias = nn.Embedding(config.relative.buckets, config.n_heads)  # [buckets, H]
 
     def bias(self, stack, attention_mask, length):
         return relative_bias(attention_mask, length, stack.relative_bias.weight,
-                             bidirectional=not stack.causal, max_distance=stack.config.relative_max_distance)
+                             bidirectional=not stack.causal, max_distance=stack.config.relative.max_distance)
 
 
 class Disentangled(PositionScheme):
@@ -312,7 +312,7 @@ class Disentangled(PositionScheme):
         config = stack.config
         return DisentangledBias(relative_index(stack.relative_index, length, attention_mask.shape[-1]),
                                 stack.relative_norm(stack.relative_embeddings.weight),
-                                config.relative_terms, config.embedding_dropout)
+                                config.disentangled.effective_terms, config.dropout.embedding)
 
 
 POSITION_SCHEMES: dict[str, PositionScheme] = {

@@ -24,7 +24,7 @@ class Embeddings(nn.Module):
         self.scheme.init_embeddings(self, config)
         self.token_types = nn.Embedding(config.type_vocab_size, config.d_model) if token_types else None
         self.norm = make_norm(config) if config.embedding_norm else None
-        self.dropout = nn.Dropout(config.embedding_dropout)  # train() only
+        self.dropout = nn.Dropout(config.dropout.embedding)  # train() only
         self.scale = config.embedding_scale  # Gemma: sqrt(E), rounded to the model dtype
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -88,9 +88,9 @@ class Stack(nn.Module):
             return bias if position_bias is None else bias + position_bias
 
         bias = self.bias(layer_bias(None))
-        local_bias = self.local_bias(layer_bias(config.sliding_window)) if config.sliding_window else None
+        local_bias = self.local_bias(layer_bias(config.window.size)) if config.window.size else None
         rope = self.scheme.rotary(self, position_ids)
-        local_rope = self.scheme.rotary(self, position_ids, local=True) if config.rope_local_theta else rope
+        local_rope = self.scheme.rotary(self, position_ids, local=True) if config.rope.local_theta else rope
         memory_bias = None
         if memory is not None:
             if memory_mask is None:

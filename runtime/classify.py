@@ -47,8 +47,8 @@ class Classification:
 
 
 def label_names(model: Model) -> list[str]:
-    config = model.config
-    return list(config.labels) if config.labels is not None else [f"LABEL_{i}" for i in range(config.n_labels)]
+    head = model.config.classifier
+    return list(head.labels) if head.labels is not None else [f"LABEL_{i}" for i in range(head.n_labels)]
 
 
 def scores_of(logits: np.ndarray) -> np.ndarray:
@@ -65,8 +65,8 @@ def result(model: Model, logits: np.ndarray) -> Classification:
 
 
 def _check_head(model: Model) -> None:
-    if not model.config.n_labels:
-        raise ValueError(f"classify: this export has no sequence classification head (config.n_labels=0, "
+    if not model.config.classifier.n_labels:
+        raise ValueError(f"classify: this export has no sequence classification head (config.classifier.n_labels=0, "
                          f"family {model.config.family!r}); export a *ForSequenceClassification checkpoint")
 
 
@@ -110,7 +110,7 @@ def classify(model: Model, texts: str | Sequence[str], pairs: str | Sequence[str
         elif isinstance(pairs, str) and not isinstance(texts, str):
             pairs = [pairs] * len(texts)
     encoded = model.encode_texts(texts, pairs, method="classify")
-    logits = np.zeros((len(encoded.ids), model.config.n_labels), np.float32)
+    logits = np.zeros((len(encoded.ids), model.config.classifier.n_labels), np.float32)
     types = model.config.type_vocab_size > 0
     for rows in batches(len(encoded.ids), [len(i) for i in encoded.ids], batch_size, progress, "classify"):
         logits[rows] = class_logits(model, [encoded.ids[r] for r in rows],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from tfport.config import ModelConfig
+from tfport.config import POSITIONS, ModelConfig
 from tfport.presets import PRESETS
 
 FAMILY_BASE = {
@@ -14,7 +14,6 @@ FAMILY_BASE = {
     # greedy-token parity checks compare constant sequences.
     "encoder-decoder": PRESETS["tiny-encoder-decoder"].replace(tie_embeddings=False),
 }
-POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "none")
 ATTENTION = {"mha": None, "gqa": 2, "mqa": 1}  # n_kv_heads for 4 query heads
 
 
@@ -22,7 +21,19 @@ def matrix_config(family: str, position: str, attention: str) -> ModelConfig:
     return FAMILY_BASE[family].replace(position=position, n_kv_heads=ATTENTION[attention])
 
 
-MATRIX = list(itertools.product(FAMILY_BASE, POSITIONS, ATTENTION))
+def _accepted(family: str, position: str, attention: str) -> bool:
+    """Whether the config takes the combination: it refuses an encoder-only position (DeBERTa's
+    disentangled attention) outside the encoder or with fewer key/value heads than query heads."""
+    try:
+        matrix_config(family, position, attention)
+    except ValueError:
+        return False
+    return True
+
+
+# Every position tfport.config knows, in each family that takes it (tests/core/test_registries.py
+# checks that exactly the refused combinations are left out).
+MATRIX = [entry for entry in itertools.product(FAMILY_BASE, POSITIONS, ATTENTION) if _accepted(*entry)]
 
 
 def ort_config(attention: str) -> ModelConfig:

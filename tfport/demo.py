@@ -62,7 +62,7 @@ def smollm2_file() -> Path | None:
 
 
 def export_all(out: Path) -> dict[str, Path]:
-    from tfport.export import export_checkpoint_or_preset
+    from tfport.export import ExportOptions, export_checkpoint_or_preset
 
     gguf = smollm2_file()
     if gguf is not None:
@@ -81,7 +81,7 @@ def export_all(out: Path) -> dict[str, Path]:
     for family, (src, label) in jobs.items():
         target = out / family
         start = time.perf_counter()
-        export_checkpoint_or_preset(src, target, seed=0, overwrite=True)
+        export_checkpoint_or_preset(src, target, ExportOptions(overwrite=True), seed=0)
         print(f"exported {family:<16} from {label:<38} -> {target} "
               f"({time.perf_counter() - start:.1f} s, validated against PyTorch)")
         dirs[family] = target

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig
+from .config_json import FLAT_NAMES, flat_dict, flat_fields
 from .dtypes import CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -140,19 +141,21 @@ def verify_files(directory: str | Path, records: Mapping[str, FileRecord], mode:
 
 # --------------------------------------------------------------------------- settings fingerprint
 def _defaults() -> dict[str, Any]:
-    """ModelConfig field -> its default (fields without one are left out)."""
-    return {f.name: f.default for f in dataclasses.fields(ModelConfig)
+    """ModelConfig field, by its flat name (``rope_theta``), -> its default (fields without one
+    are left out)."""
+    return {name: f.default for name, f in flat_fields(ModelConfig).items()
             if f.default is not dataclasses.MISSING}
 
 
 def _canonical_config(config: ModelConfig) -> dict[str, Any]:
     """The config's fields that differ from their defaults, integers in float fields as floats:
     a field added to ModelConfig later (at its default) does not change the fingerprint of
-    existing exports, and ``"rope_theta": 10000`` equals ``10000.0``."""
-    floats = {f.name for f in dataclasses.fields(ModelConfig) if "float" in str(f.type)}
+    existing exports, and ``"rope_theta": 10000`` equals ``10000.0``. Fields go by their flat
+    names (``tfport.config_json.flat_dict``), so grouping the config changed no fingerprint."""
+    floats = {name for name, f in flat_fields(ModelConfig).items() if "float" in str(f.type)}
     defaults = _defaults()
     values = {}
-    for name, value in config.to_dict().items():
+    for name, value in flat_dict(config).items():
         if name in floats and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if name not in defaults or value != defaults[name] or type(value) is not type(defaults[name]):
@@ -182,12 +185,12 @@ def graph_metadata(settings: str) -> dict[str, str]:
 
 
 def _fields(settings: str) -> dict[str, Any]:
-    """Settings JSON -> {"dtype": ..., "config.max_positions": ..., ...}, config fields left out
-    of the JSON at their defaults."""
+    """Settings JSON -> {"dtype": ..., "config.max_positions": ..., "config.rope.theta": ...},
+    config fields left out of the JSON at their defaults, named by their full path."""
     data = json.loads(settings)
     fields = {key: value for key, value in data.items() if key != "config"}
     config = {**_defaults(), **data.get("config", {})}
-    fields.update({f"config.{key}": value for key, value in config.items()})
+    fields.update({f"config.{'.'.join(FLAT_NAMES.get(key, (key,)))}": value for key, value in config.items()})
     return fields
 
 

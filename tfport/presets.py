@@ -7,6 +7,8 @@ enough to build, export and run in well under a second each on a 2-core CPU.
 from __future__ import annotations
 
 from .config import ModelConfig
+from .config_relative import RelativeConfig
+from .config_rope import RopeConfig
 
 _TINY = dict(vocab_size=96, d_model=32, n_heads=4, d_ff=64, max_positions=64)
 
@@ -40,13 +42,13 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-decoder-alibi": _TINY_DECODER.replace(
         norm="layernorm", activation="gelu_tanh", gated_ffn=False, position="alibi",
         n_heads=4, n_kv_heads=None, embedding_norm=True, tie_embeddings=True),
-    "tiny-decoder-rope-ntk": _TINY_DECODER.replace(rope_scaling="ntk", rope_scaling_factor=2.0),
+    "tiny-decoder-rope-ntk": _TINY_DECODER.replace(rope=RopeConfig(scaling="ntk", scaling_factor=2.0)),
     "tiny-encoder-decoder": _TINY_SEQ2SEQ,
     "tiny-encoder-decoder-gqa": _TINY_SEQ2SEQ.replace(
         n_kv_heads=2, position="rope", activation="silu", gated_ffn=True),
     # T5 v1.1 style: relative bias, unscaled attention, gated GELU, untied head.
     "tiny-encoder-decoder-t5": _TINY_SEQ2SEQ.replace(
-        position="relative", relative_buckets=8, relative_max_distance=16, attention_scale=1.0,
+        position="relative", relative=RelativeConfig(buckets=8, max_distance=16), attention_scale=1.0,
         activation="gelu_tanh", gated_ffn=True, tie_embeddings=False),
     # ---- shapes the field knows (random weights unless a checkpoint is loaded)
     "bert-base": ModelConfig(
@@ -69,7 +71,7 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(
         family="decoder", vocab_size=128256, d_model=4096, n_heads=32, n_kv_heads=8,
         d_ff=14336, n_decoder_layers=32, norm="rmsnorm", norm_position="pre", norm_eps=1e-5,
-        activation="silu", gated_ffn=True, position="rope", rope_theta=500000.0,
+        activation="silu", gated_ffn=True, position="rope", rope=RopeConfig(theta=500000.0),
         max_positions=8192, attention_bias=False, mlp_bias=False, tie_embeddings=False,
         pad_token_id=128001, bos_token_id=128000, eos_token_id=128001),
     "bloom-560m": ModelConfig(

@@ -101,6 +101,7 @@ def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tu
     from tfport.runtime.session import SessionSettings
 
     from ..exporter import export_model
+    from ..options import ExportOptions
 
     sides = []
     for target in settings.targets:
@@ -114,9 +115,9 @@ def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tu
                 from ..gguf_keep import KeptQuantization
 
                 quantize = KeptQuantization(source_name)
-            export_model(source.model, out, dtype=settings.dtype, target=target, quantize=quantize,
-                         logits="last", symmetric=not fmt.endswith("-asym") if isinstance(quantize, str) else None,
-                         validate=False)
+            symmetric = not fmt.endswith("-asym") if isinstance(quantize, str) else None
+            export_model(source.model, out, ExportOptions(dtype=settings.dtype, target=target, quantize=quantize,
+                                                          logits="last", symmetric=symmetric, validate=False))
             model = load_model(out, settings.provider, intra_op_threads=settings.threads)
             sides.append(Side(label, "tfport", lambda p, n, m=model: time_tfport(m, p, n),
                               product_weight_bytes(out / "decoder.onnx"), fmt, target))

@@ -1,6 +1,6 @@
 """One benchmark run: export per target, open the exports, time every cell, assemble the result.
 
-Target names stay strings here: they go to ``export_model(..., target=name)`` and name the rows;
+Target names stay strings here: they go to ``ExportOptions(target=name)`` and name the rows;
 the only decision made on a name is ``_required_target``.
 """
 
@@ -42,11 +42,12 @@ def export_targets(module: nn.Module, targets: Sequence[str], root: Path, dtype:
     reason.
     """
     from ..exporter import export_model
+    from ..options import ExportOptions
 
     exports, skipped = {}, []
     for target in targets:
         try:
-            export_model(module, root / target, dtype=dtype, target=target, validate=True)
+            export_model(module, root / target, ExportOptions(dtype=dtype, target=target, validate=True))
         except (TypeError, ValueError) as err:
             if _required_target(target):
                 raise

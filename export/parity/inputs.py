@@ -94,7 +94,7 @@ class CaseInputs:
     def prepare(self, case: Case) -> list[Prepared]:
         """The graph runs of ``case``: the encoder, the decoder, or both (seq2seq)."""
         rng = np.random.default_rng(case.seed)
-        if self.config.family == "encoder-decoder" and self.config.n_labels:  # the classifier graph alone
+        if self.config.family == "encoder-decoder" and self.config.classifier.n_labels:  # the classifier graph alone
             return [self._classifier(case, rng)]
         if self.config.family == "encoder":
             return [self._encoder(case, rng)]

@@ -7,11 +7,10 @@ export tests, which parametrise over ``TARGETS``, pick it up.
 
 from __future__ import annotations
 
+from ..lowering import Target  # the interface every target implements (subclass PortableTarget)
 from .base import PortableTarget
 from .onnx23 import Onnx23Target
 from .ort import OrtTarget
-
-Target = PortableTarget  # the interface every target implements (subclass it)
 
 TARGETS: dict[str, Target] = {}
 DEFAULT_TARGET = "portable"  # what every model exports to, on any ONNX runtime

@@ -19,10 +19,10 @@ from torch import nn
 from tfport.config import ModelConfig
 from tfport.dtypes import ONNX_DTYPES
 
-from ..emit import StackInputs, heads
 from ..graph import GraphBuilder, to_numpy
+from ..lowering import StackInputs, heads, split_qkv
 from ..positions import POSITION_EMITTERS
-from ..quantize import BlockQuantized
+from ..blocks import BlockQuantized
 from ..quantized_graph import int_initializer, offset_product
 
 QUANTIZED_MIN_OPSET = 21  # DequantizeLinear with block_size and int4/uint4 codes
@@ -81,19 +81,19 @@ class PortableTarget:
 
         ctx = StackInputs(self, bias=g.tap(f"{name}.bias", layer_bias(0, "mask"), "float32"),
                           position_ids=inputs.get("position_ids"))
-        if config.sliding_window is not None:
-            ctx.local_bias = g.tap(f"{name}.local_bias", layer_bias(config.sliding_window, "local_mask"),
+        if config.window.size is not None:
+            ctx.local_bias = g.tap(f"{name}.local_bias", layer_bias(config.window.size, "local_mask"),
                                    "float32")
         if scheme.rotary:
             ctx.rotary = self.rotary_tables(g, stack, name)
-            if config.rope_scaling == "dynamic":  # frequencies from this call's length
+            if config.rope.scaling == "dynamic":  # frequencies from this call's length
                 ctx.rotary = (self.dynamic_inv_freq(g, config, inputs, ctx.rotary[0], name),)
-            if config.rope_scaling == "longrope":  # short or long factors, chosen per call
+            if config.rope.scaling == "longrope":  # short or long factors, chosen per call
                 longer = self.past_trained_context(g, config, inputs, name)
                 long = self.rotary_tables(g, stack, name, long=True)
                 ctx.rotary = tuple(g.op("Where", longer, lt, st, name=f"{name}.longrope_{i}")
                                    for i, (st, lt) in enumerate(zip(ctx.rotary, long)))
-            if config.rope_local_theta is not None:
+            if config.rope.local_theta is not None:
                 ctx.local_rotary = self.rotary_tables(g, stack, name, local=True)
         ctx.content_bias = scheme.content_bias(g, stack, mask, length, name)  # DeBERTa's, or None
         if "encoder_attention_mask" in inputs:
@@ -105,20 +105,20 @@ class PortableTarget:
         """bool scalar: this call's longest row runs past ``rope_original_max_positions``
         (max(position_ids) + 1 > it), which switches longrope to its long factors."""
         longest = g.op("ReduceMax", inputs["position_ids"], keepdims=0, name=f"{name}.max_position")
-        return g.op("Greater", longest, g.const(config.rope_original_max_positions - 1, name="trained_context"),
+        return g.op("Greater", longest, g.const(config.rope.original_max_positions - 1, name="trained_context"),
                     name=f"{name}.past_trained_context")
 
     def dynamic_inv_freq(self, g: GraphBuilder, config: ModelConfig, inputs: dict[str, str], inv_freq: str,
                          name: str) -> str:
         """Dynamic NTK inv_freq float32 [R/2]: ``inv_freq`` while n = max(position_ids) + 1 <= L,
         else 1 / (theta (factor n / L - factor + 1)^(R/(R-2)))^(2i/R) (as the reference)."""
-        dim, factor, context = config.rotary_channels, config.rope_scaling_factor, config.rope_original_max_positions
+        dim, factor, context = config.rotary_channels, config.rope.scaling_factor, config.rope.original_max_positions
         f32 = lambda v, n: g.const(np.float32(v), "float32", n)  # noqa: E731
         longest = g.op("Add", g.op("ReduceMax", inputs["position_ids"], keepdims=0), g.const(1, name="one_i64"))
         n = g.op("Cast", longest, to=1, name=f"{name}.dynamic_length")  # float32 scalar
         growth = g.op("Pow", g.op("Sub", g.op("Mul", n, f32(factor / context, "dynamic_slope")),
                                   f32(factor - 1, "dynamic_offset")), f32(dim / (dim - 2), "dynamic_power"))
-        base = g.op("Mul", f32(config.rope_theta, "rope_theta"), growth)
+        base = g.op("Mul", f32(config.rope.theta, "rope_theta"), growth)
         exponents = f32(np.arange(0, dim, 2, dtype=np.float32) / dim, "rope_exponents")
         scaled = g.op("Reciprocal", g.op("Pow", base, exponents), name=f"{name}.dynamic_inv_freq")
         longer = g.op("Greater", longest, g.const(context, name="trained_context_len"))
@@ -151,6 +151,12 @@ class PortableTarget:
         part, rest = g.op("Split", x, g.const([rotary, d - rotary], name=f"rotary_split_{rotary}"), axis=-1,
                           outputs=2, name=f"{name}.split")  # [B, N, S, R], [B, N, S, D - R]
         return g.op("Concat", rope(part), rest, axis=-1, name=f"{name}.concat")
+
+    def attend_qkv(self, g: GraphBuilder, qkv: str, module: nn.Module, ctx: StackInputs,
+                   past: tuple[str, str] | None, name: str) -> tuple[str, tuple[str, str] | None]:
+        """The fused projection qkv [B, S, (H + 2 Hkv) D] (no q/k norms) -> as ``attend``: split
+        into q, k and v here; a target whose kernel reads the packed product takes it whole."""
+        return self.attend(g, *split_qkv(g, qkv, module, name), module, ctx, past, name)
 
     def attend(self, g: GraphBuilder, q: str, k: str, v: str, module: nn.Module, ctx: StackInputs,
                past: tuple[str, str] | None, name: str) -> tuple[str, tuple[str, str] | None]:
@@ -194,8 +200,12 @@ class PortableTarget:
             present.append(g.set_dtype(joined, g.kv_dtype))
         return present[0], present[1]
 
-    def finish(self, g: GraphBuilder) -> None:
-        """Last rewrites of a complete graph before it is built (none for portable)."""
+    def add_rms_norm(self, g: GraphBuilder, x: str, delta: str, weight: str, epsilon: float, name: str,
+                     sum_name: str) -> tuple[str, str]:
+        """A residual sum and the RMSNorm that reads it next: (RMSNorm(x + delta) [B, S, E],
+        x + delta [B, S, E]); here an ``Add`` and ``ai.tfport.RMSNorm``."""
+        summed = g.op("Add", x, delta, name=sum_name)
+        return g.fn("RMSNorm", summed, weight, epsilon=epsilon, name=name), summed
 
     def last_positions(self, g: GraphBuilder, states: str, inputs: dict[str, str]) -> str:
         """states [B, S, E] -> [B, 1, E] at the position the next token is picked from

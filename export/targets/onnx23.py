@@ -88,7 +88,7 @@ def rope_cache(g: GraphBuilder, stack, name: str, local: bool = False, long: boo
     bfloat16 export: they are not weights, and its activations are float32); ``local``: those of
     the sliding-window layers (their own base, Gemma 3); ``long``: longrope's long factors."""
     prefix = "local_" if local else "long_" if long else ""
-    factor = 1.0 if local else stack.config.rope_attention_factor
+    factor = 1.0 if local else stack.config.rope.attention_factor
     cos, sin = rope_tables(getattr(stack, f"{prefix}inv_freq"), stack.config.max_positions, factor)
     return g.weight(f"{name}.{prefix}rope_cos", cos, g.dtype), g.weight(f"{name}.{prefix}rope_sin", sin, g.dtype)
 
@@ -104,8 +104,8 @@ class Onnx23Target(PortableTarget):
               "SoftcapGroupQueryAttention": SoftcapGroupQueryAttention23}
 
     def check(self, config: ModelConfig, dtype: str, opset: int) -> None:
-        if config.rope_scaling == "dynamic":
-            raise ValueError("target='onnx23': rope_scaling='dynamic' recomputes the frequencies from "
+        if config.rope.scaling == "dynamic":
+            raise ValueError("target='onnx23': rope.scaling='dynamic' recomputes the frequencies from "
                              "each call's length, and the cos/sin caches RotaryEmbedding reads are fixed "
                              "at export; use target='portable'")
         if opset != 23:

@@ -6,16 +6,15 @@ Decoder-only RoPE models whose head dimension is a multiple of 16."""
 from __future__ import annotations
 
 import numpy as np
-from onnx import helper
 from onnxscript import script, values
 from onnxscript import opset18 as op
 
 from tfport.config import ModelConfig
 from tfport.dtypes import COMPUTE_DTYPES, ONNX_DTYPES
 
-from ..emit import StackInputs
-from ..functions import DOMAIN, tfport
-from ..quantize import pack_nibbles
+from ..functions import tfport
+from ..lowering import StackInputs
+from ..blocks import pack_nibbles
 from ..quantized_graph import byte_initializer, offset_product
 from .base import PortableTarget
 from .onnx23 import rope_cache
@@ -34,8 +33,9 @@ def FusedGroupQueryAttention(query, key, value, past_key, past_value, seqlens_k,
 
     PyTorch: as ``GroupQueryAttention`` with RoPE applied to query and key first. query
     [B, S, H*D]; key, value [B, S, Hkv*D] (not rotated), or query the packed [B, S, (H + 2 Hkv) * D]
-    with key and value absent (``OrtTarget.finish`` passes the fused projection so); past_key, past_value [B, Hkv, M, D]: a
-    preallocated buffer of M >= P + S slots that the runtime binds as both past and present, so
+    with key and value absent (``OrtTarget.attend_qkv`` passes the fused projection so);
+    past_key, past_value [B, Hkv, M, D]: a preallocated buffer of M >= P + S slots that the
+    runtime binds as both past and present, so
     the new keys/values are written in place (no copy that grows with the context). seqlens_k
     int32 [B] = index of each row's last real token (rows are right-padded); total_sequence_length
     int32 scalar = the longest row's P + S; cos_cache, sin_cache float [max_positions, D/2] =
@@ -64,8 +64,8 @@ class OrtTarget(PortableTarget):
         if config.position != "rope":
             raise ValueError(f"target='ort' fuses RoPE into com.microsoft.GroupQueryAttention; "
                              f"position={config.position!r} models use target='portable'")
-        if config.rope_scaling == "dynamic":
-            raise ValueError("target='ort': rope_scaling='dynamic' recomputes the frequencies from "
+        if config.rope.scaling == "dynamic":
+            raise ValueError("target='ort': rope.scaling='dynamic' recomputes the frequencies from "
                              "each call's length, and the cos/sin caches GroupQueryAttention reads are "
                              "fixed at export; use target='portable'")
         if config.dim_per_head % 16:
@@ -74,7 +74,7 @@ class OrtTarget(PortableTarget):
         if config.rotary_channels % 16:
             raise ValueError(f"target='ort': ONNX Runtime's GroupQueryAttention rotates a number of "
                              f"channels that is a multiple of 16 (its cos cache width a multiple of 8); "
-                             f"rotary_dim={config.rotary_dim} is not")
+                             f"rope.rotary_dim={config.rope.rotary_dim} is not")
 
     def device_refusals(self, dtype: str, kv_dtype: str | None = None) -> dict[str, str]:
         """GroupQueryAttention runs in the cache dtype (see ``attend``): float32 has no CUDA kernel."""
@@ -93,29 +93,41 @@ class OrtTarget(PortableTarget):
         ctx = StackInputs(self, rotary=(cos, sin),
                           extra={"seqlens_k": inputs["seqlens_k"],
                                  "total_sequence_length": inputs["total_sequence_length"]})
-        if config.rope_local_theta is not None:
+        if config.rope.local_theta is not None:
             ctx.local_rotary = rope_cache(g, stack, name, local=True)
-        if config.rope_scaling == "longrope":  # short or long factors, chosen per call
+        if config.rope.scaling == "longrope":  # short or long factors, chosen per call
             longer = g.op("Greater", inputs["total_sequence_length"],
-                          g.const(config.rope_original_max_positions, "int32", "trained_context"),
+                          g.const(config.rope.original_max_positions, "int32", "trained_context"),
                           name=f"{name}.past_trained_context")
             long = rope_cache(g, stack, name, long=True)
             ctx.rotary = tuple(g.op("Where", longer, lt, st, name=f"{name}.longrope_{i}")
                                for i, (st, lt) in enumerate(zip(ctx.rotary, long)))
         return ctx
 
+    def attend_qkv(self, g, qkv, module, ctx, past, name):
+        """The packed projection [B, S, (H + 2 Hkv) * D] straight into the kernel as its query,
+        key and value absent, as its docs allow (a Split measured ~8 us a step per layer at batch
+        1); with a cache in another dtype it is cast once, not in three parts."""
+        return self.attend(g, qkv, "", "", module, ctx, past, name)
+
     def attend(self, g, q, k, v, module, ctx, past, name):
-        """[B, S, N*D] straight into ONNX Runtime's kernel; present is the past buffer, updated.
-        The kernel takes query, key, value, cache and cos/sin in one dtype: with a cache in
-        another dtype than the model's (``--kv-dtype float16`` on a float32 model) they are cast
-        to the cache's, so attention runs in it, and its output is cast back."""
+        """[B, S, N*D] straight into ONNX Runtime's kernel (or the packed ``q`` with ``k`` and
+        ``v`` "", ``attend_qkv``); present is the past buffer, updated. The kernel takes query,
+        key, value, cache and cos/sin in one dtype: with a cache in another dtype than the
+        model's (``--kv-dtype float16`` on a float32 model) they are cast to the cache's, so
+        attention runs in it, and its output is cast back."""
         h, hkv, d = module.n_heads, module.kv_heads, module.head_dim
         f = ctx.extra
         rotary = ctx.rotary
         if g.kv_dtype != g.dtype:
-            to = ONNX_DTYPES[g.kv_dtype]
-            q, k, v, *rotary = (g.op("Cast", x, to=to, name=f"{name}.{part}_to_cache_dtype")
-                                for x, part in zip((q, k, v, *rotary), ("q", "k", "v", "cos", "sin")))
+            def cast(x: str, part: str) -> str:
+                return g.op("Cast", x, to=ONNX_DTYPES[g.kv_dtype], name=f"{name}.{part}_to_cache_dtype")
+
+            if k:  # key and value apart (q and k normalised per head, Qwen3)
+                q, k, v = cast(q, "q"), cast(k, "k"), cast(v, "v")
+            else:  # the packed product, cast once
+                q = cast(q, "qkv")
+            rotary = tuple(cast(x, part) for x, part in zip(rotary, ("cos", "sin")))
         # ONNX Runtime's kernel keeps key j for query i when i - j < local_window_size, as tfport's
         # window does (measured against the reference; its docs speak of a "left window").
         window = -1 if ctx.window is None else ctx.window
@@ -131,14 +143,17 @@ class OrtTarget(PortableTarget):
             out = g.op("Cast", out, to=ONNX_DTYPES[g.dtype], name=f"{name}.gqa_to_compute_dtype")
         return out, (pk, pv)
 
-    def finish(self, g):
-        """Graph rewrites for ONNX Runtime's CPU kernels, each one node less per layer and step:
-        the packed QKV straight into GroupQueryAttention (``_packed_qkv``) and, in float32
-        graphs, residual ``Add`` + RMSNorm as one SkipSimplifiedLayerNormalization
-        (``_skip_norms``)."""
-        _packed_qkv(g)
-        if g.dtype == "float32":  # the kernel's float16 rounding differs from ai.tfport.RMSNorm's
-            _skip_norms(g)
+    def add_rms_norm(self, g, x, delta, weight, epsilon, name, sum_name):
+        """In float32 graphs one ``com.microsoft.SkipSimplifiedLayerNormalization`` (its fourth
+        output is the sum, which the next residual reads): ONNX Runtime does not fuse the pair
+        itself, and a decode step has two per layer. Other dtypes keep the pair: the kernel's
+        float16 rounding differs from ai.tfport.RMSNorm's."""
+        if g.dtype != "float32":
+            return super().add_rms_norm(g, x, delta, weight, epsilon, name, sum_name)
+        normed, summed = g.fresh(f"{name}_out"), g.fresh(f"{sum_name}_out")
+        g.op("SkipSimplifiedLayerNormalization", x, delta, weight, outputs=[normed, "", "", summed],
+             domain="com.microsoft", epsilon=epsilon, name=f"{sum_name}.skip_norm")
+        return normed, summed
 
     def last_positions(self, g, states, inputs):
         """Rows are right-padded: row b's last new token is at min(seqlens_k[b], S - 1) (a
@@ -178,7 +193,7 @@ class OrtTarget(PortableTarget):
         v, e = table.shape
         if "gather" not in table.stored:
             if e % table.block_size == 0:
-                data = g.op("Reshape", _nbits_storage(g, table, name)[0],
+                data = g.op("Reshape", _nbits_codes(g, table, name),
                             g.const([v, e * table.bits // 8], name=f"{name}.rows_shape"), name=f"{name}.rows")
             else:
                 data = byte_initializer(g, f"{name}.qrows", _pack(table.codes, table.bits))
@@ -201,94 +216,22 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     return pack_nibbles(codes) if bits == 4 else codes
 
 
+def _nbits_codes(g, weight, name: str) -> str:
+    """MatMulNBits' B [N, Kb, block_size * bits / 8] of ``weight``, stored once per graph (a tied
+    table's gather reads the same bytes, reshaped)."""
+    if "nbits_codes" not in weight.stored:
+        weight.stored["nbits_codes"] = byte_initializer(g, f"{name}.qweight", _pack(weight.padded_codes(), weight.bits))
+    return weight.stored["nbits_codes"]
+
+
 def _nbits_storage(g, weight, name: str) -> tuple[str, ...]:
-    """MatMulNBits' B [N, Kb, block_size * bits / 8], scales [N * Kb] and packed zero points
+    """MatMulNBits' B (``_nbits_codes``), scales [N * Kb] and packed zero points
     [N * ceil(Kb * bits / 8)] of ``weight``, stored once per graph."""
     if "nbits" not in weight.stored:
-        stored = [byte_initializer(g, f"{name}.qweight", _pack(weight.padded_codes(), weight.bits)),
-                  g.weight(f"{name}.scales", weight.scales.reshape(-1).astype("float32"))]
+        codes = _nbits_codes(g, weight, name)
+        stored = [codes, g.weight(f"{name}.scales", weight.scales.reshape(-1).astype("float32"))]
         if not weight.symmetric:
             stored.append(byte_initializer(g, f"{name}.zero_points",
                                            _pack(weight.zero_points, weight.bits).reshape(-1)))
         weight.stored["nbits"] = tuple(stored)
     return weight.stored["nbits"]
-
-
-def _consumers(g) -> dict[str, list]:
-    """value name -> the nodes of ``g`` that read it."""
-    consumers: dict[str, list] = {}
-    for node in g.nodes:
-        for value in node.input:
-            consumers.setdefault(value, []).append(node)
-    return consumers
-
-
-def _packed_qkv(g) -> None:
-    """A ``Split`` of the fused QKV product whose three parts are exactly a
-    FusedGroupQueryAttention's query, key and value goes: the kernel takes the packed
-    [B, S, (H + 2 Hkv) * D] as its query with key and value absent, as its docs allow (the Split
-    measured ~8 us a step per layer at batch 1). With a cache in another dtype (``attend``'s
-    three Casts after the Split) one Cast of the packed product replaces the Split and the three.
-    Layers that normalise q and k per head (Qwen3) keep their Split."""
-    consumers = _consumers(g)
-    kept = {value for value, _ in g.taps.values()} | {o.name for o in g.outputs}
-    producers = {out: node for node in g.nodes for out in node.output}
-
-    def alone(values) -> bool:  # each value read by one node and neither a tap nor an output
-        return all(len(consumers[v]) == 1 and v not in kept for v in values)
-
-    replaced = {}  # id(node) -> its replacement (None: dropped)
-    for node in g.nodes:
-        if node.op_type != "FusedGroupQueryAttention" or node.domain != DOMAIN:
-            continue
-        qkv = list(node.input[:3])
-        casts = [producers.get(v) for v in qkv]
-        if all(c is not None and c.op_type == "Cast" and c.domain == "" for c in casts):
-            if len({_cast_to(c) for c in casts}) != 1 or not alone(qkv):
-                continue
-            qkv = [c.input[0] for c in casts]
-        else:
-            casts = []
-        split = producers.get(qkv[0])
-        if (split is None or split.op_type != "Split" or split.domain != ""
-                or list(split.output) != qkv or not alone(qkv)):
-            continue
-        packed = split.input[0]
-        replaced[id(split)] = None
-        if casts:  # the packed product cast once, where the Split was
-            packed = g.fresh(f"{split.name}.to_cache_dtype")
-            replaced[id(split)] = helper.make_node("Cast", [split.input[0]], [packed], name=packed,
-                                                   to=_cast_to(casts[0]))
-            replaced.update((id(c), None) for c in casts)
-        node.input[0], node.input[1], node.input[2] = packed, "", ""
-    g.nodes[:] = [replaced.get(id(n), n) for n in g.nodes if replaced.get(id(n), n) is not None]
-    used = {value for node in g.nodes for value in node.input}
-    g.initializers[:] = [t for t in g.initializers if t.name in used or t.name in kept]
-
-
-def _cast_to(node) -> int:
-    return next(a.i for a in node.attribute if a.name == "to")
-
-
-def _skip_norms(g) -> None:
-    """Each residual ``Add`` feeding an ``ai.tfport.RMSNorm`` becomes one
-    ``com.microsoft.SkipSimplifiedLayerNormalization`` (its fourth output is the sum, so the next
-    residual still reads it): ONNX Runtime does not fuse that pair itself, and a decode step has
-    two per layer."""
-    consumers = _consumers(g)
-    fused = {}
-    for node in g.nodes:
-        if node.op_type != "Add" or node.domain != "" or len(node.input) != 2:
-            continue
-        norms = [n for n in consumers.get(node.output[0], [])
-                 if n.op_type == "RMSNorm" and n.domain == DOMAIN and n.input[0] == node.output[0]]
-        if len(norms) != 1:
-            continue
-        norm = norms[0]
-        epsilon = next(a.f for a in norm.attribute if a.name == "epsilon")
-        fused[id(node)] = helper.make_node(
-            "SkipSimplifiedLayerNormalization", [node.input[0], node.input[1], norm.input[1]],
-            [norm.output[0], "", "", node.output[0]], domain="com.microsoft", epsilon=epsilon,
-            name=f"{node.name}.skip_norm")
-        fused[id(norm)] = None
-    g.nodes[:] = [fused.get(id(n), n) for n in g.nodes if fused.get(id(n), n) is not None]

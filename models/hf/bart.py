@@ -9,11 +9,11 @@ is tied to ``shared`` (unless ``tie_word_embeddings`` is false and the file has 
 adds ``final_logits_bias`` [1, V] (tfport's ``lm_head_bias``) when the file holds it.
 
 ``*ForSequenceClassification`` (BART-large-MNLI's zero-shot head): ``classification_head``
-(dense, tanh, out_proj) becomes tfport's ClassifierHead with ``classifier_pooling="last_eos"``:
+(dense, tanh, out_proj) becomes tfport's ClassifierHead with ``classifier.pooling="last_eos"``:
 the decoder reads the input ids shifted right, and the head reads its state at each row's last
 eos (``EncoderDecoderLM.classify``); labels from ``id2label``. BART's decoder starts from
 ``decoder_start_token_id``; mBART's (its own ``shift_tokens_right``) from each row's last real
-token, the language id its tokenizer appends (``classifier_decoder_start="last_token"``).
+token, the language id its tokenizer appends (``classifier.decoder_start="last_token"``).
 
 Positions: transformers reads row ``k + 2`` of each table for position k (the offset fairseq left
 for its padding rows), so tfport keeps the rows from 2 on and counts from 0, as
@@ -76,15 +76,14 @@ def head_fields(hf: dict, keys: frozenset[str] | None, lm_classes: tuple[str, ..
 
 
 def classifier_head(hf: dict, keys: frozenset[str] | None) -> dict:
-    """``n_labels``, ``labels`` and the pooling of a sequence classification head, when the file
+    """``classifier`` (labels, pooling) of a sequence classification head, when the file
     holds ``classification_head`` (without keys: when the class is a ``*ForSequenceClassification``)."""
     present = CLASSIFIER_KEY in keys if keys is not None else \
         (hf.get("architectures") or [""])[0] in CLASSIFIER_CLASSES
     if not present:
         return {}
     start = "last_token" if hf.get("model_type") == "mbart" else "start_token"
-    return dict(classifier_fields(hf, True), classifier_pooling="last_eos", classifier_activation="tanh",
-                classifier_decoder_start=start)
+    return classifier_fields(hf, True, pooling="last_eos", activation="tanh", decoder_start=start)
 
 
 def start_token(hf: dict, ids: dict, default: int | None) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import math
 
+from tfport.config_rope import RopeConfig
+from tfport.config_window import WindowConfig
 from tfport.files import read_json_object
 
 log = logging.getLogger(__name__)
@@ -91,8 +93,13 @@ def rope_parameters(hf: dict) -> dict:
 
 def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 10000.0,
                 head_dim: int | None = None) -> dict:
-    """RoPE fields of ``ModelConfig`` from the RoPE parameters (``rope_parameters(hf)`` unless
-    given: per-layer-type models pass one entry).
+    """``ModelConfig``'s ``rope`` from the RoPE parameters (``rope_parameters(hf)`` unless given:
+    per-layer-type models pass one entry), as keyword arguments: ``{"rope": RopeConfig(...)}``."""
+    return {"rope": RopeConfig(**_rope_settings(hf, params, default_theta, head_dim))}
+
+
+def _rope_settings(hf: dict, params: dict | None, default_theta: float, head_dim: int | None) -> dict:
+    """``RopeConfig``'s fields from the RoPE parameters.
 
     Computed exactly: the default, linear (position interpolation) and llama3 (frequency bands)
     types. Refused, naming the type: the others (dynamic NTK depends on the running length,
@@ -105,7 +112,7 @@ def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 100
     kind = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", default_theta))
     partial = params.get("partial_rotary_factor", 1.0)
-    fields = {"rope_theta": theta}
+    fields = {"theta": theta}
     if partial != 1.0:
         rotary = int(head_dim * partial) if head_dim is not None else None  # as transformers rounds it
         if rotary is None or rotary % 2 or rotary <= 0:
@@ -115,16 +122,16 @@ def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 100
     if kind == "default":
         return fields
     if kind == "linear":
-        return {**fields, "rope_scaling": "linear", "rope_scaling_factor": float(params["factor"])}
+        return {**fields, "scaling": "linear", "scaling_factor": float(params["factor"])}
     if kind == "llama3":
         missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
                                "original_max_position_embeddings") if params.get(k) is None]
         if missing:
             refuse(hf, "rope_parameters", params, f"rope_type 'llama3' needs {missing}")
-        return {**fields, "rope_scaling": "llama3", "rope_scaling_factor": float(params["factor"]),
-                "rope_low_freq_factor": float(params["low_freq_factor"]),
-                "rope_high_freq_factor": float(params["high_freq_factor"]),
-                "rope_original_max_positions": int(params["original_max_position_embeddings"])}
+        return {**fields, "scaling": "llama3", "scaling_factor": float(params["factor"]),
+                "low_freq_factor": float(params["low_freq_factor"]),
+                "high_freq_factor": float(params["high_freq_factor"]),
+                "original_max_positions": int(params["original_max_position_embeddings"])}
     if kind == "longrope":
         original = params.get("original_max_position_embeddings")
         if original is None or params.get("short_factor") is None or params.get("long_factor") is None:
@@ -134,10 +141,10 @@ def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 100
         attention = params.get("attention_factor")
         if attention is None:  # transformers' default
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        return {**fields, "rope_scaling": "longrope", "rope_original_max_positions": int(original),
-                "rope_short_factor": tuple(float(f) for f in params["short_factor"]),
-                "rope_long_factor": tuple(float(f) for f in params["long_factor"]),
-                "rope_attention_factor": float(attention)}
+        return {**fields, "scaling": "longrope", "original_max_positions": int(original),
+                "short_factor": tuple(float(f) for f in params["short_factor"]),
+                "long_factor": tuple(float(f) for f in params["long_factor"]),
+                "attention_factor": float(attention)}
     if kind == "yarn":
         original = params.get("original_max_position_embeddings")
         if original is None:
@@ -151,22 +158,23 @@ def rope_fields(hf: dict, params: dict | None = None, default_theta: float = 100
 
             m, m_all = params.get("mscale"), params.get("mscale_all_dim")
             attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-        return {**fields, "rope_scaling": "yarn", "rope_scaling_factor": float(factor),
-                "rope_original_max_positions": int(original), "rope_attention_factor": float(attention),
-                "rope_beta_fast": float(params.get("beta_fast") or 32.0),
-                "rope_beta_slow": float(params.get("beta_slow") or 1.0),
-                "rope_truncate": bool(params.get("truncate", True))}
+        return {**fields, "scaling": "yarn", "scaling_factor": float(factor),
+                "original_max_positions": int(original), "attention_factor": float(attention),
+                "beta_fast": float(params.get("beta_fast") or 32.0),
+                "beta_slow": float(params.get("beta_slow") or 1.0),
+                "truncate": bool(params.get("truncate", True))}
     if kind == "dynamic":  # transformers: plain RoPE up to max_position_embeddings, NTK past it
         context = hf_field(hf, "max_position_embeddings")
         factor = float(params["factor"])
-        return {**fields, "rope_scaling": "dynamic", "rope_scaling_factor": factor,
-                "rope_original_max_positions": int(context)}
+        return {**fields, "scaling": "dynamic", "scaling_factor": factor,
+                "original_max_positions": int(context)}
     refuse(hf, "rope_type", kind, "tfport maps 'default', 'linear', 'llama3', 'longrope', 'yarn' and "
            "'dynamic' exactly")
 
 
 def sliding_fields(hf: dict, n_layers: int, all_layers: bool) -> dict:
-    """``sliding_window`` and ``local_layers`` from ``sliding_window`` and ``layer_types``.
+    """``ModelConfig``'s ``window`` from ``sliding_window`` and ``layer_types``, as keyword
+    arguments: ``{"window": WindowConfig(...)}``, or none without a window.
 
     ``layer_types`` (transformers 5) names each layer ``sliding_attention`` or
     ``full_attention``; without it every layer slides when ``all_layers`` (Mistral, Phi-3) and
@@ -188,7 +196,7 @@ def sliding_fields(hf: dict, n_layers: int, all_layers: bool) -> dict:
         local = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     if not local:
         return {}
-    return {"sliding_window": window, "local_layers": None if len(local) == n_layers else local}
+    return {"window": WindowConfig(window, None if len(local) == n_layers else local)}
 
 
 def refuse_non_bert_encoder(hf: dict, name: str) -> None:

@@ -19,7 +19,9 @@ queries attend uniformly to every key; tfport's padded queries attend to the rea
 
 from __future__ import annotations
 
-from tfport.config import CLASSIFIER_ACTIVATIONS, DISENTANGLED_TERMS, ModelConfig
+from tfport.config import ModelConfig
+from tfport.config_heads import CLASSIFIER_ACTIVATIONS
+from tfport.config_relative import DISENTANGLED_TERMS, DisentangledConfig
 
 from .configs import hf_activation, hf_field, refuse, token_ids
 from .heads import CLASSIFIER, MLM, classifier_fields
@@ -39,7 +41,7 @@ def _heads(hf: dict, keys: frozenset[str] | None) -> set[str]:
 
 
 def _terms(hf: dict) -> tuple[str, ...]:
-    """``pos_att_type`` ("p2c|c2p" or a list) as tfport's ``disentangled_terms`` (null: both)."""
+    """``pos_att_type`` ("p2c|c2p" or a list) as tfport's ``disentangled.terms`` (null: both)."""
     value = hf.get("pos_att_type")
     names = [x.strip() for x in value.lower().split("|")] if isinstance(value, str) else value
     if not isinstance(names, list) or not names or not set(names) <= set(DISENTANGLED_TERMS) \
@@ -102,12 +104,12 @@ def _deberta_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         norm_eps=float(hf_field(hf, "layer_norm_eps", default=1e-7)),
         activation=hf_activation(hf, hf_field(hf, "hidden_act", default="gelu")),
         position="disentangled", max_positions=max_positions,
-        disentangled_buckets=buckets if buckets > 0 else None,
-        disentangled_max_distance=distance if distance >= 1 else max_positions,
-        disentangled_terms=_terms(hf), embedding_norm=True,
+        disentangled=DisentangledConfig(buckets=buckets if buckets > 0 else None,
+                                        max_distance=distance if distance >= 1 else max_positions,
+                                        terms=_terms(hf)), embedding_norm=True,
         type_vocab_size=hf_field(hf, "type_vocab_size", default=0), mlm_head=MLM in heads,
-        tie_embeddings=tie, classifier_activation=_classifier_activation(hf),
-        **classifier_fields(hf, CLASSIFIER in heads), **token_ids(hf, vocab_size))
+        tie_embeddings=tie, **classifier_fields(hf, CLASSIFIER in heads, activation=_classifier_activation(hf)),
+        **token_ids(hf, vocab_size))
 
 
 def _legacy_mlm(target: str, source: str) -> Rule:

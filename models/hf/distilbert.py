@@ -32,8 +32,8 @@ def _distilbert_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         activation=hf_activation(hf, hf_field(hf, "activation", default="gelu")),
         position="learned", max_positions=hf_field(hf, "max_position_embeddings", default=512),
         embedding_norm=True, mlm_head=MLM in heads,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", True)), classifier_activation="relu",
-        **classifier_fields(hf, CLASSIFIER in heads), **token_ids(hf, vocab_size))
+        tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        **classifier_fields(hf, CLASSIFIER in heads, activation="relu"), **token_ids(hf, vocab_size))
 
 
 LAYER = "distilbert.transformer.layer.{i}"

@@ -20,7 +20,7 @@ from .rules import Architecture, params
 
 def _gemma_rope(hf: dict) -> dict:
     """Gemma 1/2: one RoPE. Gemma 3: the full-attention layers' (scaled or not) and the
-    sliding-window layers' base (``rope_local_theta``), which must be unscaled."""
+    sliding-window layers' base (``rope.local_theta``), which must be unscaled."""
     params_ = rope_parameters(hf)
     if "full_attention" not in params_:
         if hf.get("model_type") != "gemma3_text":
@@ -34,8 +34,8 @@ def _gemma_rope(hf: dict) -> dict:
     if local.get("rope_type", "default") != "default":
         refuse(hf, "rope_parameters.sliding_attention.rope_type", local.get("rope_type"),
                "tfport gives sliding-window layers an unscaled RoPE of their own base only")
-    fields["rope_local_theta"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
-    return fields
+    theta = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+    return {"rope": fields["rope"].replace(local_theta=theta)}
 
 
 def _gemma_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
@@ -58,7 +58,7 @@ def _gemma_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     rope = _gemma_rope(hf)
     window = sliding_fields(hf, n_layers, all_layers=False) if later else {}
     if not window:
-        rope.pop("rope_local_theta", None)
+        rope = {"rope": rope["rope"].replace(local_theta=None)}
     # transformers' defaults where config.json leaves them out: 256; Gemma 2 caps logits at 30 and
     # attention scores at 50, Gemma 3 caps neither
     scalar = hf.get("query_pre_attn_scalar", 256) if later else None

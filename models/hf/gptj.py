@@ -2,13 +2,14 @@
 
 Pre-norm LayerNorm shared by the parallel attention and MLP (``ln_1``: tfport's ``ffn_norm`` gets
 a copy), partial rotary over the first ``rotary_dim`` channels with the "rotate every two" channel
-pairing (``rope_interleaved``), base 10000; no q/k/v/out biases, MLP biases, untied head with a
+pairing (``rope.interleaved``), base 10000; no q/k/v/out biases, MLP biases, untied head with a
 bias (``lm_head_bias``).
 """
 
 from __future__ import annotations
 
 from tfport.config import ModelConfig
+from tfport.config_rope import RopeConfig
 
 from .configs import hf_activation, hf_field, refuse, token_ids
 from .rules import QKV, Architecture, Rule, decoder_lm, params
@@ -27,7 +28,7 @@ def _gptj_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         d_ff=hf.get("n_inner") or 4 * d_model, n_decoder_layers=hf_field(hf, "n_layer"),
         norm="layernorm", norm_position="pre", norm_eps=float(hf_field(hf, "layer_norm_epsilon", default=1e-5)),
         activation=hf_activation(hf, hf_field(hf, "activation_function", default="gelu_new")),
-        position="rope", rope_theta=10000.0, rotary_dim=int(rotary), rope_interleaved=True,
+        position="rope", rope=RopeConfig(theta=10000.0, rotary_dim=int(rotary), interleaved=True),
         max_positions=hf_field(hf, "n_positions", default=2048), parallel_residual=True,
         attention_bias=False, mlp_bias=True, lm_head_bias=True,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **token_ids(hf, vocab_size))

@@ -7,6 +7,8 @@ tensor names say which when they are at hand, else the ``architectures`` class d
 
 from __future__ import annotations
 
+from tfport.config_heads import ClassifierConfig
+
 from .configs import refuse
 
 # What each task class adds to its base model.
@@ -22,10 +24,15 @@ def present_heads(hf: dict, keys: frozenset[str] | None, head_keys: dict[str, st
     return set(class_heads[(hf.get("architectures") or [default_class])[0]])
 
 
-def classifier_fields(hf: dict, present: bool) -> dict:
-    """``n_labels`` and ``labels`` (from ``id2label``) of a sequence classification head."""
-    if not present:
-        return {}
+def classifier_fields(hf: dict, present: bool, **options) -> dict:
+    """``ModelConfig``'s ``classifier`` as keyword arguments: ``{"classifier":
+    ClassifierConfig(...)}`` with ``options`` (``pooling``, ``activation`` ...: its other fields)
+    and, when the head is ``present``, ``n_labels`` and ``labels`` (from ``id2label``)."""
+    return {"classifier": ClassifierConfig(**(_labels(hf) if present else {}), **options)}
+
+
+def _labels(hf: dict) -> dict:
+    """``n_labels`` and ``labels`` from ``id2label`` / ``num_labels``."""
     id2label = hf.get("id2label")
     if isinstance(id2label, dict) and id2label:
         try:

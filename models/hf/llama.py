@@ -35,8 +35,8 @@ def _llama_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     """LLaMA and Mistral: pre-norm RMSNorm, SwiGLU, RoPE, GQA."""
     max_positions = hf_field(hf, "max_position_embeddings", default=2048)
     rope = rope_fields(hf)
-    if rope.get("rope_scaling") == "dynamic":  # the context dynamic NTK is meant to reach
-        max_positions = int(max_positions * rope["rope_scaling_factor"])
+    if rope["rope"].scaling == "dynamic":  # the context dynamic NTK is meant to reach
+        max_positions = int(max_positions * rope["rope"].scaling_factor)
     return llama_like_config(
         hf, max_positions=max_positions, activation=hf_field(hf, "hidden_act", default="silu"), **rope,
         # transformers' Llama has no sliding window: a "sliding_window" in a llama config is unused

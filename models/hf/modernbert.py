@@ -8,13 +8,13 @@ activation (``ffn.gate``) and second half multiplies it (``ffn.up``), and a fina
 the ``full_attention`` RoPE base (``global_rope_theta``); the others (``sliding_attention``) see
 keys at most ``local_attention // 2`` positions away on either side (tfport's encoder
 ``sliding_window`` = ``local_attention``) with their own base (``local_rope_theta`` ->
-``rope_local_theta``). Biases are optional per part (``attention_bias``, ``mlp_bias``,
+``rope.local_theta``). Biases are optional per part (``attention_bias``, ``mlp_bias``,
 ``norm_bias``; the head's ``classifier_bias``, the MLM ``decoder_bias``): where tfport's module
 has a bias the checkpoint lacks, it is zero, which is exact.
 
 Heads: MLM (``head``: dense -> ``classifier_activation`` -> LayerNorm, then ``decoder``, tied to
 the token embeddings) and sequence classification (``classifier_pooling`` cls / mean -> ``head``
--> ``classifier``: tfport's ClassifierHead with ``classifier_norm``). Ignored on purpose, as they
+-> ``classifier``: tfport's ClassifierHead with ``classifier.norm``). Ignored on purpose, as they
 do not change inference: ``deterministic_flash_attn``, ``reference_compile``, ``sparse_prediction``
 (which drops unmasked positions only when labels are given), the dropouts.
 
@@ -27,6 +27,7 @@ masked).
 from __future__ import annotations
 
 from tfport.config import ModelConfig
+from tfport.config_window import WindowConfig
 
 from .configs import HF_ACTIVATIONS, hf_field, refuse, rope_fields, token_ids
 from .heads import CLASSIFIER, MLM, classifier_fields
@@ -120,8 +121,10 @@ def _modernbert_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         refuse(hf, "local_attention", window, "expected a positive integer")
     local = tuple(i for i, t in enumerate(_layer_types(hf, n_layers)) if t == "sliding_attention")
     rope, local_theta = _rope(hf)
-    sliding = {"sliding_window": window, "local_layers": None if len(local) == n_layers else local,
-               "rope_local_theta": local_theta} if local else {}
+    if local:
+        rope = {"rope": rope["rope"].replace(local_theta=local_theta)}
+    head = dict(pooling=pooling, activation=head_activation, norm=True) if CLASSIFIER in heads else {}
+    sliding = {"window": WindowConfig(window, None if len(local) == n_layers else local)} if local else {}
     return ModelConfig(
         family="encoder", vocab_size=vocab_size, d_model=hf_field(hf, "hidden_size"),
         n_heads=hf_field(hf, "num_attention_heads"), d_ff=hf_field(hf, "intermediate_size"),
@@ -131,10 +134,7 @@ def _modernbert_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         **rope, **sliding, attention_bias=bool(hf.get("attention_bias", False)),
         mlp_bias=bool(hf.get("mlp_bias", False)), embedding_norm=True, first_attn_norm=False,
         mlm_head=MLM in heads, tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        classifier_pooling=pooling if CLASSIFIER in heads else "cls",
-        classifier_activation=head_activation if CLASSIFIER in heads else "tanh",
-        classifier_norm=CLASSIFIER in heads,
-        **classifier_fields(hf, CLASSIFIER in heads), **token_ids(hf, vocab_size))
+        **classifier_fields(hf, CLASSIFIER in heads, **head), **token_ids(hf, vocab_size))
 
 
 def _optional_params(target: str, source: str) -> list[Rule]:

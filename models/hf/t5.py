@@ -8,6 +8,7 @@ when the config ties, as v1.0) or the file's own ``lm_head``.
 from __future__ import annotations
 
 from tfport.config import ModelConfig
+from tfport.config_relative import RelativeConfig
 
 from .configs import hf_activation, hf_field, refuse, token_ids
 from .rules import QKV, Architecture, Rule, concat_rows
@@ -40,8 +41,8 @@ def _t5_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
         n_encoder_layers=n_layers, n_decoder_layers=hf_field(hf, "num_decoder_layers", default=n_layers),
         norm="rmsnorm", norm_position="pre", norm_eps=float(hf_field(hf, "layer_norm_epsilon", default=1e-6)),
         activation=hf_activation(hf, activation), gated_ffn=gated, position="relative",
-        relative_buckets=hf_field(hf, "relative_attention_num_buckets", default=32),
-        relative_max_distance=hf_field(hf, "relative_attention_max_distance", default=128),
+        relative=RelativeConfig(buckets=hf_field(hf, "relative_attention_num_buckets", default=32),
+                                max_distance=hf_field(hf, "relative_attention_max_distance", default=128)),
         # T5 has no position table; relative distances are bucketed up to max_distance, and
         # longer inputs still work -- n_positions (512) is what it was trained on.
         max_positions=hf_field(hf, "n_positions", default=512), attention_bias=False, mlp_bias=False,

@@ -12,6 +12,7 @@ from tfport import integrity
 from tfport.integrity import (FINGERPRINT_KEY, SETTINGS_KEY, check_graph_metadata, export_settings,
                               graph_metadata, parse_file_records, record_files, sha256_file,
                               verify_files)
+from tfport.config_rope import RopeConfig
 from tfport.presets import get_preset
 
 CONFIG = get_preset("tiny-decoder")
@@ -84,7 +85,7 @@ def test_verify_modes(tmp_path, monkeypatch, caplog):
 
 def test_settings_are_canonical():
     base = settings()
-    assert base == settings(get_preset("tiny-decoder").replace(rope_theta=10000))  # int == float
+    assert base == settings(get_preset("tiny-decoder").replace(rope=RopeConfig(theta=10000)))  # int == float
     # Fields at their defaults are left out, so adding a field to ModelConfig later (at its
     # default) keeps the fingerprint of existing exports.
     assert "rope_theta" not in json.loads(base)["config"]

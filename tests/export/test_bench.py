@@ -220,7 +220,7 @@ def test_comparisons_and_growth_from_hand_rows():
 
 @pytest.fixture
 def hand_result() -> BenchResult:
-    """A llama-55m result as README's: 155.7 MB of weights per step, 47.3 GB/s (ORT GEMV)."""
+    """A llama-55m result as docs/benchmarks.md's: 155.7 MB of weights per step, 47.3 GB/s (ORT GEMV)."""
     rows = [
         hand_row("tfport", 64, 4.0, 250.0, roofline_tokens_per_s=303.8, roofline_pct=82.3,
                  ratio_vs_torch=1.5, greedy_agreement=1.0, tokens=np.zeros((1, 33))),

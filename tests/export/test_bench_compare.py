@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from tests.matrix import matrix_config
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.bench.compare import format_compare, product_weight_bytes, run_compare
 from tfport.export.bench.measurement import QUICK
 from tfport.models import build_model
@@ -29,15 +29,15 @@ def _products(model) -> list[tuple[int, int]]:
 
 
 def test_float_bytes_are_every_product_matrix_once(model, tmp_path):
-    export_model(model, tmp_path / "f", validate=False)
+    export_model(model, tmp_path / "f", ExportOptions(validate=False))
     assert product_weight_bytes(tmp_path / "f" / "decoder.onnx") == 4 * sum(n * k for n, k in _products(model))
 
 
 @pytest.mark.parametrize("target", ["ort", "portable"])
 def test_int4_bytes_are_codes_and_scales(model, target, tmp_path):
     """Symmetric int4 in blocks of 16: K/2 bytes of codes and K/16 float32 scales per row."""
-    export_model(model, tmp_path / "q", target=target, quantize="int4", symmetric=True, block_size=16,
-                 validate=False)
+    export_model(model, tmp_path / "q", ExportOptions(target=target, quantize="int4", symmetric=True, block_size=16,
+                                                      validate=False))
     expected = sum(n * k // 2 + 4 * n * k // 16 for n, k in _products(model))
     assert product_weight_bytes(tmp_path / "q" / "decoder.onnx") == expected
 
@@ -87,7 +87,7 @@ def test_keep_is_refused_before_anything_is_timed(tmp_path):
 
 def test_bfloat16_bytes_are_read_through_the_cast(model, tmp_path):
     """bfloat16 weights reach their products through a Cast to float32: 2 bytes a weight."""
-    export_model(model, tmp_path / "b", dtype="bfloat16", validate=False)
+    export_model(model, tmp_path / "b", ExportOptions(dtype="bfloat16", validate=False))
     assert product_weight_bytes(tmp_path / "b" / "decoder.onnx") == 2 * sum(n * k for n, k in _products(model))
 
 

@@ -5,7 +5,7 @@ measured on held-out activations (export/data/perplexity.txt, which calibration 
 every product's output error, the attention context, and the logits, against round-to-nearest.
 Exactness: calibrated exports are validated by ``export_model`` against the fake-quantised module
 (the same dequantised weights, float32 tolerances) and ``tfport parity`` recomputes the
-calibration from the manifest. Real-weight accuracy (SmolLM2, MiniLM) is in the README.
+calibration from the manifest. Real-weight accuracy (SmolLM2, MiniLM) is in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import torch
 
 from tests.matrix import matrix_config
 from tfport.contract import MANIFEST_FILE, Manifest
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export import calibrate as C
+from tfport.export import gptq
+from tfport.export import hessians as activations
 from tfport.export.parity.accuracy import PERPLEXITY_TEXT
 from tfport.export.quantize import QuantScheme, fake_quantize
 from tfport.models import build_model
@@ -36,7 +38,7 @@ def word_tokenizer(vocab_size: int, path: Path | None = None):
     """A word-level tokenizer of the calibration text's most frequent words (the rest [UNK])."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = re.findall(r"\w+|[^\w\s]", C.Calibration().read())
+    words = re.findall(r"\w+|[^\w\s]", activations.Calibration().read())
     common = [w for w, _ in collections.Counter(words).most_common(vocab_size - 4)]
     vocab = {s: i for i, s in enumerate(["[PAD]", "[BOS]", "[EOS]", "[UNK]"] + common)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
@@ -61,8 +63,8 @@ def decoder():
     torch.manual_seed(0)
     config = matrix_config("decoder", "rope", "gqa").replace(d_model=64, max_positions=256)
     tokenizer = word_tokenizer(config.vocab_size)
-    fit = C.token_sequences(C.Calibration().read(), tokenizer, config, 2048)
-    held = C.token_sequences(HELD_OUT.read_text(), tokenizer, config, 512)
+    fit = activations.token_sequences(activations.Calibration().read(), tokenizer, config, 2048)
+    held = activations.token_sequences(HELD_OUT.read_text(), tokenizer, config, 512)
     return perturbed(config), fit, held
 
 
@@ -75,7 +77,7 @@ def test_gptq_reduces_every_products_error_on_held_out_activations(decoder, symm
     scheme = QuantScheme(4, 16, symmetric)
     calibrated, rtn = C.calibrate(model, scheme, fit), C.calibrate(model, scheme, None)
     ratios = {}
-    for name, rows in C.collect_hessians(model, held).items():
+    for name, rows in activations.collect_hessians(model, held).items():
         w = model.get_parameter(name).detach().numpy()
         error = []
         for quantization in (calibrated, rtn):
@@ -95,7 +97,7 @@ def test_value_rows_weighted_by_attention_beat_the_plain_hessian(decoder):
     """Only the value rows of each qkv quantised (GPTQ): with the attention-averaged inputs' Hessian
     the held-out attention context is closer to float than with the plain input Hessian."""
     model, fit, held = decoder
-    hessians = C.collect_hessians(model, fit)
+    hessians = activations.collect_hessians(model, fit)
 
     def contexts(module) -> list[torch.Tensor]:
         out = []
@@ -103,7 +105,7 @@ def test_value_rows_weighted_by_attention_beat_the_plain_hessian(decoder):
                  for n, m in module.named_modules() if n.endswith(".attn")]
         with torch.no_grad():
             for ids in held:
-                C._run(module, ids)
+                activations._run(module, ids)
         for hook in hooks:
             hook.remove()
         return out
@@ -121,7 +123,7 @@ def test_value_rows_weighted_by_attention_beat_the_plain_hessian(decoder):
                 assert len(rows) == 1 + model.config.kv_heads  # q and k rows, then one group per value head
                 for start, end, hessian in rows[1:]:
                     h = hessian if label == "attention" else rows[0][2]
-                    values[start:end] = C.gptq_rows(values[start:end], h, 4, 16, False).dequantize()
+                    values[start:end] = gptq.gptq_rows(values[start:end], h, 4, 16, False).dequantize()
                 weight.copy_(torch.from_numpy(values))
         error[label] = sum(float(((a - b) ** 2).sum()) for a, b in zip(contexts(quantized), reference))
     assert error["attention"] < 0.97 * error["plain"], error
@@ -133,11 +135,11 @@ def test_gptq_rows_keeps_the_layout_and_rounds_scales_first():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 40)).astype(np.float32)
     rows = rng.standard_normal((6, 40)).astype(np.float32)
-    q = C.gptq_rows(rows, torch.from_numpy(x.T @ x / 256), 4, 16, False, "float16")
+    q = gptq.gptq_rows(rows, torch.from_numpy(x.T @ x / 256), 4, 16, False, "float16")
     assert q.codes.shape == (6, 40) and q.scales.shape == (6, 3) and q.scales.dtype == np.float16
     assert q.zero_points.shape == (6, 3) and int(q.codes.max()) <= 15
     with pytest.raises(ValueError, match=r"hessian: expected shape \(40, 40\)"):
-        C.gptq_rows(rows, torch.eye(8), 4, 16, False)
+        gptq.gptq_rows(rows, torch.eye(8), 4, 16, False)
 
 
 def test_head_bits_hold_when_a_head_row_also_occurs_in_a_layer():
@@ -154,10 +156,11 @@ def test_head_bits_hold_when_a_head_row_also_occurs_in_a_layer():
 
 
 def test_sentences_and_sequences():
-    assert C.sentences("One. Two? Three!\n\nA code line\nand more") == ["One.", "Two?", "Three!",
+    assert activations.sentences("One. Two? Three!\n\nA code line\nand more") == ["One.", "Two?", "Three!",
                                                                         "A code line and more"]
     config = matrix_config("decoder", "rope", "gqa")  # max_positions 64
-    sequences = C.token_sequences(C.Calibration().read(), word_tokenizer(config.vocab_size), config, 100)
+    text = activations.Calibration().read()
+    sequences = activations.token_sequences(text, word_tokenizer(config.vocab_size), config, 100)
     assert [len(s) for s in sequences] == [64, 36]
 
 
@@ -204,8 +207,9 @@ def test_other_families_export_exactly(family, position, tmp_path):
     config = matrix_config(family, position, "mha")
     model = perturbed(config)
     word_tokenizer(config.vocab_size, tmp_path / "tokenizer.json")
-    manifest = export_model(model, tmp_path / "q", quantize="int4", block_size=16,
-                            calibration=C.Calibration("builtin", 512), tokenizer=tmp_path / "tokenizer.json")
+    manifest = export_model(model, tmp_path / "q", ExportOptions(quantize="int4", block_size=16,
+                                                                 calibration=activations.Calibration("builtin", 512),
+                                                                 tokenizer=tmp_path / "tokenizer.json"))
     assert manifest.quantization["method"] == "gptq" and manifest.quantization["calibration"]["tokens"] == 512
 
 
@@ -215,18 +219,19 @@ def test_refusals_name_the_option(tmp_path):
     tokenizer = tmp_path / "tokenizer.json"
     word_tokenizer(model.config.vocab_size, tokenizer)
     with pytest.raises(ValueError, match="calibration='builtin': applies to quantize='int4' or 'int8'"):
-        export_model(model, tmp_path / "a", calibration="builtin", tokenizer=tokenizer)
+        export_model(model, tmp_path / "a", ExportOptions(calibration="builtin", tokenizer=tokenizer))
     with pytest.raises(ValueError, match="calibration='builtin': reading the text needs the model's tokenizer"):
-        export_model(model, tmp_path / "b", quantize="int4", calibration="builtin")
+        export_model(model, tmp_path / "b", ExportOptions(quantize="int4", calibration="builtin"))
     with pytest.raises(ValueError, match="calibration='missing.txt': expected 'builtin' or the path of a text file"):
-        export_model(model, tmp_path / "c", quantize="int4", calibration="missing.txt", tokenizer=tokenizer)
+        export_model(model, tmp_path / "c", ExportOptions(quantize="int4", calibration="missing.txt",
+                                                          tokenizer=tokenizer))
     with pytest.raises(ValueError, match="calibration_tokens=8: expected an integer >= 16"):
-        C.Calibration(tokens=8)
+        activations.Calibration(tokens=8)
     with pytest.raises(ValueError, match="head_bits=3: expected None or one of"):
-        export_model(model, tmp_path / "d", quantize="int4", head_bits=3)
+        export_model(model, tmp_path / "d", ExportOptions(quantize="int4", head_bits=3))
     with pytest.raises(ValueError, match="head_bits=8: this model has no LM head or token table quantised"):
         export_model(perturbed(matrix_config("decoder", "rope", "gqa").replace(tie_embeddings=True)), tmp_path / "e",
-                     quantize=QuantScheme(4, 32, embeddings=False), head_bits=8)
+                     ExportOptions(quantize=QuantScheme(4, 32, embeddings=False), head_bits=8))
     assert not any((tmp_path / n).exists() for n in "abcde")  # refused before anything was written
 
 

@@ -10,6 +10,7 @@ import onnx
 import pytest
 import torch
 
+from tfport.config_relative import DisentangledConfig
 from tfport.contract import TensorSpec
 from tfport.export.graph import GraphBuilder
 from tfport.export.positions import POSITION_EMITTERS
@@ -39,8 +40,8 @@ def bias_graph(model, opset: int) -> onnx.ModelProto:
 @pytest.mark.parametrize("opset", [18, 23])
 @pytest.mark.parametrize("terms", [("c2p", "p2c"), ("c2p",), ("p2c",)])
 def test_function_matches_pytorch(terms, opset):
-    config = PRESETS["tiny-encoder"].replace(position="disentangled", type_vocab_size=0, disentangled_buckets=8,
-                                             disentangled_max_distance=10, disentangled_terms=terms)
+    config = PRESETS["tiny-encoder"].replace(position="disentangled", type_vocab_size=0,
+                                             disentangled=DisentangledConfig(buckets=8, max_distance=10, terms=terms))
     model = build_model(config, seed=3)
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():

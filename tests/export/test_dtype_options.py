@@ -11,7 +11,7 @@ import pytest
 
 from tfport.cli import main
 from tfport.contract import MANIFEST_FILE, Manifest
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.targets import TARGETS
 from tfport.models import build_model
 from tfport.presets import PRESETS
@@ -53,14 +53,14 @@ def test_kv_dtype_is_recorded_and_fingerprinted(tmp_path, capsys):
     assert "float32, KV cache float16" in capsys.readouterr().out
     manifest = Manifest.read(tmp_path / "kv")
     assert manifest.kv_dtype == "float16" and '"kv_dtype":"float16"' in manifest.settings
-    export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "plain", validate=False)
+    export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "plain", ExportOptions(validate=False))
     plain = Manifest.read(tmp_path / "plain")
     assert plain.kv_dtype == "float32" and "kv_dtype" not in plain.settings
 
 
 def test_manifest_with_a_bad_kv_dtype_is_refused(tmp_path):
-    export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "m", dtype="float16",
-                 validate=False)
+    export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "m", ExportOptions(
+        dtype="float16", validate=False))
     path = tmp_path / "m" / MANIFEST_FILE
     data = json.loads(path.read_text())
     data["kv_dtype"] = "float32"  # a float16 export's cache is float16

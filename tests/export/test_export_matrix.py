@@ -26,6 +26,8 @@ def expected_functions(config, graph: str) -> set[str]:
         names.add("AlibiBias")
     if config.position == "relative":
         names.add("RelativePositionBias")
+    if config.position == "disentangled":  # both terms (the default): one fused bias per layer
+        names.update(("DisentangledIndex", "DisentangledBias"))
     if config.norm == "rmsnorm":
         names.add("RMSNorm")
     return names

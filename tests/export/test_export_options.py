@@ -9,7 +9,7 @@ import pytest
 
 from tfport.cli import main
 from tfport.contract import MANIFEST_FILE
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.parity import Case, Runner
 from tfport.models import build_model
 from tfport.presets import PRESETS
@@ -18,7 +18,7 @@ from tfport.presets import PRESETS
 def test_external_data_when_over_threshold(tmp_path):
     model = build_model(PRESETS["tiny-encoder-decoder-gqa"], seed=1)
     out = tmp_path / "ext"
-    export_model(model, out, external_data_threshold=10_000)
+    export_model(model, out, ExportOptions(external_data_threshold=10_000))
     files = sorted(os.listdir(out))
     assert "decoder.onnx.data" in files and "encoder.onnx.data" in files
     proto = onnx.load(str(out / "decoder.onnx"), load_external_data=False)
@@ -35,7 +35,7 @@ def test_small_model_keeps_weights_inline(tmp_path):
 @pytest.mark.parametrize("preset", ["tiny-decoder", "tiny-encoder", "tiny-encoder-decoder"])
 def test_fp16_export_runs_on_cpu_provider(tmp_path, preset):
     model = build_model(PRESETS[preset], seed=2)
-    export_model(model, tmp_path / "fp16", dtype="float16")  # validates against the fp16 module
+    export_model(model, tmp_path / "fp16", ExportOptions(dtype="float16"))  # validates against the fp16 module
     proto = onnx.load(str(tmp_path / "fp16" / ("decoder.onnx" if "decoder" in preset else "encoder.onnx")))
     dtypes = {t.data_type for t in proto.graph.initializer if t.dims and len(t.dims) == 2}
     assert onnx.TensorProto.FLOAT16 in dtypes
@@ -43,7 +43,7 @@ def test_fp16_export_runs_on_cpu_provider(tmp_path, preset):
 
 @pytest.mark.parametrize("opset", [18, 21, 23])
 def test_target_opsets(tmp_path, opset):
-    export_model(build_model(PRESETS["tiny-decoder-alibi"], seed=3), tmp_path / "o", opset=opset)
+    export_model(build_model(PRESETS["tiny-decoder-alibi"], seed=3), tmp_path / "o", ExportOptions(opset=opset))
     proto = onnx.load(str(tmp_path / "o" / "decoder.onnx"))
     assert {o.domain: o.version for o in proto.opset_import}[""] == opset
 
@@ -55,8 +55,18 @@ def test_target_opsets(tmp_path, opset):
 ])
 def test_bad_options_are_refused_and_leave_nothing(tmp_path, kwargs, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
-        export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "bad", **kwargs)
+        export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "bad", ExportOptions(**kwargs))
     assert not (tmp_path / "bad").exists()
+    assert os.listdir(tmp_path) == []
+
+
+def test_options_must_be_export_options(tmp_path):
+    """One options object: a dict (or the keywords export_model once took) is refused by name."""
+    model = build_model(PRESETS["tiny-decoder"], seed=0)
+    with pytest.raises(TypeError, match=r"options=\{'dtype': 'float16'\}: expected an ExportOptions or None"):
+        export_model(model, tmp_path / "bad", {"dtype": "float16"})
+    with pytest.raises(TypeError, match="dtype"):
+        export_model(model, tmp_path / "bad", dtype="float16")
     assert os.listdir(tmp_path) == []
 
 
@@ -71,8 +81,8 @@ def test_tokenizer_must_be_a_tokenizer_json(tmp_path, content, needle):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "t.json").write_text(content)
     with pytest.raises(ValueError, match=f"tokenizer=.*t.json.*{needle}".replace("(", r"\(")):
-        export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "out",
-                     tokenizer=tmp_path / "in" / "t.json", validate=False)
+        export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "out", ExportOptions(
+            tokenizer=tmp_path / "in" / "t.json", validate=False))
     assert os.listdir(tmp_path) == ["in"]
 
 
@@ -91,7 +101,7 @@ def test_existing_directory_needs_overwrite(tmp_path):
     export_model(model, tmp_path / "out")
     with pytest.raises(ValueError, match="exists and is not empty"):
         export_model(model, tmp_path / "out")
-    export_model(model, tmp_path / "out", overwrite=True)
+    export_model(model, tmp_path / "out", ExportOptions(overwrite=True))
     assert (tmp_path / "out" / MANIFEST_FILE).is_file()
 
 
@@ -124,6 +134,6 @@ def test_fp16_export_leaves_the_callers_model_in_float32(tmp_path):
 
     model = build_model(PRESETS["tiny-decoder"], seed=0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    export_model(model, tmp_path / "fp16", dtype="float16")  # validation runs an fp16 copy
+    export_model(model, tmp_path / "fp16", ExportOptions(dtype="float16"))  # validation runs an fp16 copy
     after = model.state_dict()
     assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v) for k, v in before.items())

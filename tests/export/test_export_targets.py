@@ -11,7 +11,7 @@ import torch
 
 from tests.matrix import ort_config
 from tfport.contract import Manifest
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.functions import DOMAIN
 from tfport.models import build_model
 from tfport.models.generate import generate
@@ -23,7 +23,7 @@ from tfport.runtime import load_model
 def fused(tmp_path_factory):
     model = build_model(ort_config("gqa"), seed=5)
     out = tmp_path_factory.mktemp("ort") / "export"
-    export_model(model, out, target="ort")  # validated against PyTorch on export
+    export_model(model, out, ExportOptions(target="ort"))  # validated against PyTorch on export
     return model, out
 
 
@@ -101,13 +101,13 @@ def test_kv_buffers_are_reused_across_requests(fused):
 ])
 def test_unsupported_combinations_are_refused(tmp_path, config, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
-        export_model(build_model(config, seed=0), tmp_path / "x", target="ort")
+        export_model(build_model(config, seed=0), tmp_path / "x", ExportOptions(target="ort"))
     assert not (tmp_path / "x").exists()
 
 
 def test_unknown_target(tmp_path):
     with pytest.raises(ValueError, match="target='tensorrt'"):
-        export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "x", target="tensorrt")
+        export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "x", ExportOptions(target="tensorrt"))
 
 
 @pytest.mark.parametrize("family,position", [("decoder", "rope"), ("encoder-decoder", "alibi"),
@@ -117,7 +117,7 @@ def test_onnx23_target_uses_the_standard_operators(tmp_path, family, position):
     from tests.matrix import matrix_config
 
     model = build_model(matrix_config(family, position, "gqa"), seed=2)
-    manifest = export_model(model, tmp_path / "x", target="onnx23")  # validated against PyTorch
+    manifest = export_model(model, tmp_path / "x", ExportOptions(target="onnx23"))  # validated against PyTorch
     assert manifest.opset == 23 and Manifest.read(tmp_path / "x").target == "onnx23"
     for spec in manifest.graphs.values():
         proto = onnx.load(str(tmp_path / "x" / spec.file))
@@ -131,14 +131,15 @@ def test_onnx23_target_uses_the_standard_operators(tmp_path, family, position):
 
 def test_onnx23_target_needs_opset_23(tmp_path):
     with pytest.raises(ValueError, match="opset=18: target 'onnx23'"):
-        export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "x", target="onnx23", opset=18)
+        export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "x", ExportOptions(
+            target="onnx23", opset=18))
 
 
 def test_a_float16_cache_casts_the_packed_qkv_once(tmp_path):
     """--kv-dtype float16 on a float32 model: one Cast of the packed product per layer feeds the
     kernel (no Split, no three Casts), and validation against PyTorch passes."""
     model = build_model(ort_config("gqa"), seed=5)
-    export_model(model, tmp_path / "e", target="ort", kv_dtype="float16")  # validated on export
+    export_model(model, tmp_path / "e", ExportOptions(target="ort", kv_dtype="float16"))  # validated on export
     proto = onnx.load(str(tmp_path / "e" / "decoder.onnx"))
     calls = [n for n in proto.graph.node if n.op_type == "FusedGroupQueryAttention"]
     producers = {out: n for n in proto.graph.node for out in n.output}

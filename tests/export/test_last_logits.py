@@ -12,8 +12,9 @@ import onnx
 import pytest
 
 from tests.matrix import matrix_config
+from tfport.config_heads import ClassifierConfig
 from tfport.contract import Manifest, graph_specs
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.parity import CASES, Runner
 from tfport.export.targets import TARGETS
 from tfport.models import build_model
@@ -38,7 +39,8 @@ def test_contract_shape():
         graph_specs(config, logits="first")
     # an encoder's MLM logits or a classifier's have no "next token": refused, not ignored
     for other in (matrix_config("encoder", "learned", "mha").replace(mlm_head=True),
-                  matrix_config("encoder-decoder", "relative", "mha").replace(n_labels=3, classifier_pooling="last_eos")):
+                  matrix_config("encoder-decoder", "relative", "mha").replace(
+                      classifier=ClassifierConfig(n_labels=3, pooling="last_eos"))):
         with pytest.raises(ValueError, match="logits='last': applies to a decoder's next-token logits"):
             graph_specs(other, logits="last")
 
@@ -47,8 +49,8 @@ def test_contract_shape():
 def test_every_target_parity_and_generation(target, tmp_path):
     target = TARGETS[target]
     model = build_model(_decoder_for(target).replace(tie_embeddings=False), seed=1)
-    export_model(model, tmp_path / "all", target=target)
-    export_model(model, tmp_path / "last", target=target, logits="last")  # validated at the last position
+    export_model(model, tmp_path / "all", ExportOptions(target=target))
+    export_model(model, tmp_path / "last", ExportOptions(target=target, logits="last"))  # validated at the last position
     assert Manifest.read(tmp_path / "last").logits == "last"
     runner = Runner(model, tmp_path / "last")
     for case in CASES:  # every padding and phase, compared where the graph has logits
@@ -60,7 +62,7 @@ def test_every_target_parity_and_generation(target, tmp_path):
 
 def test_the_head_runs_on_one_position(tmp_path):
     model = build_model(matrix_config("decoder", "rope", "gqa"), seed=0)
-    export_model(model, tmp_path / "last", logits="last", validate=False)
+    export_model(model, tmp_path / "last", ExportOptions(logits="last", validate=False))
     nodes = onnx.load(str(tmp_path / "last" / "decoder.onnx")).graph.node
     head = next(n for n in nodes if n.name == "lm_head")
     assert any(n.name == "last_position" for n in nodes) and head.input[0].startswith("last_position")

@@ -16,8 +16,11 @@ import pytest
 
 from tests.matrix import matrix_config
 from tfport.contract import Manifest
-from tfport.export import export_model
-from tfport.export.quantize import QuantScheme, RowIndex, fake_quantize, pack_nibbles, quantize_rows
+from tfport.export import ExportOptions, export_model
+from tfport.export.blocks import pack_nibbles
+from tfport.export.quantize import QuantScheme, fake_quantize
+from tfport.export.rounding import quantize_rows
+from tfport.export.row_index import RowIndex
 from tfport.export.targets import TARGETS
 from tfport.models import build_model
 from tfport.runtime import load_model
@@ -122,7 +125,7 @@ def test_block_size_and_symmetric_apply_to_int4_and_int8_only(quantize, tmp_path
     model = build_model(matrix_config("decoder", "rope", "gqa"), seed=0)
     for option in ({"block_size": 64}, {"symmetric": True}):
         with pytest.raises(ValueError, match=f"{next(iter(option))}=.*applies to quantize='int4' or 'int8'"):
-            export_model(model, tmp_path / "x", quantize=quantize, **option)
+            export_model(model, tmp_path / "x", ExportOptions(quantize=quantize, **option))
     assert not (tmp_path / "x").exists()
 
 
@@ -145,7 +148,7 @@ def test_every_target_exports_a_tied_decoder_exactly(target, scheme, tmp_path):
     gathered and projected from quantised values, and no float weight matrix is left."""
     target = TARGETS[target]
     model = build_model(_decoder_for(target), seed=0)
-    manifest = export_model(model, tmp_path / "q", target=target, quantize=SCHEMES[scheme])
+    manifest = export_model(model, tmp_path / "q", ExportOptions(target=target, quantize=SCHEMES[scheme]))
     assert manifest.quantization == SCHEMES[scheme].to_dict()
     assert Manifest.read(tmp_path / "q").quantization == SCHEMES[scheme].to_dict()
     graph = onnx.load(str(tmp_path / "q" / "decoder.onnx"))
@@ -159,14 +162,14 @@ def test_every_target_exports_a_tied_decoder_exactly(target, scheme, tmp_path):
 @pytest.mark.parametrize("family,position", [("encoder", "learned"), ("encoder-decoder", "relative")])
 def test_other_families_export_exactly(family, position, tmp_path):
     model = build_model(matrix_config(family, position, "mha"), seed=0)
-    export_model(model, tmp_path / "q", quantize="int4", block_size=16)
+    export_model(model, tmp_path / "q", ExportOptions(quantize="int4", block_size=16))
 
 
 def test_untied_head_and_rows_that_are_not_whole_blocks(tmp_path):
     """d_model 48 in blocks of 32: every product ends in a short block."""
     config = matrix_config("decoder", "rope", "mqa").replace(d_model=48, tie_embeddings=False)
     model = build_model(config, seed=0)
-    export_model(model, tmp_path / "q", quantize="int8", block_size=32)
+    export_model(model, tmp_path / "q", ExportOptions(quantize="int8", block_size=32))
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -174,8 +177,8 @@ def test_an_odd_width_of_4_bit_rows_is_gathered_exactly(symmetric, tmp_path):
     """d_model 33 (head_dim 16): each 4-bit table row ends in a padding nibble, which the ort
     gather must not return as a 34th column (validated against the module)."""
     config = matrix_config("decoder", "rope", "mqa").replace(d_model=33, n_heads=2, n_kv_heads=1, head_dim=16)
-    export_model(build_model(config, seed=0), tmp_path / "q", target="ort", quantize="int4", block_size=16,
-                 symmetric=symmetric)
+    export_model(build_model(config, seed=0), tmp_path / "q", ExportOptions(target="ort", quantize="int4",
+                                                                            block_size=16, symmetric=symmetric))
 
 
 def test_fake_quantize_leaves_the_model_alone_and_quantises_the_tied_table_once():
@@ -195,16 +198,16 @@ def test_shipped_graph_generates_and_agrees_with_the_reference(tmp_path):
 
     target = TARGETS["ort"]
     model = build_model(_decoder_for(target, tie=False), seed=0)
-    export_model(model, tmp_path / "q", target="ort", quantize="int4", block_size=16)
+    export_model(model, tmp_path / "q", ExportOptions(target="ort", quantize="int4", block_size=16))
     tokens = load_model(tmp_path / "q").generate([[1, 5, 7, 9]], max_new_tokens=8)
     assert tokens.shape == (1, 8)
 
 
 def test_onnx_runtime_fuses_the_portable_form_into_matmulnbits(tmp_path):
-    """What the README says: ONNX Runtime's CPU provider rewrites DequantizeLinear (blocked,
+    """What docs/quantisation.md says: ONNX Runtime's CPU provider rewrites DequantizeLinear (blocked,
     int4) + MatMul into its MatMulNBits kernel, so the portable graph gets the 4-bit kernel."""
     model = build_model(matrix_config("decoder", "rope", "gqa"), seed=0)
-    export_model(model, tmp_path / "q", quantize="int4", block_size=16, validate=False)
+    export_model(model, tmp_path / "q", ExportOptions(quantize="int4", block_size=16, validate=False))
     options = ort.SessionOptions()
     options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -217,9 +220,9 @@ def test_onnx_runtime_fuses_the_portable_form_into_matmulnbits(tmp_path):
 def test_refusals_name_the_option(tmp_path):
     model = build_model(matrix_config("decoder", "rope", "gqa"), seed=0)
     with pytest.raises(ValueError, match="opset=18.*21"):
-        export_model(model, tmp_path / "a", quantize="int4", opset=18)
+        export_model(model, tmp_path / "a", ExportOptions(quantize="int4", opset=18))
     with pytest.raises(ValueError, match="quantize='int2'"):
-        export_model(model, tmp_path / "b", quantize="int2")
+        export_model(model, tmp_path / "b", ExportOptions(quantize="int2"))
 
 
 def test_cli_flags(tmp_path, capsys):
@@ -249,10 +252,10 @@ OPTIONS = {"int8": {"quantize": "int8"}, "int4": {"quantize": "int4"},
 def minilm_fp32(tmp_path_factory):
     from pathlib import Path
 
-    from tfport.export import export_checkpoint_or_preset
+    from tfport.export import ExportOptions, export_checkpoint_or_preset
 
     out = tmp_path_factory.mktemp("minilm") / "fp32"
-    export_checkpoint_or_preset(str(Path(minilm.__file__).parent / "model"), out, validate=False)
+    export_checkpoint_or_preset(str(Path(minilm.__file__).parent / "model"), out, ExportOptions(validate=False))
     return out
 
 
@@ -263,9 +266,10 @@ def minilm_fp32(tmp_path_factory):
 def test_minilm_quantised_embeddings_stay_close(fmt, minilm_fp32, tmp_path):
     from pathlib import Path
 
-    from tfport.export import export_checkpoint_or_preset
+    from tfport.export import ExportOptions, export_checkpoint_or_preset
 
-    export_checkpoint_or_preset(str(Path(minilm.__file__).parent / "model"), tmp_path / fmt, **OPTIONS[fmt])
+    export_checkpoint_or_preset(str(Path(minilm.__file__).parent / "model"), tmp_path / fmt, ExportOptions(
+        **OPTIONS[fmt]))
     expected = load_model(minilm_fp32).embed_text(SENTENCES, pooling="mean", normalize=True)
     got = load_model(tmp_path / fmt).embed_text(SENTENCES, pooling="mean", normalize=True)
     cosine = (expected * got).sum(axis=1)

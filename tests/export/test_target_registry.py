@@ -14,7 +14,7 @@ from onnxscript import FLOAT, script
 from onnxscript import opset18 as op
 
 from tfport.contract import Manifest
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.functions import tfport
 from tfport.export.parity import CASES, Runner
 from tfport.export.targets import TARGETS, PortableTarget, get_target, register_target
@@ -60,7 +60,7 @@ def test_a_registered_target_reaches_export_parity_and_runtime(registered, tmp_p
             if name.endswith("norm.weight"):
                 param.add_(torch.randn_like(param) * 0.3)
     out = tmp_path / "x"
-    export_model(model, out, target=registered.name)  # validated against PyTorch on export
+    export_model(model, out, ExportOptions(target=registered.name))  # validated against PyTorch on export
     manifest = Manifest.read(out)
     assert (manifest.target, manifest.layout) == (registered.name, "concat")
     graph = onnx.load(str(out / "decoder.onnx"), load_external_data=False)
@@ -80,7 +80,7 @@ def test_a_registered_target_reaches_export_parity_and_runtime(registered, tmp_p
 def test_a_registered_target_refuses_through_its_own_check(registered, tmp_path):
     model = build_model(PRESETS["tiny-decoder"].replace(norm="layernorm"), seed=0)
     with pytest.raises(ValueError, match="norm='layernorm'"):
-        export_model(model, tmp_path / "x", target=registered.name)
+        export_model(model, tmp_path / "x", ExportOptions(target=registered.name))
     assert not (tmp_path / "x").exists()
 
 

@@ -6,22 +6,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tfport.config_heads import ClassifierConfig
 from tfport.presets import get_preset
 
 pytest.importorskip("onnxruntime", reason="validation runs ONNX Runtime")
 
-from tfport.export import export_model  # noqa: E402
+from tfport.export import ExportOptions, export_model  # noqa: E402
 from tfport.export.parity import validate_export  # noqa: E402
 from tfport.models import build_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    config = get_preset("tiny-encoder").replace(n_labels=3, labels=("a", "b", "c"), pooler=True)
+    config = get_preset("tiny-encoder").replace(classifier=ClassifierConfig(n_labels=3, labels=("a", "b", "c")),
+                                                pooler=True)
     torch.manual_seed(3)
     model = build_model(config).eval()
     directory = tmp_path_factory.mktemp("heads") / "export"
-    export_model(model, directory, validate=False)
+    export_model(model, directory, ExportOptions(validate=False))
     return model, directory
 
 

@@ -52,11 +52,11 @@ def smollm2_source():
 def smollm2_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The export directory (made once per session; validation is left to the parity tests)."""
     from tfport.contract import MANIFEST_FILE
-    from tfport.export import export_model
+    from tfport.export import ExportOptions, export_model
 
     out = tmp_path_factory.getbasetemp() / EXPORT_NAME
     if not (out / MANIFEST_FILE).is_file():
         source = smollm2_source()
-        export_model(source.model, out, tokenizer=source.tokenizer,
-                     chat_template=source.chat_template, validate=False, overwrite=True)
+        export_model(source.model, out, ExportOptions(tokenizer=source.tokenizer, chat_template=source.chat_template,
+                                                      validate=False, overwrite=True))
     return out

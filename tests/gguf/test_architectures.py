@@ -121,9 +121,9 @@ def test_gguf_config_fields(written):
     tiny, ours = written("gemma2")
     config = ours.config
     assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
-    assert config.tie_embeddings and config.sliding_window == WINDOW
+    assert config.tie_embeddings and config.window.size == WINDOW
     _, phi3 = written("phi3-window")
-    assert phi3.config.sliding_window == WINDOW
+    assert phi3.config.window.size == WINDOW
 
 
 @pytest.mark.parametrize("model_type, layers, hidden, heads, head_dim, expected", [

@@ -15,7 +15,7 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the 'dev' extra installs gguf-py")
 
 from tfport.contract import Manifest  # noqa: E402
-from tfport.export import export_checkpoint_or_preset  # noqa: E402
+from tfport.export import ExportOptions, export_checkpoint_or_preset  # noqa: E402
 from tfport.export.gguf_keep import KeptQuantization, decode_blocks, gguf_values  # noqa: E402
 
 from .tiny import K_BLOCKS, random_super_blocks, write_tiny_llama  # noqa: E402
@@ -57,7 +57,7 @@ def test_export_keeps_every_matrix_exactly(kind, target, files, tmp_path):
     """Validated by export against the imported module itself (float32 tolerances)."""
     path = files[kind].path
     keep = KeptQuantization(path)
-    manifest = export_checkpoint_or_preset(str(path), tmp_path / "k", target=target, quantize=keep)
+    manifest = export_checkpoint_or_preset(str(path), tmp_path / "k", ExportOptions(target=target, quantize=keep))
     assert keep.requantized == 0 and keep.kept > 0
     assert manifest.quantization["format"] == "keep" and manifest.quantization["types"] == [kind]
     assert manifest.quantization["block_sizes"] == {kind: LAYOUT[kind][1]}
@@ -77,7 +77,7 @@ def test_a_product_of_two_types_keeps_both(target, tmp_path):
     path = write_tiny_llama(tmp_path / "mixed.gguf", _encode, "Q4_K",
                             tensor_types={"attn_v": "Q6_K", "ffn_down": "Q6_K"}).path
     keep = KeptQuantization(path)
-    manifest = export_checkpoint_or_preset(str(path), tmp_path / "k", target=target, quantize=keep)
+    manifest = export_checkpoint_or_preset(str(path), tmp_path / "k", ExportOptions(target=target, quantize=keep))
     assert keep.requantized == 0 and keep.kept > 0
     assert manifest.quantization["types"] == ["Q4_K", "Q6_K"]
     graph = onnx.load(str(tmp_path / "k" / "decoder.onnx"), load_external_data=False)
@@ -87,7 +87,7 @@ def test_a_product_of_two_types_keeps_both(target, tmp_path):
 
 def test_keep_needs_a_gguf_source(tmp_path):
     with pytest.raises(ValueError, match="not a GGUF file"):
-        export_checkpoint_or_preset("tiny-decoder", tmp_path / "x", quantize="keep")
+        export_checkpoint_or_preset("tiny-decoder", tmp_path / "x", ExportOptions(quantize="keep"))
 
 
 def test_matrices_in_other_types_are_requantised_counted_and_reported(tmp_path, caplog, capsys):
@@ -113,5 +113,6 @@ def test_matrices_in_other_types_are_requantised_counted_and_reported(tmp_path, 
 def test_keep_refuses_a_float16_export(dtype, files, tmp_path):
     """The blocks keep float32 scales: a float16 export would have re-quantised every matrix."""
     with pytest.raises(ValueError, match=f"quantize='keep' with dtype='{dtype}'"):
-        export_checkpoint_or_preset(str(files["Q4_0"].path), tmp_path / "k", quantize="keep", dtype=dtype)
+        export_checkpoint_or_preset(str(files["Q4_0"].path), tmp_path / "k", ExportOptions(
+            quantize="keep", dtype=dtype))
     assert not (tmp_path / "k").exists()

@@ -5,7 +5,7 @@ accuracy level 4: int8 activations) and the torch-free runtime.
 Perplexity is read on the fixed text ``tfport parity --accuracy`` uses
 (``export/data/perplexity.txt``, 1,844 SmolLM2 tokens, which calibration never reads), against the
 float32 PyTorch module's perplexity on the same ids. The bounds are the targets (int4 within
-10% of float32; int8 within 3%), not the measured values (README: int8 asymmetric +0.1%, GPTQ int4 +7.9%):
+10% of float32; int8 within 3%), not the measured values (docs/benchmarks.md: int8 asymmetric +0.1%, GPTQ int4 +7.9%):
 a regression in the quantiser, the calibration or a lowering moves them past the bound. The
 exactness of each graph against its own dequantised weights is tested on tiny models
 (tests/export/test_quantize.py, test_calibrate.py).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.parity.accuracy import PERPLEXITY_TEXT, export_logits, perplexity, reference_logits
 
 # (quantize, calibration, symmetric, bound on perplexity / float32 perplexity)
@@ -43,8 +43,9 @@ def float_perplexity(smollm2, text_ids):
 def test_quantised_perplexity_meets_the_target(name, smollm2, text_ids, float_perplexity, tmp_path):
     quantize, calibration, symmetric, bound = SCHEMES[name]
     out = tmp_path / "export"
-    export_model(smollm2.model, out, target="ort", quantize=quantize, symmetric=symmetric,
-                 calibration=calibration, tokenizer=smollm2.tokenizer, validate=False)
+    export_model(smollm2.model, out, ExportOptions(target="ort", quantize=quantize, symmetric=symmetric,
+                                                   calibration=calibration, tokenizer=smollm2.tokenizer,
+                                                   validate=False))
     quantized = perplexity(export_logits(out, text_ids), text_ids)
     ratio = quantized / float_perplexity
     print(f"{name}: perplexity {quantized:.3f} vs float32 {float_perplexity:.3f} ({ratio:.3f}x)")

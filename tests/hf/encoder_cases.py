@@ -35,6 +35,8 @@ class EncoderCase:
 CASES = {case.name: case for case in [
     EncoderCase("roberta-mlm", "RobertaForMaskedLM", "RobertaConfig", dict(
         **SIZE, **ROBERTA_IDS, max_position_embeddings=66, type_vocab_size=1), seed=20),
+    EncoderCase("camembert-mlm", "CamembertForMaskedLM", "CamembertConfig", dict(
+        **SIZE, **ROBERTA_IDS, max_position_embeddings=66, type_vocab_size=1), seed=26),
     EncoderCase("xlmr-classifier", "XLMRobertaForSequenceClassification", "XLMRobertaConfig", dict(
         **SIZE, **ROBERTA_IDS, max_position_embeddings=66, type_vocab_size=1,
         id2label={0: "negative", 1: "neutral", 2: "positive"},

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.generation import GenerationDefaults
 from tfport.models.hf import hf_config_to_tfport, load_hf_model
 from tfport.runtime import load_model
@@ -105,7 +105,7 @@ def check_export_generates(hf, model, directory, encoder_ids, encoder_mask, step
     eos, vocab = model.config.eos_token_id, model.config.vocab_size
     generation = GenerationDefaults.from_hf(hf.generation_config.to_dict(), None, vocab)
     assert generation.forced_eos_token_ids == (eos,)
-    export_model(model, directory, generation=generation)  # validated against the imported module
+    export_model(model, directory, ExportOptions(generation=generation))  # validated against the imported module
     runtime = load_model(directory)
     rows = [ids[mask.bool()].tolist() for ids, mask in zip(encoder_ids, encoder_mask)]
     results = {}

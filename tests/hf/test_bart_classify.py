@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tfport.config import ModelConfig
-from tfport.export import export_checkpoint_or_preset, export_model
+from tfport.config_heads import ClassifierConfig
+from tfport.export import ExportOptions, export_checkpoint_or_preset, export_model
 from tfport.models.hf import load_hf_model
 from tfport.runtime import load_model
 from tfport.runtime.classify import classify_ids
@@ -97,15 +98,15 @@ def pairs_batch(tokenizer, premise: str, hypotheses: list[str]):
 @torch.no_grad()
 def test_config_maps_the_head(built):
     c = built.model.config
-    assert (c.family, c.classifier_pooling, c.classifier_activation, c.classifier_norm) == (
+    assert (c.family, c.classifier.pooling, c.classifier.activation, c.classifier.norm) == (
         "encoder-decoder", "last_eos", "tanh", False)
     saved = json.loads((built.checkpoint / "config.json").read_text()).get("id2label")
     expected = (3, tuple(MNLI.values())) if built.name == "bart" else (2, None if saved is None else
                                                                        ("LABEL_0", "LABEL_1"))
-    assert (c.n_labels, c.labels) == expected
+    assert (c.classifier.n_labels, c.classifier.labels) == expected
     assert not c.lm_head_bias and c.eos_token_id == EOS
     # mBART's shift_tokens_right starts the decoder from each row's last token (its language id)
-    assert c.classifier_decoder_start == ("last_token" if built.name == "mbart" else "start_token")
+    assert c.classifier.decoder_start == ("last_token" if built.name == "mbart" else "start_token")
 
 
 @torch.no_grad()
@@ -124,7 +125,7 @@ def test_export_classifies_ids_like_transformers(built, tmp_path):
     ids, mask = pairs_batch(built.tokenizer, PREMISE, HYPOTHESES)
     expected = built.hf(input_ids=ids, attention_mask=mask).logits.numpy()
     rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]  # ragged: the runtime pads them
-    export_model(built.model, tmp_path / "onnx23", target="onnx23")  # validated against the module
+    export_model(built.model, tmp_path / "onnx23", ExportOptions(target="onnx23"))  # validated against the module
     for directory in (built.export, tmp_path / "onnx23"):
         out = classify_ids(load_model(directory), rows)
         np.testing.assert_allclose(out.logits, expected, rtol=1e-4, atol=1e-5, err_msg=str(directory))
@@ -164,27 +165,28 @@ def test_rows_without_eos_and_other_uses_are_refused(built):
         runtime.encode([[0, 5, EOS]])
 
 
-def seq2seq_config(**changes) -> ModelConfig:
+def seq2seq_config(classifier: dict | None = None, **changes) -> ModelConfig:
+    """A small encoder-decoder config with ``changes``, and ``classifier`` ClassifierConfig's fields."""
     fields = dict(family="encoder-decoder", vocab_size=99, d_model=32, n_heads=4, d_ff=48, n_encoder_layers=1,
                   n_decoder_layers=1, pad_token_id=PAD, eos_token_id=EOS, decoder_start_token_id=EOS)
-    return ModelConfig(**{**fields, **changes})
+    return ModelConfig(**{**fields, **changes}, classifier=ClassifierConfig(**(classifier or {})))
 
 
 @pytest.mark.parametrize("changes, match", [
-    (dict(n_labels=3), r"classifier_pooling='cls': expected 'last_eos' for family 'encoder-decoder'"),
-    (dict(n_labels=3, classifier_pooling="last_eos", eos_token_id=None),
-     r"eos_token_id=None: expected a token id with classifier_pooling='last_eos'"),
-    (dict(family="encoder", n_decoder_layers=0, classifier_pooling="last_eos", n_labels=2),
-     r"classifier_pooling='last_eos': expected 'cls' or 'mean' for family 'encoder'"),
-    (dict(family="decoder", n_encoder_layers=0, n_labels=2),
-     r"n_labels=2: expected 0 unless family is 'encoder' or 'encoder-decoder'"),
-    (dict(classifier_decoder_start="last_token"),
-     r"classifier_decoder_start='last_token': expected 'start_token' unless an encoder-decoder has a "
+    (dict(classifier=dict(n_labels=3)), r"classifier\.pooling='cls': expected 'last_eos' for family 'encoder-decoder'"),
+    (dict(classifier=dict(n_labels=3, pooling="last_eos"), eos_token_id=None),
+     r"eos_token_id=None: expected a token id with classifier\.pooling='last_eos'"),
+    (dict(family="encoder", n_decoder_layers=0, classifier=dict(pooling="last_eos", n_labels=2)),
+     r"classifier\.pooling='last_eos': expected 'cls' or 'mean' for family 'encoder'"),
+    (dict(family="decoder", n_encoder_layers=0, classifier=dict(n_labels=2)),
+     r"classifier\.n_labels=2: expected 0 unless family is 'encoder' or 'encoder-decoder'"),
+    (dict(classifier=dict(decoder_start="last_token")),
+     r"classifier\.decoder_start='last_token': expected 'start_token' unless an encoder-decoder has a "
      r"classification head"),
-    (dict(n_labels=2, classifier_pooling="last_eos", classifier_decoder_start="first_token"),
-     r"classifier_decoder_start='first_token': expected one of \['start_token', 'last_token'\]"),
+    (dict(classifier=dict(n_labels=2, pooling="last_eos", decoder_start="first_token")),
+     r"classifier\.decoder_start='first_token': expected one of \['start_token', 'last_token'\]"),
 ])
 def test_config_refuses_other_classifier_layouts(changes, match):
     with pytest.raises(ValueError, match=match):
         seq2seq_config(**changes)
-    assert seq2seq_config(n_labels=3, classifier_pooling="last_eos").n_labels == 3
+    assert seq2seq_config(classifier=dict(n_labels=3, pooling="last_eos")).classifier.n_labels == 3

@@ -92,23 +92,25 @@ def test_module_matches_transformers(deberta, name, padding):
     close(out.last_hidden_state[real], expected["states"][real], f"{name} states")
     if model.config.mlm_head:
         close(out.logits[real], expected["head"][real], f"{name} mlm logits")
-    if model.config.n_labels and padding == "right":  # the head reads the first token
+    if model.config.classifier.n_labels and padding == "right":  # the head reads the first token
         close(out.class_logits, expected["head"], f"{name} class logits")
 
 
 def test_configs(deberta):
     config = deberta("v3-classifier")[3].config
-    assert (config.position, config.disentangled_buckets, config.disentangled_max_distance) == (
+    assert (config.position, config.disentangled.buckets, config.disentangled.max_distance) == (
         "disentangled", 8, 16)
-    assert config.relative_terms == ("c2p", "p2c") and config.softmax_scale == pytest.approx((8 * 3) ** -0.5)
-    assert (config.n_labels, config.labels, config.classifier_activation) == (3, ("a", "b", "c"), "gelu")
+    assert config.disentangled.effective_terms == ("c2p", "p2c")
+    assert config.softmax_scale == pytest.approx((8 * 3) ** -0.5)
+    head = config.classifier
+    assert (head.n_labels, head.labels, head.activation) == (3, ("a", "b", "c"), "gelu")
     assert config.norm_position == "post" and config.embedding_norm and not config.pooler
     clipped = deberta("c2p-clipped-types")[3].config
-    assert (clipped.disentangled_buckets, clipped.disentangled_max_distance, clipped.relative_terms) == (
-        None, 6, ("c2p",))
-    assert (clipped.type_vocab_size, clipped.classifier_activation, clipped.n_labels) == (2, "tanh", 1)
+    part = clipped.disentangled
+    assert (part.buckets, part.max_distance, part.effective_terms) == (None, 6, ("c2p",))
+    assert (clipped.type_vocab_size, clipped.classifier.activation, clipped.classifier.n_labels) == (2, "tanh", 1)
     default = deberta("p2c-default-distance")[3].config  # max_relative_positions -1: the table size
-    assert (default.disentangled_max_distance, default.relative_terms) == (20, ("p2c",))
+    assert (default.disentangled.max_distance, default.disentangled.effective_terms) == (20, ("p2c",))
     assert default.mlm_head and default.tie_embeddings
 
 
@@ -120,11 +122,11 @@ EXPORTS = [("v3-mlm", "portable"), ("v3-classifier", "portable"), ("v3-mlm-lm-pr
 def test_export_runtime_matches_transformers(deberta, tmp_path, name, target):
     """The export of the directory (validated against the module on left/right-padded cases by
     export itself) under the runtime: encode on both paddings, classify on text."""
-    from tfport.export import export_checkpoint_or_preset
+    from tfport.export import ExportOptions, export_checkpoint_or_preset
     from tfport.runtime import load_model
 
     case, hf, directory, _ = deberta(name)
-    export_checkpoint_or_preset(str(directory), tmp_path / "export", target=target)
+    export_checkpoint_or_preset(str(directory), tmp_path / "export", ExportOptions(target=target))
     model = load_model(tmp_path / "export", "cpu")
     for padding in ("right", "left"):
         feeds = inputs(case, padding, seed=52)
@@ -140,7 +142,7 @@ def test_export_runtime_matches_transformers(deberta, tmp_path, name, target):
                 close(got, want, f"{name} {target} {padding} mlm logits row {row}")
         elif padding == "right":
             close(out.class_logits, expected["head"], f"{name} {target} class logits")
-    if model.config.n_labels:
+    if model.config.classifier.n_labels:
         texts, pairs = ["w5 w9 w17 w30 w31 w32 w33", "w40 w41"], ["w7 w8", "w90 w91 w92 w93 w60 w61"]
         tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
         encoded = tokenizer(texts, pairs, padding=True, return_tensors="pt",
@@ -151,10 +153,10 @@ def test_export_runtime_matches_transformers(deberta, tmp_path, name, target):
 
 
 def test_ort_target_refuses(deberta, tmp_path):
-    from tfport.export import export_model
+    from tfport.export import ExportOptions, export_model
 
     with pytest.raises(ValueError, match="target='ort'.*family='encoder'"):
-        export_model(deberta("v3-model")[3], tmp_path / "ort", target="ort")
+        export_model(deberta("v3-model")[3], tmp_path / "ort", ExportOptions(target="ort"))
 
 
 REFUSED = [  # (changed config.json fields, the field the error names)

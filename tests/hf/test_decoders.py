@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tfport.contract import Manifest
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.targets import TARGETS
 from tfport.models.positions import positions_from_mask
 from tfport.runtime import load_model
@@ -53,7 +53,8 @@ def exported(imported, tmp_path_factory):
             # concat-layout graphs are compared with transformers directly below; the export-time
             # check against the module is kept where the runtime is the only driver (inplace).
             validate = TARGETS[target].layout != "concat"
-            cache[name, target] = (it, out, export_model(it.model, out, target=target, validate=validate))
+            options = ExportOptions(target=target, validate=validate)
+            cache[name, target] = (it, out, export_model(it.model, out, options))
         return cache[name, target]
 
     return get
@@ -152,7 +153,7 @@ def test_generation_config_eos_list_and_defaults(imported, tmp_path):
     import subprocess
     import sys
 
-    from tfport.export import export_checkpoint_or_preset
+    from tfport.export import ExportOptions, export_checkpoint_or_preset
     from tfport.generation import GENERATION_CONFIG_FILE
 
     it = imported("llama3")
@@ -163,7 +164,7 @@ def test_generation_config_eos_list_and_defaults(imported, tmp_path):
     (checkpoint / GENERATION_CONFIG_FILE).write_text(json.dumps(
         {"eos_token_id": [2, first, 9], "do_sample": False, "temperature": 0.6, "top_p": 0.9}))
     out = tmp_path / "export"
-    export_checkpoint_or_preset(str(checkpoint), out, validate=False)
+    export_checkpoint_or_preset(str(checkpoint), out, ExportOptions(validate=False))
     model = load_model(out)
     assert model.stop_ids() == (2, first, 9)
     assert model.sampling() == {"temperature": 0.0, "top_k": 0, "top_p": 1.0}  # do_sample false
@@ -179,5 +180,5 @@ def test_generation_config_eos_list_and_defaults(imported, tmp_path):
     assert len(overridden[0].split(",")) == 3
     sampled = json.loads((checkpoint / GENERATION_CONFIG_FILE).read_text())
     (checkpoint / GENERATION_CONFIG_FILE).write_text(json.dumps({**sampled, "do_sample": True}))
-    export_checkpoint_or_preset(str(checkpoint), tmp_path / "sampled", validate=False)
+    export_checkpoint_or_preset(str(checkpoint), tmp_path / "sampled", ExportOptions(validate=False))
     assert load_model(tmp_path / "sampled").sampling() == {"temperature": 0.6, "top_k": 50, "top_p": 0.9}

@@ -60,21 +60,22 @@ def test_module_matches_transformers(imported, name, padding):
     close(out.last_hidden_state, expected["last_hidden_state"], f"{name} states", real)
     if model.config.mlm_head:
         close(out.logits, expected["head"], f"{name} mlm logits", real)
-    if model.config.n_labels and padding == "right":  # the head reads the first token
+    if model.config.classifier.n_labels and padding == "right":  # the head reads the first token
         close(out.class_logits, expected["head"], f"{name} class logits")
 
 
 def test_configs(imported):
     _, _, _, xlmr = imported("xlmr-classifier")
     config = xlmr.config
-    assert (config.n_labels, config.labels) == (3, ("negative", "neutral", "positive"))
+    assert (config.classifier.n_labels, config.classifier.labels) == (3, ("negative", "neutral", "positive"))
     assert config.type_vocab_size == 0 and config.max_positions == 64 and config.pad_token_id == 1
     assert not config.pooler and not config.mlm_head
-    assert imported("roberta-reranker")[3].config.n_labels == 1
+    assert imported("roberta-reranker")[3].config.classifier.n_labels == 1
     bert = imported("bert-classifier")[3].config
-    assert bert.n_labels == 2 and not bert.pooler and bert.type_vocab_size == 2
+    assert bert.classifier.n_labels == 2 and not bert.pooler and bert.type_vocab_size == 2
     distil = imported("distilbert-classifier")[3].config
-    assert (distil.n_labels, distil.labels, distil.classifier_activation) == (2, ("no", "yes"), "relu")
+    head = distil.classifier
+    assert (head.n_labels, head.labels, head.activation) == (2, ("no", "yes"), "relu")
     assert distil.type_vocab_size == 0 and not distil.pooler
 
 
@@ -92,7 +93,7 @@ def test_export_runtime_matches_transformers(imported, tmp_path, name):
     expected = hf_outputs(hf, ids, mask)
     out = model.encode(ids.numpy(), mask.numpy())
     close(out.last_hidden_state, expected["last_hidden_state"], f"{name} onnx states", mask.bool().numpy())
-    if not model.config.n_labels:
+    if not model.config.classifier.n_labels:
         close(out.logits, expected["head"], f"{name} onnx mlm logits", mask.bool().numpy())
         with pytest.raises(ValueError, match="no sequence classification head"):
             model.classify("w5 w6")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tfport.export.exporter import export_checkpoint_or_preset
+from tfport.export.exporter import ExportOptions, export_checkpoint_or_preset
 from tfport.models.checkpoint import save_checkpoint
 from tfport.models.hf import hf_config_to_tfport, is_hf_checkpoint, load_hf_model
 
@@ -188,7 +188,7 @@ def test_export_entry_point_takes_hf_directory(imported, tmp_path):
 
     directory = shutil.copytree(imported("bloom").directory, tmp_path / "bloom")
     Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1}, unk_token="[UNK]")).save(str(directory / "tokenizer.json"))
-    manifest = export_checkpoint_or_preset(str(directory), tmp_path / "out", validate=False)
+    manifest = export_checkpoint_or_preset(str(directory), tmp_path / "out", ExportOptions(validate=False))
     assert manifest.config.position == "alibi" and manifest.tokenizer == "tokenizer.json"
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (directory / "tokenizer.json").read_bytes()
 
@@ -201,7 +201,7 @@ LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidde
 def test_llama_config_legacy_rope_fields():
     """transformers 4 wrote rope_theta and rope_scaling at the top level."""
     config = hf_config_to_tfport({**LLAMA, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 4.0}})
-    assert (config.rope_theta, config.rope_scaling, config.rope_scaling_factor) == (5e5, "linear", 4.0)
+    assert (config.rope.theta, config.rope.scaling, config.rope.scaling_factor) == (5e5, "linear", 4.0)
     assert (config.n_kv_heads, config.norm, config.gated_ffn, config.tie_embeddings) == (2, "rmsnorm", True, False)
 
 
@@ -216,7 +216,7 @@ def test_mistral_sliding_window_is_kept_in_the_graph():
     """The window is the attention's (every layer), not a cap on max_positions."""
     config = hf_config_to_tfport({**LLAMA, "model_type": "mistral", "max_position_embeddings": 32768,
                                   "sliding_window": 4096})
-    assert (config.max_positions, config.sliding_window, config.local_layers) == (32768, 4096, None)
+    assert (config.max_positions, config.window.size, config.window.layers) == (32768, 4096, None)
 
 
 def test_llama3_rope_both_config_generations():
@@ -225,7 +225,7 @@ def test_llama3_rope_both_config_generations():
     new = hf_config_to_tfport({**LLAMA, "rope_parameters": {**llama3, "rope_theta": 5e5}})
     old = hf_config_to_tfport({**LLAMA, "rope_theta": 5e5, "rope_scaling": llama3})
     assert new == old
-    assert (new.rope_scaling, new.rope_scaling_factor, new.rope_original_max_positions, new.rope_theta) == \
+    assert (new.rope.scaling, new.rope.scaling_factor, new.rope.original_max_positions, new.rope.theta) == \
         ("llama3", 8.0, 8192, 5e5)
 
 
@@ -278,8 +278,8 @@ def test_gemma_windows_without_layer_types(model_type, pattern, expected):
     if pattern is not None:
         hf["sliding_window_pattern"] = pattern
     config = hf_config_to_tfport(hf)
-    assert config.sliding_window == 8
-    assert (config.local_layers or tuple(range(4))) == expected
+    assert config.window.size == 8
+    assert (config.window.layers or tuple(range(4))) == expected
 
 
 def test_gemma3_legacy_rope_fields():
@@ -288,7 +288,7 @@ def test_gemma3_legacy_rope_fields():
     hf = {**LLAMA, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8, "rope_theta": 1e6,
           "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
     config = hf_config_to_tfport(hf)
-    assert (config.rope_theta, config.rope_scaling, config.rope_scaling_factor, config.rope_local_theta) == \
+    assert (config.rope.theta, config.rope.scaling, config.rope.scaling_factor, config.rope.local_theta) == \
         (1e6, "linear", 8.0, 1e4)
 
 
@@ -327,8 +327,8 @@ def test_partial_rotary_left_out_takes_transformers_default(model_type, cls):
 
 def test_a_llama_config_with_a_sliding_window_has_none():
     """transformers' Llama never reads sliding_window (Mistral does)."""
-    assert hf_config_to_tfport({**LLAMA, "sliding_window": 4}).sliding_window is None
-    assert hf_config_to_tfport({**LLAMA, "model_type": "mistral", "sliding_window": 4}).sliding_window == 4
+    assert hf_config_to_tfport({**LLAMA, "sliding_window": 4}).window.size is None
+    assert hf_config_to_tfport({**LLAMA, "model_type": "mistral", "sliding_window": 4}).window.size == 4
 
 
 def test_phi3_original_length_is_the_top_level_field():
@@ -337,7 +337,7 @@ def test_phi3_original_length_is_the_top_level_field():
     for top in ({}, {"original_max_position_embeddings": 16}):
         hf = {**LLAMA, "model_type": "phi3", "max_position_embeddings": 64, "rope_parameters": dict(rope), **top}
         expected = _resolved("Phi3Config", hf).rope_parameters["original_max_position_embeddings"]
-        assert hf_config_to_tfport(hf).rope_original_max_positions == expected == top.get(
+        assert hf_config_to_tfport(hf).rope.original_max_positions == expected == top.get(
             "original_max_position_embeddings", 4096)
 
 

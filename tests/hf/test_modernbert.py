@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from tfport.config_window import WindowConfig
 from tfport.models import build_model
 from tfport.models.hf import hf_config_to_tfport, load_hf_model
 from tfport.models.masks import attention_bias
@@ -138,28 +139,29 @@ def test_module_matches_transformers(imported, name, padding):
     close(out.last_hidden_state, expected["states"], f"{name} states", real)
     if model.config.mlm_head:
         close(out.logits, expected["head"], f"{name} mlm logits", real)
-    elif padding == "right" or model.config.classifier_pooling == "mean":  # cls reads slot 0
+    elif padding == "right" or model.config.classifier.pooling == "mean":  # cls reads slot 0
         close(out.class_logits, expected["head"], f"{name} class logits")
 
 
 def test_configs(imported):
     mlm = imported("mlm")[3].config
-    assert (mlm.sliding_window, mlm.local_layers, mlm.rope_theta, mlm.rope_local_theta) == (4, (1, 2), 160000.0, 100.0)
+    assert (mlm.window.size, mlm.window.layers, mlm.rope.theta, mlm.rope.local_theta) == (4, (1, 2), 160000.0, 100.0)
     assert mlm.mlm_head and not mlm.first_attn_norm and mlm.gated_ffn and not mlm.attention_bias
     biased = imported("classifier-biased")[3].config  # read from the legacy layout
-    assert (biased.sliding_window, biased.local_layers, biased.rope_theta, biased.rope_local_theta) == \
+    assert (biased.window.size, biased.window.layers, biased.rope.theta, biased.rope.local_theta) == \
         (5, (1, 3), 1000.0, 50.0)
-    assert (biased.n_labels, biased.classifier_pooling, biased.classifier_activation, biased.activation) == \
+    head = biased.classifier
+    assert (head.n_labels, head.pooling, head.activation, biased.activation) == \
         (3, "mean", "tanh", "gelu_tanh")
     cls = imported("classifier-cls")[3].config
-    assert (cls.labels, cls.classifier_norm, cls.tie_embeddings) == (("no", "yes"), True, False)
+    assert (cls.classifier.labels, cls.classifier.norm, cls.tie_embeddings) == (("no", "yes"), True, False)
 
 
 def test_window_and_local_base_matter(imported):
     """Without the window and the local RoPE base the module no longer matches: the cases test them."""
     _, hf, _, model = imported("mlm")
     ids, mask = batch("right", seed=51)
-    plain = build_model(model.config.replace(sliding_window=None, local_layers=None, rope_local_theta=None))
+    plain = build_model(model.config.replace(window=WindowConfig(), rope=model.config.rope.replace(local_theta=None)))
     plain.load_state_dict(model.state_dict())
     with torch.no_grad():
         gap = (plain(ids, mask).last_hidden_state - hf_outputs(hf, ids, mask)["states"]).abs()
@@ -183,11 +185,11 @@ def test_attention_bias_function_matches_reference(causal):
 @pytest.mark.parametrize("target", ["portable", "onnx23"])
 @pytest.mark.parametrize("name", ["mlm", "classifier-biased"])
 def test_export_runtime_matches_transformers(imported, tmp_path, name, target):
-    from tfport.export import export_model
+    from tfport.export import ExportOptions, export_model
     from tfport.runtime import load_model
 
     _, hf, _, module = imported(name)
-    export_model(module, tmp_path / "export", target=target)
+    export_model(module, tmp_path / "export", ExportOptions(target=target))
     model = load_model(tmp_path / "export", "cpu")
     ids, mask = batch("right", seed=52)
     expected = hf_outputs(hf, ids, mask)
@@ -202,11 +204,11 @@ def test_export_runtime_matches_transformers(imported, tmp_path, name, target):
 
 def test_classify_text_matches_transformers(imported, tmp_path):
     """``classify`` on text through the exported tokenizer: labels and logits of transformers."""
-    from tfport.export import export_model
+    from tfport.export import ExportOptions, export_model
     from tfport.runtime import load_model
 
     _, hf, directory, module = imported("classifier-cls")
-    export_model(module, tmp_path / "export", tokenizer=directory / "tokenizer.json")
+    export_model(module, tmp_path / "export", ExportOptions(tokenizer=directory / "tokenizer.json"))
     model = load_model(tmp_path / "export", "cpu")
     texts = ["w5 w9 w17 w30 w31 w32 w33 w34 w35 w36", "w40 w41"]
     result = model.classify(texts)
@@ -245,7 +247,7 @@ def test_ignored_fields_and_all_global_layers():
     window (and the local base, which no layer uses)."""
     config = hf_config_to_tfport({**BASE, "deterministic_flash_attn": True, "reference_compile": True,
                                   "sparse_prediction": True, "global_attn_every_n_layers": 1})
-    assert config.sliding_window is None and config.rope_local_theta is None
+    assert config.window.size is None and config.rope.local_theta is None
 
 
 def test_first_attn_norm_and_encoder_windows_are_validated(imported):
@@ -253,6 +255,6 @@ def test_first_attn_norm_and_encoder_windows_are_validated(imported):
     with pytest.raises(ValueError, match=r"config\.first_attn_norm=False"):
         config.replace(norm_position="post")
     t5 = dict(family="encoder-decoder", vocab_size=8, d_model=8, n_heads=2, d_ff=8, n_encoder_layers=1,
-              n_decoder_layers=1, decoder_start_token_id=0, position="relative", sliding_window=4)
-    with pytest.raises(ValueError, match=r"config\.sliding_window=4"):
+              n_decoder_layers=1, decoder_start_token_id=0, position="relative", window=WindowConfig(size=4))
+    with pytest.raises(ValueError, match=r"config\.window\.size=4"):
         type(config)(**t5)

@@ -76,7 +76,7 @@ def test_config_maps_the_variant(pair):
     assert (c.family, c.position, c.norm, c.attention_scale) == ("encoder-decoder", "relative", "rmsnorm", 1.0)
     assert c.gated_ffn == proj.startswith("gated") and c.tie_embeddings == (not own_head)
     assert c.lm_head_scale == (32**-0.5 if tie else 1.0)
-    assert (c.relative_buckets, c.relative_max_distance, c.n_decoder_layers) == (8, 20, 3)
+    assert (c.relative.buckets, c.relative.max_distance, c.n_decoder_layers) == (8, 20, 3)
 
 
 @torch.no_grad()

@@ -134,7 +134,7 @@ def test_self_attention_module_matches_reference(case: ModuleCase):
     if p:
         past = (torch.randn(b, hkv, p, d, generator=gen), torch.randn(b, hkv, p, d, generator=gen))
     positions = torch.tensor([list(range(p, p + s)), [0] + list(range(s - 1))])  # [B, S]
-    inv_freq = reference_inv_freq(d, config.rope_theta) if case.rope else None
+    inv_freq = reference_inv_freq(d, config.rope.theta) if case.rope else None
     rope = rope_cos_sin(positions, inv_freq.float()) if case.rope else None
 
     out, (k, v) = attn(x, as_bias(keep), rope=rope, past=past)

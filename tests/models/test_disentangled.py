@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tfport.config_relative import DisentangledConfig
 from tfport.models.attention import Attention
 from tfport.models.disentangled import DisentangledBias, index_table, relative_index
 
@@ -25,7 +26,7 @@ def disentangled(**changes):
 def test_row_table_matches_transformers(buckets, distance):
     """Row of relative position r, for |r| up to 5 M: transformers buckets r (when it has buckets)
     and clips r + R to [0, 2R - 1] at each use; tfport tables [-M, M] and clips r to it."""
-    table = index_table(disentangled(disentangled_buckets=buckets, disentangled_max_distance=distance))
+    table = index_table(disentangled(disentangled=DisentangledConfig(buckets=buckets, max_distance=distance)))
     span = buckets or distance
     relative = torch.arange(-5 * distance, 5 * distance + 1)
     expected = relative
@@ -38,7 +39,7 @@ def test_row_table_matches_transformers(buckets, distance):
 
 def test_relative_index_uses_slots():
     """Queries are the last S of T slots: entry (s, t) is the row of (T - S + s) - t."""
-    table = index_table(disentangled(disentangled_buckets=None, disentangled_max_distance=3))  # rows 0..5
+    table = index_table(disentangled(disentangled=DisentangledConfig(buckets=None, max_distance=3)))  # rows 0..5
     index = relative_index(table, 2, 5)
     # i - t for i = 3, 4 and t = 0..4, clipped to [-3, 2] after the shift by R = 3
     assert index.tolist() == [[5, 5, 4, 3, 2], [5, 5, 5, 4, 3]]
@@ -57,7 +58,7 @@ def einsum_terms(q, k, pos_query, pos_key, index, terms):
 
 @pytest.mark.parametrize("terms", [("c2p", "p2c"), ("c2p",), ("p2c",)])
 def test_terms_match_einsum(terms):
-    config = disentangled(disentangled_buckets=8, disentangled_max_distance=10, disentangled_terms=terms)
+    config = disentangled(disentangled=DisentangledConfig(buckets=8, max_distance=10, terms=terms))
     torch.manual_seed(0)
     attn = Attention(config).eval()
     relative = torch.randn(16, config.d_model)  # [2R, E]
@@ -75,13 +76,13 @@ def test_terms_match_einsum(terms):
 
 
 @pytest.mark.parametrize("changes, field", [
-    (dict(disentangled_buckets=7), "disentangled_buckets"),
-    (dict(disentangled_buckets=2), "disentangled_buckets"),
-    (dict(disentangled_buckets=8, disentangled_max_distance=5), "disentangled_max_distance"),
-    (dict(disentangled_buckets=None, disentangled_max_distance=0), "disentangled_max_distance"),
-    (dict(disentangled_terms=("c2p", "c2p")), "disentangled_terms"),
-    (dict(disentangled_terms=("p2p",)), "disentangled_terms"),
-    (dict(disentangled_terms=()), "disentangled_terms"),
+    ({"disentangled.buckets": 7}, "disentangled.buckets"),
+    ({"disentangled.buckets": 2}, "disentangled.buckets"),
+    ({"disentangled.buckets": 8, "disentangled.max_distance": 5}, "disentangled.max_distance"),
+    ({"disentangled.buckets": None, "disentangled.max_distance": 0}, "disentangled.max_distance"),
+    ({"disentangled.terms": ("c2p", "c2p")}, "disentangled.terms"),
+    ({"disentangled.terms": ("p2p",)}, "disentangled.terms"),
+    ({"disentangled.terms": ()}, "disentangled.terms"),
     (dict(n_kv_heads=2), "n_kv_heads"),
 ])
 def test_config_refusals(changes, field):
@@ -92,9 +93,9 @@ def test_config_refusals(changes, field):
 def test_config_refuses_other_families_and_stray_fields():
     with pytest.raises(ValueError, match=r"config\.position='disentangled'.*family 'encoder'"):
         tiny("tiny-decoder", position="disentangled")
-    with pytest.raises(ValueError, match=r"config\.disentangled_buckets=8: expected the default unless "
+    with pytest.raises(ValueError, match=r"config\.disentangled\.buckets=8: expected the default unless "
                                          r"position='disentangled'"):
-        tiny("tiny-encoder", disentangled_buckets=8)
-    config = disentangled(disentangled_terms=("p2c",), disentangled_buckets=None)
+        tiny("tiny-encoder", disentangled=DisentangledConfig(buckets=8))
+    config = disentangled(disentangled=DisentangledConfig(terms=("p2c",), buckets=None))
     assert config.softmax_scale == pytest.approx((config.dim_per_head * 2) ** -0.5)
     assert type(config).from_json(config.to_json()) == config

@@ -4,16 +4,20 @@ the same weights without it)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnx
 import pytest
 import torch
 
 from tfport import get_preset
+from tfport.config_dropout import DropoutConfig
+from tfport.config_heads import ClassifierConfig
 from tfport.export import export_model
 from tfport.models import build_model
 
-DROPOUT = dict(embedding_dropout=0.1, attention_dropout=0.2, residual_dropout=0.1, ffn_dropout=0.3)
+DROPOUT = DropoutConfig(embedding=0.1, attention=0.2, residual=0.1, ffn=0.3)
 PRESETS = ["tiny-encoder", "tiny-decoder", "tiny-encoder-decoder"]
 
 
@@ -28,7 +32,7 @@ def run(model, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_dropout_in_train_mode_only(preset):
     config = get_preset(preset)
-    plain, dropped = build_model(config, seed=0), build_model(config.replace(**DROPOUT), seed=0)
+    plain, dropped = build_model(config, seed=0), build_model(config.replace(dropout=DROPOUT), seed=0)
     ids = torch.randint(3, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = run(plain, ids)
@@ -45,8 +49,8 @@ def test_each_dropout_acts_where_configured():
     """Each probability alone changes train-mode outputs (it reaches its module)."""
     config = get_preset("tiny-decoder")
     ids = torch.randint(3, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
-    for field, p in DROPOUT.items():
-        model = build_model(config.replace(**{field: p}), seed=0).train()
+    for field, p in dataclasses.asdict(DROPOUT).items():
+        model = build_model(config.replace(dropout=DropoutConfig(**{field: p})), seed=0).train()
         with torch.no_grad():
             assert not torch.equal(model(ids)[0], model(ids)[0]), field
 
@@ -67,7 +71,7 @@ def graphs(directory) -> dict[str, tuple]:
 @pytest.mark.parametrize("preset", PRESETS)
 def test_exported_graphs_identical_with_and_without_dropout(preset, tmp_path):
     config = get_preset(preset)
-    dropped = build_model(config.replace(**DROPOUT), seed=0).train()  # export puts it in eval mode
+    dropped = build_model(config.replace(dropout=DROPOUT), seed=0).train()  # export puts it in eval mode
     export_model(build_model(config, seed=0), tmp_path / "plain")
     export_model(dropped, tmp_path / "dropout")
     assert not dropped.training
@@ -78,17 +82,18 @@ def test_exported_graphs_identical_with_and_without_dropout(preset, tmp_path):
         assert not any(b"Dropout" in node for node in with_dropout[name][0])
 
 
-@pytest.mark.parametrize("field", list(DROPOUT))
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(DropoutConfig)])
 @pytest.mark.parametrize("value", [-0.1, 1.0, True, "0.1"])
 def test_dropout_is_validated(field, value):
-    with pytest.raises(ValueError, match=rf"config\.{field}=.*a probability in \[0, 1\)"):
-        get_preset("tiny-decoder").replace(**{field: value})
+    with pytest.raises(ValueError, match=rf"config\.dropout\.{field}=.*a probability in \[0, 1\)"):
+        get_preset("tiny-decoder").replace(dropout=DropoutConfig(**{field: value}))
 
 
 def test_config_round_trip_keeps_dropout_and_labels():
     from tfport import ModelConfig
 
-    config = get_preset("tiny-encoder").replace(**DROPOUT, n_labels=2, labels=("no", "yes"))
+    config = get_preset("tiny-encoder").replace(dropout=DROPOUT,
+                                                classifier=ClassifierConfig(n_labels=2, labels=("no", "yes")))
     again = ModelConfig.from_json(config.to_json())
     assert again == config and hash(again) == hash(config)
-    np.testing.assert_equal(again.labels, ("no", "yes"))
+    np.testing.assert_equal(again.classifier.labels, ("no", "yes"))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tfport.config_rope import RopeConfig
 from tfport.models.positions import (alibi_bias, alibi_slopes, apply_rope, positions_from_mask,
                                      relative_bias, relative_position_bucket, rope_cos_sin,
                                      rope_inv_freq, sinusoidal_table)
@@ -98,15 +99,15 @@ class InvFreqCase:
 
 INV_FREQ_CASES = [
     InvFreqCase("plain", {}, lambda d, t, f: [t ** (-2 * i / d) for i in range(d // 2)]),
-    InvFreqCase("plain-theta-500k-d16", {"rope_theta": 500000.0, "head_dim": 16},
+    InvFreqCase("plain-theta-500k-d16", {"rope.theta": 500000.0, "head_dim": 16},
                 lambda d, t, f: [t ** (-2 * i / d) for i in range(d // 2)]),
     # Position interpolation (Chen et al. 2023): positions m -> m / factor.
-    InvFreqCase("linear-x4", {"rope_scaling": "linear", "rope_scaling_factor": 4.0},
+    InvFreqCase("linear-x4", {"rope.scaling": "linear", "rope.scaling_factor": 4.0},
                 lambda d, t, f: [t ** (-2 * i / d) / f for i in range(d // 2)]),
     # NTK-aware scaling (bloc97, 2023): base theta -> theta * factor^(D / (D - 2)).
-    InvFreqCase("ntk-x2", {"rope_scaling": "ntk", "rope_scaling_factor": 2.0},
+    InvFreqCase("ntk-x2", {"rope.scaling": "ntk", "rope.scaling_factor": 2.0},
                 lambda d, t, f: [(t * f ** (d / (d - 2))) ** (-2 * i / d) for i in range(d // 2)]),
-    InvFreqCase("ntk-x8-d16", {"rope_scaling": "ntk", "rope_scaling_factor": 8.0, "head_dim": 16},
+    InvFreqCase("ntk-x8-d16", {"rope.scaling": "ntk", "rope.scaling_factor": 8.0, "head_dim": 16},
                 lambda d, t, f: [(t * f ** (d / (d - 2))) ** (-2 * i / d) for i in range(d // 2)]),
 ]
 
@@ -114,7 +115,7 @@ INV_FREQ_CASES = [
 @pytest.mark.parametrize("case", INV_FREQ_CASES, ids=lambda c: c.name)
 def test_rope_inv_freq_matches_formula(case: InvFreqCase):
     config = tiny("tiny-decoder", **case.changes)
-    d, theta, factor = config.dim_per_head, config.rope_theta, config.rope_scaling_factor
+    d, theta, factor = config.dim_per_head, config.rope.theta, config.rope.scaling_factor
     expected = torch.tensor(case.expected(d, theta, factor), dtype=torch.float64)
     got = rope_inv_freq(config)
     assert got.shape == (d // 2,) and got.dtype == torch.float32
@@ -123,19 +124,19 @@ def test_rope_inv_freq_matches_formula(case: InvFreqCase):
 
 def test_linear_scaling_is_position_interpolation():
     # Rotating at position m with factor f equals rotating at position m / f without scaling.
-    config = tiny("tiny-decoder", rope_scaling="linear", rope_scaling_factor=4.0)
+    config = tiny("tiny-decoder", rope=RopeConfig(scaling="linear", scaling_factor=4.0))
     x = torch.randn(1, 2, 3, config.dim_per_head, generator=torch.Generator().manual_seed(2))
     positions = torch.tensor([[4, 10, 33]])
     got = apply_rope(x, *rope_cos_sin(positions, rope_inv_freq(config)))
-    expected = reference_rope(x, positions / 4.0, reference_inv_freq(config.dim_per_head, config.rope_theta))
+    expected = reference_rope(x, positions / 4.0, reference_inv_freq(config.dim_per_head, config.rope.theta))
     assert_close(got, expected, "linear x4")
 
 
 def test_ntk_scaling_keeps_highest_and_interpolates_lowest_frequency():
     # The defining property of NTK-aware scaling: channel 0 untouched, the last channel pair
     # slowed by exactly the factor (interpolated), the ones between blended.
-    config = tiny("tiny-decoder", rope_scaling="ntk", rope_scaling_factor=8.0, head_dim=16)
-    plain = reference_inv_freq(16, config.rope_theta)
+    config = tiny("tiny-decoder", rope=RopeConfig(scaling="ntk", scaling_factor=8.0), head_dim=16)
+    plain = reference_inv_freq(16, config.rope.theta)
     got = rope_inv_freq(config)  # float32
     assert_close(got[0], plain[0], "highest frequency")
     assert_close(got[-1], plain[-1] / 8.0, "lowest frequency")
@@ -241,14 +242,14 @@ def test_relative_buckets_in_range_for_every_accepted_config(bidirectional):
     accepted = 0
     for max_distance in range(1, 40):
         try:
-            config = tiny("tiny-encoder-decoder-t5", relative_max_distance=max_distance)
+            config = tiny("tiny-encoder-decoder-t5", **{"relative.max_distance": max_distance})
         except ValueError as err:
-            assert "relative_max_distance" in str(err)
+            assert "relative.max_distance" in str(err)
             continue
         accepted += 1
-        buckets = relative_position_bucket(torch.arange(-60, 61), bidirectional, config.relative_buckets,
-                                           config.relative_max_distance)
-        assert ((buckets >= 0) & (buckets < config.relative_buckets)).all(), (max_distance, buckets.tolist())
+        buckets = relative_position_bucket(torch.arange(-60, 61), bidirectional, config.relative.buckets,
+                                           config.relative.max_distance)
+        assert ((buckets >= 0) & (buckets < config.relative.buckets)).all(), (max_distance, buckets.tolist())
     assert accepted > 30
 
 

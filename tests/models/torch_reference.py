@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from tests.changes import changed
 from tfport.config import ModelConfig
 from tfport.models import build_model
 from tfport.presets import PRESETS
@@ -34,8 +35,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -
 
 
 def tiny(preset: str, **changes) -> ModelConfig:
-    """A tiny preset with ``changes`` applied (validated again)."""
-    return PRESETS[preset].replace(**changes)
+    """A tiny preset with ``changes`` applied (validated again); a part's field is named by its
+    path: ``tiny("tiny-decoder", **{"rope.theta": 1e5})`` (tests.changes)."""
+    return changed(PRESETS[preset], changes)
 
 
 @functools.lru_cache(maxsize=None)

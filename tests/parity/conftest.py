@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.parity import cuda_available
 from tfport.models import build_model
 
@@ -33,7 +33,7 @@ def exported(tmp_path_factory):
         if key not in cache:
             model = build_model(config, seed=1234)
             out = tmp_path_factory.mktemp("parity") / "export"
-            export_model(model, out, dtype=dtype, target=target, validate=False, kv_dtype=kv_dtype)
+            export_model(model, out, ExportOptions(dtype=dtype, target=target, validate=False, kv_dtype=kv_dtype))
             cache[key] = (model, out)
         return cache[key]
 

@@ -14,7 +14,7 @@ import onnx
 import pytest
 
 from tests.matrix import ort_config
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.parity import CASES, Runner, first_divergence
 from tfport.export.quantize import QuantScheme, fake_quantize
 from tfport.export.targets import TARGETS
@@ -26,7 +26,7 @@ SCHEME = QuantScheme(4, 16, symmetric=False)
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_taps_of_a_quantised_export_match_the_fake_quantised_reference(target, tmp_path):
     model = build_model(ort_config("gqa"), seed=7)
-    export_model(model, tmp_path / "q", target=target, quantize=SCHEME, validate=False)
+    export_model(model, tmp_path / "q", ExportOptions(target=target, quantize=SCHEME, validate=False))
     runner = Runner(fake_quantize(model, SCHEME), tmp_path / "q")
     case = next(c for c in CASES if c.past and c.new == 1)  # a decode step with a past
     assert all(r.ok for r in runner.run(case)), [r.describe() for r in runner.run(case)]
@@ -43,7 +43,7 @@ def test_a_quantised_export_with_external_data_is_run_in_place(target, tmp_path)
     from tfport.export.quantized_graph import exact_graph
 
     model = build_model(ort_config("gqa"), seed=7)
-    export_model(model, tmp_path / "q", target=target, quantize=SCHEME, external_data_threshold=0)
+    export_model(model, tmp_path / "q", ExportOptions(target=target, quantize=SCHEME, external_data_threshold=0))
     graph, data = tmp_path / "q" / "decoder.onnx", tmp_path / "q" / "decoder.onnx.data"
     with_data = len(onnx.load(str(graph)).SerializeToString())  # the weights loaded into the message
     assert len(exact_graph(graph)) < with_data - data.stat().st_size * 0.9

@@ -9,7 +9,7 @@ from onnx import numpy_helper
 
 from tests.matrix import ort_config
 from tfport.cli import main
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.parity import CASES
 from tfport.models import build_model
 from tfport.models.checkpoint import save_checkpoint
@@ -58,7 +58,7 @@ def test_mismatch_fails_and_names_the_diverging_piece(tmp_path, capsys):
 def test_rows_name_the_case_that_ran(tmp_path, capsys):
     """Target "ort" runs a chunk on top of a past with batch 1 (the kernel's limit): say so."""
     model = build_model(ort_config("gqa"), seed=5)
-    export_model(model, tmp_path / "out", target="ort")
+    export_model(model, tmp_path / "out", ExportOptions(target="ort"))
     ckpt = save_checkpoint(model, tmp_path / "ckpt")
     code, _ = run(["parity", str(tmp_path / "out"), "--against", str(ckpt),
                    "--json", str(tmp_path / "p.json")], capsys)
@@ -110,8 +110,9 @@ def test_accuracy_greedy_agreement_is_greedy_whatever_the_generation_config_says
     from tfport.generation import GenerationDefaults
 
     config = PRESETS["tiny-decoder"]
-    export_model(build_model(config, seed=0), tmp_path / "out", tokenizer=write_tokenizer(tmp_path / "t.json", config),
-                 generation=GenerationDefaults(do_sample=True, temperature=1.5, top_k=0))
+    export_model(build_model(config, seed=0), tmp_path / "out", ExportOptions(
+        tokenizer=write_tokenizer(tmp_path / "t.json", config),
+        generation=GenerationDefaults(do_sample=True, temperature=1.5, top_k=0)))
     code, out = run(["parity", str(tmp_path / "out"), "--against", "tiny-decoder", "--accuracy"], capsys)
     assert code == 0, out
     row = next(line for line in out.splitlines() if line.startswith("export ("))

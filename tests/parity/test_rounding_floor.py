@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.parity import CASES, Runner
 from tfport.export.parity.cases import Diff, _compare
 from tfport.models import build_model
@@ -22,7 +22,7 @@ from tfport.presets import PRESETS
 @pytest.mark.parametrize("preset", ["tiny-decoder", "tiny-encoder-decoder", "tiny-encoder"])
 def test_floor_is_below_the_table_on_tiny_models(preset, tmp_path):
     model = build_model(PRESETS[preset], seed=3)
-    export_model(model, tmp_path / "out", validate=False)
+    export_model(model, tmp_path / "out", ExportOptions(validate=False))
     runner = Runner(model, tmp_path / "out")
     rtol, atol = runner.tolerance
     checked = 0
@@ -56,7 +56,7 @@ def test_the_float64_copy_is_made_only_for_a_case_the_table_fails(tmp_path):
     import copy
 
     model = build_model(PRESETS["tiny-decoder"], seed=3)
-    export_model(model, tmp_path / "out", validate=False)
+    export_model(model, tmp_path / "out", ExportOptions(validate=False))
     runner = Runner(model, tmp_path / "out")
     assert all(result.ok for result in runner.run(CASES[0]))
     assert runner._float64 is None  # nothing failed: no float64 module was built

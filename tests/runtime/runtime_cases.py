@@ -59,7 +59,7 @@ class ExportStore:
 
     def __call__(self, key: str) -> Exported:
         if key not in self._done:
-            from tfport.export import export_model
+            from tfport.export import ExportOptions, export_model
             from tfport.models import build_model
 
             case = CASES[key]
@@ -69,7 +69,7 @@ class ExportStore:
             if options.get("tokenizer") == "word-level":
                 options["tokenizer"] = write_tokenizer(self.root / f"{key}-tokenizer.json",
                                                        case.config)
-            export_model(model, path, dtype=case.dtype, **options)
+            export_model(model, path, ExportOptions(dtype=case.dtype, **options))
             self._done[key] = Exported(case, model, path)
         return self._done[key]
 

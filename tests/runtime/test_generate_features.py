@@ -160,7 +160,7 @@ def test_a_null_pad_token_pads_and_fills_with_eos(target, tmp_path):
     the eos id, as transformers does, and the tokens equal the PyTorch reference's."""
     import torch
 
-    from tfport.export import export_model
+    from tfport.export import ExportOptions, export_model
     from tfport.models import build_model
     from tfport.models.generate import generate
     from tfport.presets import get_preset
@@ -168,7 +168,7 @@ def test_a_null_pad_token_pads_and_fills_with_eos(target, tmp_path):
 
     config = get_preset("tiny-decoder").replace(d_model=64, tie_embeddings=False, pad_token_id=None)
     model = build_model(config, seed=0)
-    export_model(model, tmp_path / "x", target=target, validate=False)
+    export_model(model, tmp_path / "x", ExportOptions(target=target, validate=False))
     prompts = [[1, 5, 7, 9, 11], [1, 6]]
     free = load_model(tmp_path / "x").generate(prompts, max_new_tokens=6, stop_token_ids=())
     stop = int(free[1, 1])  # row 1 stops after two tokens; row 0 runs on (unless it hits it too)

@@ -148,8 +148,8 @@ CORRUPTIONS = [
     # The manifest's own fields against the graph's fingerprint.
     Corruption("max_positions", DEC, manifest_edit(max_positions=128),
                ("graph 'decoder.onnx'", "config.max_positions: manifest 128, graph 64")),
-    Corruption("rope_theta", DEC, manifest_edit(rope_theta=500000.0),
-               ("config.rope_theta: manifest 500000.0, graph 10000.0",)),
+    Corruption("rope.theta", DEC, lambda p, _: edit_manifest(p, lambda d: d["config"]["rope"].update(theta=500000.0)),
+               ("config.rope.theta: manifest 500000.0, graph 10000.0",)),
     Corruption("norm_eps", DEC, manifest_edit(norm_eps=1e-6), ("config.norm_eps",)),
     Corruption("eos id", DEC, manifest_edit(eos_token_id=5), ("config.eos_token_id",)),
     Corruption("opset", DEC, top_level_edit("opset", 19), ("opset: manifest 19, graph 18",)),
@@ -158,9 +158,9 @@ CORRUPTIONS = [
                ("device_refusals",)),
     # Still caught with the file checks off, or with the hashes 'repaired'.
     Corruption("graph of another config, rehashed", DEC, swap_graph("decoder-theta", True),
-               ("config.rope_theta: manifest 10000.0, graph 20000.0",)),
+               ("config.rope.theta: manifest 10000.0, graph 20000.0",)),
     Corruption("graph of another config, verify=none", DEC, swap_graph("decoder-theta", False),
-               ("config.rope_theta",), verify="none"),
+               ("config.rope.theta",), verify="none"),
     # The manifest's files map itself.
     Corruption("opset not a number", DEC, top_level_edit("opset", "abc"),
                ("manifest.json: opset='abc': expected a positive integer",)),
@@ -181,16 +181,17 @@ CORRUPTIONS = [
 
 @pytest.fixture(scope="module")
 def more_exports(exports, tmp_path_factory):
-    """``exports`` plus two decoders with the I/O of decoder-rope: other weights, other rope_theta."""
-    from tfport.export import export_model
+    """``exports`` plus two decoders with the I/O of decoder-rope: other weights, other rope.theta."""
+    from tfport.config_rope import RopeConfig
+    from tfport.export import ExportOptions, export_model
     from tfport.models import build_model
     from tfport.presets import get_preset
 
     root = tmp_path_factory.mktemp("other-exports")
     made = {}
     for key, config, seed in (("decoder-seed1", get_preset("tiny-decoder"), 1),
-                              ("decoder-theta", get_preset("tiny-decoder").replace(rope_theta=20000.0), 0)):
-        export_model(build_model(config, seed=seed), root / key, validate=False)
+                              ("decoder-theta", get_preset("tiny-decoder").replace(rope=RopeConfig(theta=20000.0)), 0)):
+        export_model(build_model(config, seed=seed), root / key, ExportOptions(validate=False))
         made[key] = root / key
 
     def get(key):

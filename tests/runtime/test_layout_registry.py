@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tfport.contract import CONCAT, LAYOUTS, CacheLayout, Manifest
-from tfport.export import export_model
+from tfport.export import ExportOptions, export_model
 from tfport.export.parity import CASES, Runner
 from tfport.export.targets import TARGETS, PortableTarget
 from tfport.models import build_model
@@ -76,7 +76,7 @@ def exported(mirror, tmp_path):
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     out = tmp_path / "mirror"
-    export_model(model, out, target=mirror.name)  # validated against PyTorch on export
+    export_model(model, out, ExportOptions(target=mirror.name))  # validated against PyTorch on export
     return model, out
 
 

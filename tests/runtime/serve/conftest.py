@@ -21,15 +21,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}[BOS] {{ m['content'] }} [EOS] {% endfo
 
 def _export(root: Path, name: str, preset: str, target: str, overrides: dict,
             chat: bool) -> Path:
-    from tfport.export import export_model
+    from tfport.export import ExportOptions, export_model
     from tfport.models import build_model
     from tfport.presets import get_preset
 
     config = get_preset(preset).replace(**overrides)
     tokenizer = write_tokenizer(root / f"{name}-tokenizer.json", config)
     path = root / name
-    export_model(build_model(config, seed=0), path, target=target, tokenizer=tokenizer,
-                 chat_template=CHAT_TEMPLATE if chat else None)
+    export_model(build_model(config, seed=0), path, ExportOptions(target=target, tokenizer=tokenizer,
+                                                                  chat_template=CHAT_TEMPLATE if chat else None))
     return path
 
 

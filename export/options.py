@@ -1,0 +1,177 @@
+"""What an export is asked for (``ExportOptions``, shared by ``export_model``, the CLI, the bench
+and the tests) and the one place those options are checked against a model (``plan_export``).
+
+Every refusal names the option, the value and what was expected, and happens before anything is
+written or computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tfport.config import ModelConfig
+from tfport.contract import DTYPES, GraphSpec, graph_specs
+from tfport.dtypes import cache_dtype
+from tfport.embedding import EmbeddingSettings
+from tfport.files import check_output_dir
+from tfport.generation import GenerationDefaults
+
+from .hessians import Calibration
+from .quantize import QuantScheme, resolve_scheme
+from .targets import DEFAULT_TARGET, Target, get_target
+
+MIN_OPSET, MAX_OPSET = 18, 23
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26  # below protobuf's 2 GiB limit, with room for the graph
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """How to export (every field has the default of ``tfport export`` without the flag).
+
+    ``dtype``: weights and activations ("bfloat16" stores bfloat16 weights and computes in
+    float32). ``opset``: None for the target's default (18; 23 for "onnx23"; 21 for a quantised
+    portable export). ``target``: a name of ``targets.TARGETS`` or a target object.
+    ``validate``: run ONNX Runtime against the module on fresh random inputs after writing.
+    ``tokenizer``: a tokenizer.json to ship; ``chat_template``: the template's text;
+    ``embedding``: a sentence encoder's pooling settings (encoders only); ``generation``: the
+    generation_config.json defaults. ``overwrite``: replace an existing ``out_dir``.
+    ``external_data_threshold``: weight bytes past which a graph keeps them in ``.onnx.data``.
+    ``show_progress``: None shows the bar for large models. ``quantize``: None, "int4", "int8"
+    or a ``QuantScheme`` (or a GGUF ``KeptQuantization``), with ``block_size`` and ``symmetric``
+    for the named formats; ``calibration`` ("builtin", a text file or a ``Calibration``: GPTQ)
+    and ``head_bits`` (8 or 4) re-choose an int4/int8 quantisation's codes. ``logits``: "all" or
+    "last" (``tfport.contract.LOGITS``). ``kv_dtype``: the KV cache's dtype (None: float16 for
+    float16 exports, else float32).
+    """
+
+    dtype: str = "float32"
+    opset: int | None = None
+    target: str | Target = DEFAULT_TARGET
+    validate: bool = True
+    tokenizer: str | os.PathLike | None = None
+    chat_template: str | None = None
+    embedding: EmbeddingSettings | None = None
+    generation: GenerationDefaults | None = None
+    overwrite: bool = False
+    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD
+    show_progress: bool | None = None
+    quantize: str | QuantScheme | None = None
+    block_size: int | None = None
+    symmetric: bool | None = None
+    logits: str = "all"
+    kv_dtype: str | None = None
+    calibration: str | Calibration | None = None
+    head_bits: int | None = None
+
+    def replace(self, **changes) -> "ExportOptions":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """``ExportOptions`` checked against one model: the target object, the opset and KV cache
+    dtype with their defaults filled in, the quantisation scheme (before any calibration), the
+    output directory and the graphs to build."""
+
+    options: ExportOptions
+    target: Target
+    opset: int
+    kv_dtype: str
+    scheme: QuantScheme | None
+    out_dir: Path
+    specs: dict[str, GraphSpec]
+
+
+def plan_export(options: ExportOptions, config: ModelConfig, out_dir: str | os.PathLike) -> ExportPlan:
+    """Check ``options`` for a model of ``config`` written to ``out_dir``; raises ``ValueError``
+    (``TypeError`` for a value of the wrong kind, ``ModuleNotFoundError`` when validation cannot
+    run) naming the option."""
+    if not isinstance(options, ExportOptions):
+        raise TypeError(f"options={options!r}: expected an ExportOptions or None")
+    if options.validate:
+        _require_validator()
+    dtype, kv_dtype = options.dtype, options.kv_dtype
+    target = get_target(options.target)
+    scheme = resolve_scheme(options.quantize, options.block_size, options.symmetric)
+    opset = options.opset
+    if opset is None:
+        opset = target.default_opset if scheme is None else target.quantized_opset(target.default_opset)
+    _check_model_options(config, dtype, opset, target, kv_dtype)
+    kv_dtype = cache_dtype(dtype, kv_dtype)
+    if scheme is not None:
+        if dtype == "bfloat16":
+            raise ValueError(f"quantize={scheme.name!r} with dtype='bfloat16': quantised weights replace "
+                             "the stored ones and bfloat16 graphs compute in float32; export with "
+                             "dtype='float32' (same activations)")
+        if scheme.name == "keep":
+            from .gguf_keep import check_keep_dtype
+
+            check_keep_dtype(dtype)
+        target.check_quantized(scheme, opset)
+    out_dir = check_output_dir(out_dir, "out_dir", options.overwrite)
+    embedding = options.embedding
+    if embedding is not None and (config.family != "encoder" or not isinstance(embedding, EmbeddingSettings)):
+        raise ValueError(f"embedding={embedding!r}: expected EmbeddingSettings for an encoder-only model "
+                         f"(family={config.family!r})")
+    if options.tokenizer is not None:
+        _check_tokenizer(Path(options.tokenizer))
+    specs = graph_specs(config, dtype, target.layout, options.logits, kv_dtype)
+    return ExportPlan(options, target, opset, kv_dtype, scheme, out_dir, specs)
+
+
+def _check_model_options(config: ModelConfig, dtype: str, opset: int, target: Target,
+                         kv_dtype: str | None = None) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {list(DTYPES)}")
+    if kv_dtype is not None and not config.has_decoder:
+        raise ValueError(f"kv_dtype={kv_dtype!r}: family={config.family!r} models have no KV cache "
+                         "(leave kv_dtype unset)")
+    if kv_dtype is not None and config.classifier.n_labels:
+        raise ValueError(f"kv_dtype={kv_dtype!r}: a classification export (n_labels={config.classifier.n_labels}) "
+                         "keeps no KV cache (leave kv_dtype unset)")
+    cache_dtype(dtype, kv_dtype)  # ValueError naming kv_dtype
+    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ValueError(f"opset={opset!r}: expected an integer in [{MIN_OPSET}, {MAX_OPSET}] "
+                         f"(the function library needs opset 18 or newer)")
+    target.check(config, dtype, opset)
+
+
+def _check_tokenizer(path: Path) -> None:
+    """``ValueError`` naming ``tokenizer`` unless ``path`` is a ``tokenizer.json`` of the
+    ``tokenizers`` library (read with it when it is installed): the runtime loads it only when
+    text is used, long after the export."""
+    if not path.is_file():
+        raise ValueError(f"tokenizer={str(path)!r}: no such file (expected a tokenizer.json)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"tokenizer={str(path)!r}: not a tokenizer.json (not JSON: {err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise ValueError(f"tokenizer={str(path)!r}: not a tokenizer.json of the 'tokenizers' "
+                         "library (no 'model' object)")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises its own Exception type
+        raise ValueError(f"tokenizer={str(path)!r}: the 'tokenizers' library cannot read it "
+                         f"({err})") from None
+
+
+def _require_validator() -> None:
+    """Fail before anything is written when validation cannot run: it needs ONNX Runtime, which
+    the 'export' extra leaves out (onnxruntime and onnxruntime-gpu cannot be installed together,
+    so the 'cpu' or 'gpu' extra picks one)."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError as err:
+        raise ModuleNotFoundError(
+            f"export validation runs the graphs under ONNX Runtime, which cannot be imported ({err}): "
+            "add the 'cpu' or 'gpu' extra (pip install 'tfport[export,cpu]' or 'tfport[export,gpu]'), "
+            "or skip validation (--no-validate, validate=False)", name="onnxruntime") from None
