@@ -45,6 +45,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 def run_bench(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if args.speculative or args.export:
+        return _run_speculative(args, settings)
     if args.source or args.quantize or args.genai or args.llama_cpp or args.thread_sweep:
         return _run_compare(args, settings)
     result = run_benchmark(settings)
@@ -76,6 +78,27 @@ def _run_compare(args: argparse.Namespace, settings) -> int:
                          tuple(args.genai or ()), tuple(args.llama_cpp or ()), args.thread_sweep,
                          args.peer_threads or ())
     print(format_compare(result))
+    if args.json:
+        write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _run_speculative(args: argparse.Namespace, settings) -> int:
+    """``--speculative`` with ``--export``: plain vs speculative decoding and the peers."""
+    import json
+
+    from tfport.files import write_text_atomic
+
+    from .speculative import format_speculative, run_speculative
+
+    if not args.speculative or not args.export:
+        raise ValueError("--speculative and --export go together: the drafters (lookup or draft "
+                         "export directories) and the export to time")
+    steps = args.new_tokens if args.new_tokens is not None else 128
+    result = run_speculative(args.export, args.speculative, settings.threads, settings.repeats, steps,
+                             tuple(args.genai or ()), tuple(args.llama_cpp or ()))
+    print(format_speculative(result))
     if args.json:
         write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -131,6 +154,11 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                          help="time each peer at each of these thread counts (default: --threads)")
     compare.add_argument("--thread-sweep", action="store_true",
                          help="also time the fp32 export under the default thread policy, 1 and 2 threads")
+    spec = p.add_argument_group("speculative decoding (one export, two chat workloads; --genai / "
+                                "--llama-cpp add peers, --new-tokens caps the replies)")
+    spec.add_argument("--speculative", type=_name_list, metavar="lookup[,DRAFT_DIR...]",
+                      help="drafters to time against plain decoding")
+    spec.add_argument("--export", metavar="DIR", help="the decoder export (with a chat template) to time")
     p.add_argument("--plot", help="plot step time vs context here (needs matplotlib)")
     p.set_defaults(func=run_bench)
 

@@ -1,10 +1,10 @@
 """Drafters: cheap proposals of the next K tokens, for the target to verify in one forward.
 
-A drafter makes one ``DraftRows`` per decoding run or scheduler (``start(capacity)``); each step
-it is asked, for the live rows (any hashable keys, at most ``capacity`` at once), what follows
+A drafter makes one ``DraftRows`` per decoding run or scheduler (``start(capacity, max_length)``:
+rows at once, tokens per row); each step it is asked, for the live rows (any hashable keys), what follows
 each row's context (prompt + tokens so far), and told when a row ends:
 
-    drafts = drafter.start(capacity)
+    drafts = drafter.start(capacity, max_length)
     proposals = drafts.propose(keys, contexts, ks, states)  # -> [Proposal(tokens, probs)] per key
     drafts.forget(key)                                      # the row ended
 
@@ -20,6 +20,7 @@ model that samples), or None for a deterministic drafter. The verification rule
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -56,8 +57,8 @@ class DraftRows(Protocol):
 class Drafter(Protocol):
     name: str
 
-    def start(self, capacity: int) -> DraftRows:
-        """Drafts for up to ``capacity`` rows at once."""
+    def start(self, capacity: int, max_length: int) -> DraftRows:
+        """Drafts for up to ``capacity`` rows at once of up to ``max_length`` tokens each."""
         ...
 
 
@@ -74,7 +75,7 @@ class PromptLookup:
                              "1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def start(self, capacity: int) -> "LookupRows":
+    def start(self, capacity: int, max_length: int) -> "LookupRows":
         return LookupRows(self)
 
 
@@ -124,8 +125,8 @@ class DraftModel:
                              f"from the target's {target_vocab}; a draft must share the vocabulary")
         self.model = model
 
-    def start(self, capacity: int) -> "DraftModelRows":
-        return DraftModelRows(self.model, capacity)
+    def start(self, capacity: int, max_length: int) -> "DraftModelRows":
+        return DraftModelRows(self.model, capacity, max_length)
 
 
 class DraftModelRows:
@@ -133,12 +134,13 @@ class DraftModelRows:
     the longest prefix it shares with the row's context and fed the rest; then all rows draft
     together, one batched step per proposed token."""
 
-    def __init__(self, model: "Model", capacity: int):
+    def __init__(self, model: "Model", capacity: int, max_length: int):
         config = model.config
         self.batch = model.decoding.rows(model.runner("decoder", "speculative"), capacity,
-                                         config.max_positions, config.fill_token_id)
+                                         min(max_length, config.max_positions), config.fill_token_id)
         self.rows: dict[Hashable, object] = {}
         self.fed: dict[Hashable, list[int]] = {}  # key -> the tokens in its draft cache
+        self.step_seconds = 0.0  # one drafting step of all rows, exponential average (KPolicy)
 
     def forget(self, key: Hashable) -> None:
         if key in self.rows:
@@ -181,7 +183,10 @@ class DraftModelRows:
                     break
                 feed = {key: [drafts[key].tokens[-1]] if key in drafts and len(drafts[key].tokens) > step
                         else [self.fed[key][-1]] for key in order}
+                start = time.perf_counter()
                 stepped = self.batch.step(np.array([feed[key][0] for key in order], np.int64))
+                seconds = time.perf_counter() - start
+                self.step_seconds = seconds if not self.step_seconds else 0.7 * self.step_seconds + 0.3 * seconds
                 logits = {key: stepped[b][None] for b, key in enumerate(order)}
         out = []
         for key in keys:

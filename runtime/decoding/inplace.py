@@ -208,6 +208,10 @@ class InplaceRows:
         self._bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
         self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
         self.all_logits = self.rows_out is None  # every position's (extend needs it)
+        # A step's host feeds per row count, bound once (InplaceDecoder.step's fast path); the
+        # binding of the rows [0:n] holds them until a ``_run`` on the same rows rebinds it.
+        self._steps: dict[int, StepFeeds] = {}
+        self._step_bound: set[int] = set()
 
     def _binding(self, start: int, stop: int) -> ort.IOBinding:
         """An IO binding with every buffer's rows [start:stop] bound as past and present."""
@@ -228,6 +232,8 @@ class InplaceRows:
         from an export with ``logits="last"``), written by the run into a fresh host array bound
         as the output: the other outputs (the rows' caches, bound in place) are never read back."""
         binding = self._binding(start, stop)
+        if start == 0:
+            self._step_bound.discard(stop)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
         binding.bind_cpu_input("total_sequence_length",
@@ -247,13 +253,24 @@ class InplaceRows:
         return row, logits
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
+        """One token per live row -> logits [n, V], a view of this batch's step buffer for n
+        rows, valid until the next step with n rows (NaN is refused where tokens are picked)."""
         tokens = check_step(self, tokens)
         n = len(self.rows)
-        lengths = np.array([row.length for row in self.rows])
-        logits = self._run(0, n, tokens[:, None], lengths)[:, -1]  # new token's index = length
+        feeds = self._steps.get(n)
+        if feeds is None:
+            feeds = self._steps[n] = StepFeeds(n, self.vocab, self.logits_dtype)
+        binding = self._binding(0, n)
+        if n not in self._step_bound:
+            feeds.bind(binding)
+            self._step_bound.add(n)
+        feeds.input_ids[:, 0] = tokens
+        feeds.seqlens_k[:] = [row.length for row in self.rows]  # the new token's index
+        feeds.total_sequence_length[()] = int(feeds.seqlens_k.max()) + 1
+        self.runner.session.run_with_iobinding(binding)
         for row in self.rows:
             row.length += 1
-        return logits
+        return feeds.logits[:, -1]
 
     def extend(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
         """Each row's chunk on its own slice (the CPU kernel takes several new tokens on top of a

@@ -65,35 +65,41 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class KPolicy:
-    """K per row: argmax over k in 0..``k_max`` of expected_tokens(alpha, k) / cost(k + 1), where
-    alpha is the row's running acceptance rate (exponential average, starting at ``prior``) and
-    ``cost(s)`` the measured time of feeding s tokens per row relative to one; without a cost
-    function, always ``k_max``."""
+    """K per row: argmax over k in 0..``k_max`` of expected_tokens(alpha, k) / (cost(k + 1) +
+    k * draft_cost), where alpha is the row's running acceptance rate (exponential average,
+    starting at ``prior``), ``cost(s)`` the measured time of feeding s tokens per row relative to
+    one, and ``draft_cost`` the measured time of a draft model's forward relative to the same (0
+    for prompt lookup); k > 0 costs k + 1 of those (the row's new tokens are fed first). Without a
+    cost function, always ``k_max``."""
 
     def __init__(self, k_max: int, cost: Callable[[int], float] | None, prior: float = 0.6,
                  decay: float = 0.7):
         if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
             raise ValueError(f"draft_tokens={k_max!r}: expected a positive integer")
         self.k_max, self.cost, self.prior, self.decay = k_max, cost, prior, decay
-        self.alpha: dict[int, float] = {}
+        self.draft_cost = 0.0
+        self.alpha: dict[Hashable, float] = {}
 
-    def k(self, key: int) -> int:
+    def k(self, key: Hashable) -> int:
         if self.cost is None:
             return self.k_max
         alpha = self.alpha.get(key, self.prior)
-        gains = [expected_tokens(alpha, k) / self.cost(k + 1) for k in range(self.k_max + 1)]
+        # A draft model also feeds the row's new tokens before drafting: one forward more.
+        gains = [expected_tokens(alpha, k) / (self.cost(k + 1) + (k + (k > 0)) * self.draft_cost)
+                 for k in range(self.k_max + 1)]
         return int(np.argmax(gains))
 
-    def record(self, key: int, proposed: int, accepted: int) -> None:
+    def record(self, key: Hashable, proposed: int, accepted: int) -> None:
         if proposed:
             alpha = self.alpha.get(key, self.prior)
             self.alpha[key] = self.decay * alpha + (1 - self.decay) * accepted / proposed
 
 
-def measure_costs(batch: RowBatch, k_max: int, repeats: int = 3) -> Callable[[int], float]:
-    """cost(s): the time of ``batch.extend`` with s tokens per live row over that with one, from
-    the medians of ``repeats`` timed calls each at s = 1 and s = k_max + 1 (after one untimed
-    call each), interpolated linearly between. Each call is rewound: the rows are unchanged."""
+def measure_costs(batch: RowBatch, k_max: int, repeats: int = 3) -> tuple[Callable[[int], float], float]:
+    """(cost(s): the time of ``batch.extend`` with s tokens per live row over that with one, the
+    seconds of one such call with one token), from the medians of ``repeats`` timed calls each at
+    s = 1 and s = k_max + 1 (after one untimed call each), interpolated linearly between. Each
+    call is rewound: the rows are unchanged."""
     last = [np.array([0], np.int64) for _ in batch.rows]  # token 0: the values do not matter
 
     def timed(size: int) -> float:
@@ -109,7 +115,7 @@ def measure_costs(batch: RowBatch, k_max: int, repeats: int = 3) -> Callable[[in
 
     one, many = timed(1), timed(k_max + 1)
     slope = max(many / one - 1.0, 0.0) / k_max
-    return lambda size: 1.0 + slope * (size - 1)
+    return (lambda size: 1.0 + slope * (size - 1)), one
 
 
 class Speculator:
@@ -125,9 +131,10 @@ class Speculator:
                  stats: SpeculationStats | None = None):
         self.batch, self.speculation = batch, speculation
         self.policy = KPolicy(speculation.draft_tokens, None)
-        self.drafts = drafter.start(batch.capacity)
+        self.drafts = drafter.start(batch.capacity, batch.max_length)
         self.stats = stats if stats is not None else SpeculationStats()
-        self.costs = runner.kept.setdefault(_COSTS, {})  # (rows, K) -> cost(s), per session
+        self.costs = runner.kept.setdefault(_COSTS, {})  # (rows, K) -> (cost(s), seconds), per session
+        self.step_seconds = 0.0  # one plain step of the live rows (measured)
 
     def propose(self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]],
                 states: Sequence[SequenceState], rows: Sequence[Row]) -> list[Proposal]:
@@ -138,11 +145,14 @@ class Speculator:
             key = (len(self.batch.rows), k_max)
             if key not in self.costs:
                 self.costs[key] = measure_costs(self.batch, k_max)
-            self.policy.cost = self.costs[key]
+            self.policy.cost, self.step_seconds = self.costs[key]
         ks = [max(0, min(self.policy.k(key), state.max_tokens - len(state.tokens) - 1,
                          self.batch.max_length - row.length - 1))
               for key, state, row in zip(keys, states, rows)]
-        return self.drafts.propose(keys, contexts, ks, states)
+        proposals = self.drafts.propose(keys, contexts, ks, states)
+        if self.step_seconds:  # a draft model's forward per drafted token (0 for prompt lookup)
+            self.policy.draft_cost = getattr(self.drafts, "step_seconds", 0.0) / self.step_seconds
+        return proposals
 
     def verify(self, key: Hashable, row: Row, state: SequenceState, logits: np.ndarray,
                proposal: Proposal) -> tuple[list[int], int, RuntimeError | None]:

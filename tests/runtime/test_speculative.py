@@ -57,7 +57,7 @@ class Scripted:
     def __init__(self, truth: list[list[int]], prompt_lengths: list[int], right: list[int], vocab: int):
         self.truth, self.lengths, self.right, self.vocab = truth, prompt_lengths, right, vocab
 
-    def start(self, capacity):
+    def start(self, capacity, max_length):
         return self
 
     def forget(self, key):
@@ -79,7 +79,9 @@ def test_greedy_tokens_equal_plain_decoding(models, key, drafter):
     model = models[key]
     rows = prompts(model.config.vocab_size)
     plain = model.generate(rows, max_new_tokens=30, stop_token_ids=())
-    speculative = {"lookup": "lookup", "draft": models["draft"], "self": model}[drafter]
+    drafts = {"lookup": "lookup", "draft": models["draft"], "self": model}
+    # K fixed at 4: the same proposals every run (the adaptive K depends on measured times).
+    speculative = Speculation(drafts[drafter], 4, adaptive=False)
     stats = SpeculationStats()
     tokens = model.generate(rows, max_new_tokens=30, stop_token_ids=(), speculative=speculative,
                             speculation=stats)
@@ -135,7 +137,7 @@ class Favourite:
     def __init__(self, table: dict[int, int]):
         self.table = table
 
-    def start(self, capacity):
+    def start(self, capacity, max_length):
         return self
 
     def forget(self, key):
@@ -188,7 +190,7 @@ def test_expected_tokens_is_the_geometric_sum():
 
 
 def test_prompt_lookup_proposes_what_followed_the_last_match():
-    rows = PromptLookup(max_ngram=2).start(1)
+    rows = PromptLookup(max_ngram=2).start(1, 32)
     context = [5, 6, 7, 8, 9, 5, 6]
     assert rows.propose([0], [context], [3], [None])[0].tokens == [7, 8, 9]
     assert rows.propose([0], [context + [1]], [3], [None])[0].tokens == []  # 1 never occurred before
@@ -271,3 +273,15 @@ def test_cli_speculative_prints_the_plain_tokens_and_a_summary(models, capsys):
     assert "speculative:" in captured.err and "accepted" in captured.err
     with pytest.raises(SystemExit):
         main(["generate", str(model.directory), "--ids", ids, "--draft-tokens", "0", "--speculative", "lookup"])
+
+
+@pytest.mark.parametrize("key", TARGETS[:1] + TARGETS[-1:], ids=lambda k: "-".join(k))
+def test_adaptive_k_keeps_the_plain_tokens(models, key):
+    """K chosen from the measured costs and acceptance (so the proposals depend on timing):
+    whatever it picks, the tokens are plain decoding's."""
+    model = models[key]
+    rows = prompts(model.config.vocab_size)
+    plain = model.generate(rows, max_new_tokens=30, stop_token_ids=())
+    for drafter in ("lookup", models["draft"]):
+        np.testing.assert_array_equal(
+            model.generate(rows, max_new_tokens=30, stop_token_ids=(), speculative=drafter), plain)
