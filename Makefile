@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= gpu,export,text,serve,dev
+EXTRAS ?= gpu,export,text,serve,dev,docs
 
 .PHONY: setup demo test test-cuda clean
 setup: $(VENV)/.installed
