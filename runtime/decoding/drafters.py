@@ -24,15 +24,15 @@ import time
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..sampling import distribution, sample
 from .engine import SequenceState
 
-if TYPE_CHECKING:  # the model module imports the decoding package
-    from ..model import Model
+# A loaded decoder ``tfport.runtime.Model`` (not imported: the model module imports this package).
+DecoderModel = Any
 
 
 @dataclass
@@ -116,7 +116,7 @@ class DraftModel:
 
     name = "draft"
 
-    def __init__(self, model: "Model", target_vocab: int | None = None):
+    def __init__(self, model: DecoderModel, target_vocab: int | None = None):
         if model.config.family != "decoder":
             raise ValueError(f"speculative: the draft export {str(model.directory)!r} is a "
                              f"{model.config.family} model; a draft must be a decoder-only export")
@@ -134,7 +134,7 @@ class DraftModelRows:
     the longest prefix it shares with the row's context and fed the rest; then all rows draft
     together, one batched step per proposed token."""
 
-    def __init__(self, model: "Model", capacity: int, max_length: int):
+    def __init__(self, model: DecoderModel, capacity: int, max_length: int):
         config = model.config
         self.batch = model.decoding.rows(model.runner("decoder", "speculative"), capacity,
                                          min(max_length, config.max_positions), config.fill_token_id)
