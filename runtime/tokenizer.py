@@ -35,7 +35,10 @@ class TextTokenizer:
         """Token ids of ``text``."""
         if not isinstance(text, str):
             raise TypeError(f"text: expected a str, got {type(text).__name__}")
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch, unlike encode, lets go of the GIL while it works: a server's event loop
+        # keeps answering while a long text is tokenised in a worker thread (same ids).
+        encoding, = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def encode_batch(self, texts: str | Sequence[str], argument: str = "texts") -> list[list[int]]:
         """Token ids of each text (unpadded); ``TypeError``/``ValueError`` naming ``argument``

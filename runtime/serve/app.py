@@ -18,15 +18,20 @@ A handler parses, asks the library (through ``served.ServedModel``) and shapes t
 the server gives what ``tfport generate`` / ``chat`` / ``embed`` give. Every choice also carries
 ``token_ids`` (the generated ids, stop token excluded), so exports without a tokenizer are served
 on ids. Errors are OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for
-malformed JSON or parameters, 404 for an unknown model, 429 when the model's queue is full, 504
-for a request past its timeout, 500 for a request that failed (the server carries on).
+malformed JSON or parameters, 401 without the server's API key (``--api-key``; ``/health`` needs
+none), 404 for an unknown model, 413 for a body over ``--max-body-bytes``, 429 when the model's
+queue is full, 504 for a request past its timeout, 500 for a request that failed (the server
+carries on; the body shows a request id, the log has the details).
+
+Tokenising and building big responses run in a few worker threads (``WORKERS``), never on the
+event loop, so one big request does not hold up ``/health`` or the other clients.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -34,18 +39,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .guards import AllowedHosts, ApiKey, BodyLimit
 from .metrics import CONTENT_TYPE_LATEST, MetricsMiddleware, ServeMetrics
-from .protocol import ApiError, ChatRequest, CompletionRequest, EmbeddingRequest
-from .responses import Completion
+from .protocol import ApiError, ChatRequest, CompletionRequest, EmbeddingRequest, quote
+from .responses import Completion, embedding_response
 from .served import ServedModel, ServeOptions
 
 logger = logging.getLogger(__name__)
+
+WORKERS = 4  # threads per app that tokenise requests and build big responses
 
 
 @dataclass
@@ -74,6 +83,8 @@ class ServerState:
                 raise ValueError(f"model name {served.name!r} is used twice; name them "
                                  "(--name) or serve directories with different names")
             models[served.name] = served
+            if served.scheduler is not None:
+                metrics.watch(served.name, served.scheduler)
         return cls(models, options, metrics)
 
     def start(self) -> None:
@@ -86,7 +97,7 @@ class ServerState:
 
     def get(self, name: str) -> ServedModel:
         if name not in self.models:
-            raise ApiError(404, f"model {name!r} is not served here (served: {sorted(self.models)})",
+            raise ApiError(404, f"model {quote(name)} is not served here (served: {sorted(self.models)})",
                            "model", "model_not_found")
         return self.models[name]
 
@@ -102,6 +113,7 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
     async def lifespan(app: FastAPI):
         if getattr(app.state, "server", None) is None:
             app.state.server = await run_in_threadpool(load_state)
+        app.state.workers = anyio.CapacityLimiter(WORKERS)
         app.state.server.start()
         try:
             yield
@@ -110,13 +122,31 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
 
     app = FastAPI(title="tfport", lifespan=lifespan)
     app.state.server = None
-    app.add_middleware(MetricsMiddleware,
+
+    def body_limit() -> int | None:
+        return None if app.state.server is None else app.state.server.options.max_body_bytes
+
+    def api_key() -> str | None:
+        return None if app.state.server is None else app.state.server.options.api_key
+
+    def allowed_hosts() -> tuple[str, ...] | None:
+        return None if app.state.server is None else app.state.server.options.allowed_hosts
+
+    app.add_middleware(BodyLimit, limit=body_limit)
+    app.add_middleware(ApiKey, key=api_key)  # before the body is read
+    app.add_middleware(AllowedHosts, hosts=allowed_hosts)
+    app.add_middleware(MetricsMiddleware,  # the outermost: counts the 413s too
                        metrics=lambda: getattr(app.state.server, "metrics", None))
 
     def state() -> ServerState:
         if app.state.server is None:
             raise ApiError(503, "the server is still loading its models")
         return app.state.server
+
+    async def offload(function: Callable, *args):
+        """``function(*args)`` in one of the app's worker threads (tokenising, big responses)."""
+        return await anyio.to_thread.run_sync(functools.partial(function, *args),
+                                              limiter=app.state.workers)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, err: ApiError):
@@ -132,8 +162,7 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
-        logger.exception("request failed")
-        return _error(ApiError(500, f"internal error: {type(err).__name__}: {err}"))
+        return _error(ApiError.internal(err, f"{request.method} {request.url.path}"))
 
     @app.get("/health")
     async def health():
@@ -158,10 +187,7 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         served = state().get(body.model)
         served.require("decoder", "/v1/completions")
-        body.refuse_unsupported()
-        prompts = served.prompts(body.prompt)
-        stop_ids = served.stop_ids(body.ignore_eos, body.stop_token_ids)
-        max_tokens = served.max_tokens(body.max_tokens)
+        prompts, max_tokens, stop_ids = await offload(served.completion_inputs, body)
         handles = served.submit(prompts, body, max_tokens, stop_ids, asyncio.get_running_loop())
         return await Completion(served, body, handles, prompts, chat=False).respond(request)
 
@@ -169,31 +195,14 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
     async def chat_completions(body: ChatRequest, request: Request):
         served = state().get(body.model)
         served.require("decoder", "/v1/chat/completions")
-        body.refuse_unsupported()
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text(i)}
-                    for i, m in enumerate(body.messages)]
-        prompt, turn_ends = served.chat(messages)
-        stop_ids = served.stop_ids(body.ignore_eos, body.stop_token_ids, turn_ends)
-        max_tokens = served.max_tokens(body.max_completion_tokens or body.max_tokens, prompt)
-        handles = served.submit([prompt], body, max_tokens, stop_ids, asyncio.get_running_loop())
-        return await Completion(served, body, handles, [prompt], chat=True).respond(request)
+        prompts, max_tokens, stop_ids = await offload(served.chat_inputs, body)
+        handles = served.submit(prompts, body, max_tokens, stop_ids, asyncio.get_running_loop())
+        return await Completion(served, body, handles, prompts, chat=True).respond(request)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
         served = state().get(body.model)
         served.require("encoder", "/v1/embeddings")
-        vectors, tokens = await run_in_threadpool(served.embed, body.input)
-        if body.dimensions is not None and body.dimensions != vectors.shape[1]:
-            raise ApiError(400, f"dimensions={body.dimensions}: this model's embeddings have "
-                                f"{vectors.shape[1]}", "dimensions")
-        data = []
-        for index, vector in enumerate(vectors):
-            if body.encoding_format == "base64":
-                value = base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
-            else:
-                value = vector.astype(float).tolist()
-            data.append({"object": "embedding", "index": index, "embedding": value})
-        return {"object": "list", "data": data, "model": served.name,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return await offload(embedding_response, served, body)
 
     return app

@@ -2,6 +2,7 @@
 
     tfport serve out/dec [out/minilm ...] [--host 127.0.0.1] [--port 8000] [--max-rows 16]
     tfport serve out/dec --ray [--replicas 2]          # Ray Serve: proxy + replica routing
+    tfport serve out/dec --host 0.0.0.0 --api-key-file key.txt   # exposed: a key is needed
     tfport bench-serve out/dec --concurrency 1,4,16 --requests 32 --max-tokens 64
 
 Needs the ``serve`` extra (``--ray``: ``serve-ray``); no torch.
@@ -10,8 +11,10 @@ Needs the ``serve`` extra (``--ray``: ``serve-ray``); no torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+from pathlib import Path
 
 from ..cli import positive_int as _positive
 from ..session import PROVIDERS
@@ -37,13 +40,25 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provider", choices=PROVIDERS, default="cpu")
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads per model (default: ONNX Runtime's choice)")
+    from .served import ServeOptions
+    limits = ServeOptions()
+    parser.add_argument("--max-body-bytes", type=_positive, default=limits.max_body_bytes, metavar="BYTES",
+                        help="largest request body; larger ones get 413 before they are read "
+                             f"(default {limits.max_body_bytes:,}: 4 MiB)")
+    parser.add_argument("--max-embedding-inputs", type=_positive, default=limits.max_inputs,
+                        dest="max_inputs", metavar="N",
+                        help=f"inputs per /v1/embeddings request (default {limits.max_inputs:,})")
+    parser.add_argument("--max-messages", type=_positive, default=limits.max_messages, metavar="N",
+                        help=f"messages per chat request (default {limits.max_messages:,})")
 
 
 def _options(args: argparse.Namespace):
     from .served import ServeOptions
     return ServeOptions(max_rows=args.max_rows, max_queue=args.max_queue,
                         max_tokens=args.max_tokens, timeout=args.timeout,
-                        max_length=args.max_length, provider=args.provider, threads=args.threads)
+                        max_length=args.max_length, provider=args.provider, threads=args.threads,
+                        max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs,
+                        max_messages=args.max_messages)
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -57,7 +72,19 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                     "/v1/embeddings, /v1/models, /health, /metrics.")
     _add_options(serve)
     serve.add_argument("--host", default="127.0.0.1",
-                       help="address to bind (default 127.0.0.1; 0.0.0.0 exposes it)")
+                       help="address to bind (default 127.0.0.1; another address needs --api-key "
+                            "or --api-key-file, or --insecure)")
+    keys = serve.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", metavar="KEY",
+                      help="require 'Authorization: Bearer KEY' on every request but /health "
+                           "(visible to other users in the process list: prefer --api-key-file)")
+    keys.add_argument("--api-key-file", metavar="PATH",
+                      help="as --api-key, the key read from this file (surrounding space stripped)")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow a non-loopback --host without an API key")
+    serve.add_argument("--allowed-hosts", metavar="NAMES",
+                       help="comma-separated Host header names to answer ('*': any; default: "
+                            "--host and the loopback names, any for 0.0.0.0 or ::)")
     serve.add_argument("--port", type=_port, default=8000, help="port to bind, 0-65535 (default 8000)")
     serve.add_argument("--ray", action="store_true",
                        help="deploy on Ray Serve (extra 'serve-ray'); joins a running cluster "
@@ -88,8 +115,35 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=run_bench)
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key_file is None:
+        return args.api_key
+    key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+    if not key:
+        raise ValueError(f"--api-key-file={args.api_key_file!r}: the file is empty")
+    return key
+
+
+def _allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:
+    from .guards import default_allowed_hosts
+    if args.allowed_hosts is None:
+        return default_allowed_hosts(args.host)
+    names = tuple(name.strip().lower() for name in args.allowed_hosts.split(",") if name.strip())
+    if not names:
+        raise ValueError(f"--allowed-hosts={args.allowed_hosts!r}: expected names, or '*' for any")
+    return None if "*" in names else names
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    options = _options(args)
+    from .guards import is_loopback
+    options = dataclasses.replace(_options(args), api_key=_api_key(args),
+                                  allowed_hosts=_allowed_hosts(args))
+    if not is_loopback(args.host) and options.api_key is None and not args.insecure:
+        raise ValueError(f"--host={args.host!r}: serving beyond this machine without an API key "
+                         "lets anyone who can reach it use the models; give --api-key-file (or "
+                         "--api-key), or --insecure to do it anyway")
+    if not is_loopback(args.host) and options.api_key is None:
+        logger.warning("serving on %s without an API key (--insecure)", args.host)
     if args.ray:
         from .ray_serve import run_ray
         return run_ray(args.model_dirs, options, names=args.names, host=args.host,

@@ -61,6 +61,7 @@ class Observer(Protocol):
     def first_token(self, seconds: float) -> None: ...
     def step(self, rows: int, tokens: int, seconds: float) -> None: ...
     def finished(self, reason: str, seconds: float) -> None: ...
+    def speculated(self, proposed: int, accepted: int) -> None: ...
 
 
 class NullObserver:
@@ -68,6 +69,7 @@ class NullObserver:
     def first_token(self, seconds): pass
     def step(self, rows, tokens, seconds): pass
     def finished(self, reason, seconds): pass
+    def speculated(self, proposed, accepted): pass
 
 
 class Handle:
@@ -78,6 +80,7 @@ class Handle:
         self.submitted = time.monotonic()
         self.deadline = None if request.timeout is None else self.submitted + request.timeout
         self.tokens: list[int] = []
+        self.proposed = self.accepted = 0  # speculative decoding: draft tokens offered, accepted
         self.cancelled = False
         self.done = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

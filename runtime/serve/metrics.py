@@ -2,7 +2,9 @@
 
 Each app has its own ``CollectorRegistry`` (two servers in one process, as in the tests, do not
 share counters); ``GET /metrics`` writes it in the Prometheus text format. A scheduler reports
-through ``ServeMetrics.observer(model)``, which implements ``scheduler.Observer``.
+through ``ServeMetrics.observer(model)``, which implements ``scheduler.Observer``. The queue
+depth and running rows are read from the scheduler when scraped (``ServeMetrics.watch``), so they
+agree with ``/health`` and read 0 as soon as the last row has ended, however it ended.
 """
 
 from __future__ import annotations
@@ -44,6 +46,16 @@ class ServeMetrics:
                                     ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.finished = Counter("tfport_sequences_finished", "generated sequences by finish reason",
                                 ["model", "reason"], registry=r)
+        self.proposed = Counter("tfport_speculative_proposed_tokens", "draft tokens proposed "
+                                "(speculative decoding)", ["model"], registry=r)
+        self.accepted = Counter("tfport_speculative_accepted_tokens", "draft tokens the target "
+                                "accepted (speculative decoding)", ["model"], registry=r)
+
+    def watch(self, model: str, scheduler) -> None:
+        """Report ``model``'s queue depth and running rows as ``scheduler`` (its ``waiting`` and
+        ``running``) has them when scraped."""
+        self.queue.labels(model).set_function(lambda: scheduler.waiting)
+        self.running.labels(model).set_function(lambda: scheduler.running)
 
     def observer(self, model: str) -> "ModelObserver":
         return ModelObserver(self, model)
@@ -75,8 +87,8 @@ class ModelObserver:
             self._recent.append((time.monotonic(), tokens))
 
     def queue_depth(self, waiting: int, running: int) -> None:
-        self.m.queue.labels(self.model).set(waiting)
-        self.m.running.labels(self.model).set(running)
+        """Nothing: the gauges read the scheduler itself (``ServeMetrics.watch``); a count
+        reported at a step boundary is stale once a row ends after it."""
 
     def first_token(self, seconds: float) -> None:
         self.m.ttft.labels(self.model).observe(seconds)
@@ -89,6 +101,10 @@ class ModelObserver:
 
     def finished(self, reason: str, seconds: float) -> None:
         self.m.finished.labels(self.model, reason).inc()
+
+    def speculated(self, proposed: int, accepted: int) -> None:
+        self.m.proposed.labels(self.model).inc(proposed)
+        self.m.accepted.labels(self.model).inc(accepted)
 
 
 class MetricsMiddleware:

@@ -6,27 +6,108 @@ something (``logprobs``, ``top_logprobs``, penalties, ``logit_bias``, ``echo``, 
 role other than system, user, assistant or developer); unknown fields are ignored, as
 OpenAI-compatible servers do. Token ids and counts are strict integers (``true`` is not 1).
 Extensions, as vLLM names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+
+Text is checked at the edge (``check_text``): a str that is not Unicode text (a lone surrogate,
+which JSON can carry as ``"\\ud800"``) is a 400 naming its field, e.g. ``messages[1].content``. An
+error message shows a request value through ``quote`` (a short prefix), and every message and
+param is shortened again in ``ApiError``, so a rejected megabyte is never echoed back.
 """
 
 from __future__ import annotations
 
+import logging
+import reprlib
+import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+logger = logging.getLogger(__name__)
+
+QUOTE_CHARS = 40  # of a request value shown in an error message
+MESSAGE_CHARS = 1000  # of an error message (which may carry a library's words)
+PARAM_CHARS = 100  # of an error's param (a field path may carry a client's dict key)
+
+_repr = reprlib.Repr()
+_repr.maxstring = _repr.maxother = QUOTE_CHARS
+_repr.maxlist = _repr.maxtuple = _repr.maxset = 8
+_repr.maxdict = 4
+_repr.maxlevel = 3
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters (saying how many were left out), as UTF-8-safe text
+    (a lone surrogate becomes its escape)."""
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text) - limit:,} more characters)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def quote(value: Any) -> str:
+    """A request ``value`` as an error message shows it: its repr, a str cut to its first
+    ``QUOTE_CHARS`` characters (with its length), a list to its first items."""
+    if isinstance(value, str) and len(value) > QUOTE_CHARS:
+        return f"{value[:QUOTE_CHARS]!r}... ({len(value):,} characters)"
+    return shorten(_repr.repr(value), 4 * QUOTE_CHARS)
+
+
+def check_text(value: Any, param: str) -> None:
+    """``ApiError`` 400 naming the field (``param``, ``param[i]``, ``param.key``) when a str in
+    ``value`` (a request model, list or dict, nested) is not Unicode text that UTF-8 can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ApiError(400, f"{param}: not Unicode text (a lone surrogate {value[err.start]!r} at "
+                                f"character {err.start}); expected text that UTF-8 can encode",
+                           param) from None
+    elif isinstance(value, BaseModel):
+        for name, item in {**value.__dict__, **(value.model_extra or {})}.items():
+            check_text(item, f"{param}.{name}" if param else name)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            if not isinstance(item, (int, float)):  # token ids: nothing to check, fast
+                check_text(item, f"{param}[{index}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, param)
+            check_text(item, f"{param}.{key}")
+
+
+def field_path(loc: tuple | list) -> str:
+    """A pydantic error location as the client wrote the field: ``messages[0].content``."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
 
 class ApiError(Exception):
-    """An error answered as ``{"error": {"message", "type", "param", "code"}}``."""
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}``; ``message`` and
+    ``param`` are shortened (``MESSAGE_CHARS``, ``PARAM_CHARS``)."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_exceeded",
-             500: "internal_error", 503: "service_unavailable", 504: "timeout"}
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_exceeded", 500: "internal_error",
+             503: "service_unavailable", 504: "timeout"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        message = shorten(message, MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else shorten(param, PARAM_CHARS)
         self.code = code
+
+    @classmethod
+    def internal(cls, err: BaseException, what: str) -> "ApiError":
+        """A 500 for ``err``, which ``what`` (a request, a stream) ran into: the body shows a
+        request id, never the exception; the log has it under that id."""
+        request_id = uuid.uuid4().hex[:16]
+        logger.error("%s failed (request id %s)", what, request_id, exc_info=err)
+        return cls(500, f"internal error (request id {request_id}); the server's log has the details",
+                   code="internal_error")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
@@ -35,20 +116,24 @@ class ApiError(Exception):
     @classmethod
     def from_validation(cls, errors: list[dict]) -> "ApiError":
         """A 400 for pydantic's validation ``errors`` of a body: the first one, naming its field
-        (malformed JSON, or a union none of whose forms fits, said so)."""
+        as the client wrote it (malformed JSON, or a union none of whose forms fits, said so)."""
         if not errors:
             return cls(400, "invalid request")
         first = errors[0]
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             reason = first.get("ctx", {}).get("error", first.get("msg"))
             return cls(400, f"the body is not valid JSON ({reason})")
-        fields = {next((str(p) for p in e.get("loc", ()) if p != "body"), None) for e in errors}
-        if len(errors) > 1 and len(fields) == 1 and None not in fields:  # a union: no form fits
-            field = fields.pop()
-            reasons = list(dict.fromkeys(e.get("msg") for e in errors))
-            return cls(400, f"{field}: none of its accepted forms fits ({'; '.join(reasons)})", field)
-        param = ".".join(loc) or None
+        locs = [tuple(e.get("loc", ())) for e in errors]
+        common = 0  # a union whose forms all failed: the errors part at the forms' names
+        while all(len(loc) > common and loc[common] == locs[0][common] for loc in locs):
+            common += 1
+        if len(errors) > 1 and all(len(loc) > common and isinstance(loc[common], str) for loc in locs):
+            field = field_path(locs[0][:common])
+            if field:
+                reasons = list(dict.fromkeys(e.get("msg") for e in errors))
+                return cls(400, f"{field}: none of its accepted forms fits ({'; '.join(reasons)})",
+                           field)
+        param = field_path(locs[0]) or None
         return cls(400, f"{param or 'body'}: {first.get('msg')}", param)
 
 
@@ -81,21 +166,25 @@ class DecodingRequest(BaseModel):
         invalid ``stop`` (checked before anything is queued)."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
-                raise ApiError(400, f"{name}={getattr(self, name)!r}: penalties are not "
+                raise ApiError(400, f"{name}={quote(getattr(self, name))}: penalties are not "
                                     "supported by this server (use 0)", name)
         if self.logit_bias:
             raise ApiError(400, "logit_bias: not supported by this server", "logit_bias")
         if self.top_logprobs is not None:
             raise ApiError(400, "top_logprobs: not supported by this server", "top_logprobs")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ApiError(400, f"response_format={self.response_format!r}: only text is supported by "
+            raise ApiError(400, f"response_format={quote(self.response_format)}: only text is supported by "
                                 "this server", "response_format")
         self.stop_strings()
+
+    def token_budget(self) -> tuple[int | None, str]:
+        """The new tokens asked per row (None: not said) and the field that asks them."""
+        return self.max_tokens, "max_tokens"
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > 4 or any(not s for s in stops):
-            raise ApiError(400, f"stop={self.stop!r}: expected up to 4 non-empty strings", "stop")
+            raise ApiError(400, f"stop={quote(self.stop)}: expected up to 4 non-empty strings", "stop")
         return stops
 
 
@@ -115,7 +204,7 @@ class CompletionRequest(DecodingRequest):
         if self.suffix:
             raise ApiError(400, "suffix: not supported by this server", "suffix")
         if self.best_of not in (None, self.n):
-            raise ApiError(400, f"best_of={self.best_of}: only best_of == n is supported", "best_of")
+            raise ApiError(400, f"best_of={quote(self.best_of)}: only best_of == n is supported", "best_of")
 
 
 ROLES = ("system", "user", "assistant", "developer")
@@ -131,7 +220,7 @@ class ChatMessage(BaseModel):
         """The content as one str (text parts joined; other parts refused); ``ApiError`` for a
         role the server does not take."""
         if self.role not in ROLES:
-            raise ApiError(400, f"messages[{index}].role={self.role!r}: expected one of {list(ROLES)}",
+            raise ApiError(400, f"messages[{index}].role={quote(self.role)}: expected one of {list(ROLES)}",
                            f"messages[{index}].role")
         if self.content is None:
             return ""
@@ -141,7 +230,7 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ApiError(400, f"messages[{index}].content: only text parts are supported, "
-                                    f"got type {part.get('type')!r}", f"messages[{index}].content")
+                                    f"got type {quote(part.get('type'))}", f"messages[{index}].content")
             pieces.append(part["text"])
         return "".join(pieces)
 
@@ -149,9 +238,15 @@ class ChatMessage(BaseModel):
 class ChatRequest(DecodingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = None
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     tools: Optional[list[dict[str, Any]]] = None
     functions: Optional[list[dict[str, Any]]] = None
+
+    def token_budget(self) -> tuple[int | None, str]:
+        """``max_completion_tokens`` (OpenAI's newer name) when sent, else ``max_tokens``."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return super().token_budget()
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

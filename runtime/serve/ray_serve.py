@@ -7,7 +7,7 @@ node that runs a replica (a shared filesystem, or the same copy everywhere).
 
     ray start --head --port 6379                      # on the head node
     ray start --address HEAD:6379                     # on each other node
-    RAY_ADDRESS=HEAD:6379 tfport serve /models/dec --ray --replicas 4 --host 0.0.0.0
+    RAY_ADDRESS=HEAD:6379 tfport serve /models/dec --ray --replicas 4 --host 0.0.0.0 --api-key-file key
 
 Without ``RAY_ADDRESS`` a local Ray instance is started; Serve's HTTP proxy binds ``--host``
 (default 127.0.0.1), but Ray's own gRPC servers listen on every interface (Ray resolves 127.0.0.1

@@ -5,12 +5,14 @@ Each choice's tokens become text with the export's tokenizer (``TextStream``), h
 its end could be the start of a ``stop`` string (``StopText``); every choice also carries its
 ``token_ids`` (stop token excluded), so exports without a tokenizer are served on ids. A client
 that goes away (a closed stream, or a disconnect while a JSON answer is pending) cancels its rows,
-which frees them at the scheduler's next step.
+which frees them at the scheduler's next step. ``embedding_response`` builds an embeddings answer
+(in a worker thread: the JSON of 2,048 vectors takes a while).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -18,9 +20,9 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from .protocol import ApiError, DecodingRequest
+from .protocol import ApiError, DecodingRequest, EmbeddingRequest, check_text, quote
 from .handles import Failed, Finished, Handle, Token
 from .served import ServedModel
 
@@ -89,8 +91,7 @@ async def choice_pieces(served: ServedModel, handle: Handle, stops: list[str]
             yield stop.push(tail) + stop.finish(), [], "stop" if stop.stopped else event.reason
             return
         elif isinstance(event, Failed):
-            err = event.error
-            raise ApiError(500, f"generation failed: {type(err).__name__}: {err}")
+            raise ApiError.internal(event.error, "generation")
 
 
 class Completion:
@@ -113,7 +114,7 @@ class Completion:
         for handle in self.handles:
             handle.cancel()
 
-    async def respond(self, request: Request) -> dict | StreamingResponse:
+    async def respond(self, request: Request) -> JSONResponse | StreamingResponse:
         if self.body.stream:
             return StreamingResponse(self._events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -130,8 +131,10 @@ class Completion:
             output = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
             choices.append({"index": index, **output, "logprobs": None, "finish_reason": reason,
                             "token_ids": ids})
-        return {"id": self.id, "object": self.object, "created": self.created,
-                "model": self.served.name, "choices": choices, "usage": self._usage(completion_tokens)}
+        # written by json at once, not walked item by item by FastAPI's encoder first
+        return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
+                             "model": self.served.name, "choices": choices,
+                             "usage": self._usage(completion_tokens)})
 
     def _usage(self, completion_tokens: int) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
@@ -173,8 +176,7 @@ class Completion:
             except ApiError as err:
                 await events.put((index, err))
             except Exception as err:  # noqa: BLE001 -- reported to the client, server carries on
-                logger.exception("stream failed")
-                await events.put((index, ApiError(500, f"internal error: {type(err).__name__}: {err}")))
+                await events.put((index, ApiError.internal(err, "stream")))
             finally:
                 await events.put((index, None))
 
@@ -211,3 +213,22 @@ class Completion:
 def sse(data: dict) -> str:
     """One server-sent event carrying ``data`` as JSON."""
     return f"data: {json.dumps(data)}\n\n"
+
+
+def embedding_response(served: ServedModel, body: EmbeddingRequest) -> JSONResponse:
+    """The answer to /v1/embeddings: each vector as floats or base64 of little-endian float32.
+    Embeds and writes the JSON: call it in a worker thread."""
+    check_text(body, "")
+    vectors, tokens = served.embed(body.input)
+    if body.dimensions is not None and body.dimensions != vectors.shape[1]:
+        raise ApiError(400, f"dimensions={quote(body.dimensions)}: this model's embeddings have "
+                            f"{vectors.shape[1]}", "dimensions")
+    data = []
+    for index, vector in enumerate(vectors):
+        if body.encoding_format == "base64":
+            value = base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+        else:
+            value = vector.astype(float).tolist()
+        data.append({"object": "embedding", "index": index, "embedding": value})
+    return JSONResponse({"object": "list", "data": data, "model": served.name,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
 
@@ -27,11 +27,12 @@ from ..model import Model
 from ..sampling import SamplingParams
 from ..session import SessionSettings
 from ..tokenizer import TextStream, TextTokenizer
-from .protocol import ApiError, DecodingRequest
+from .protocol import ApiError, ChatRequest, CompletionRequest, DecodingRequest, check_text, quote
 from .handles import GenerationRequest, Handle, QueueFull
 from .scheduler import Scheduler, SchedulerLimits
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MiB = 1 << 20
 # A completion prompt or an embedding input: a text, texts, token ids or token id lists.
 Inputs = Union[str, list[str], list[int], list[list[int]]]
 
@@ -42,7 +43,12 @@ class ServeOptions:
 
     ``max_rows`` rows decode together per model; ``max_queue`` requests may wait (then 429);
     ``max_tokens`` caps a request's ``max_tokens``; ``timeout`` seconds per request;
-    ``max_length`` tokens per row (prompt + generated; default the model's max_positions).
+    ``max_length`` tokens per row (prompt + generated; default the model's max_positions);
+    ``max_body_bytes`` per request body (413 past it); ``max_inputs`` embedding inputs per request
+    (OpenAI's 2,048); ``max_messages`` messages per chat; ``api_key``: the Bearer key every
+    request but ``/health`` must carry (None: none asked; never shown in a repr);
+    ``allowed_hosts``: the ``Host`` header names answered (ports aside; None: any), against DNS
+    rebinding.
     """
 
     max_rows: int = 16
@@ -52,14 +58,27 @@ class ServeOptions:
     max_length: int | None = None
     provider: str = "cpu"
     threads: int = 0
+    max_body_bytes: int = 4 * MiB
+    max_inputs: int = 2048
+    max_messages: int = 2048
+    api_key: str | None = field(default=None, repr=False)
+    allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens",):
+        for name in ("max_tokens", "max_body_bytes", "max_inputs", "max_messages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
         if not self.timeout > 0:
             raise ValueError(f"timeout={self.timeout!r}: expected a positive number of seconds")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()
+                                         or not self.api_key.isascii()):
+            raise ValueError("api_key: expected a non-empty ASCII string")
+        if self.allowed_hosts is not None and (
+                not isinstance(self.allowed_hosts, tuple) or not self.allowed_hosts
+                or not all(isinstance(h, str) and h and h == h.lower() for h in self.allowed_hosts)):
+            raise ValueError(f"allowed_hosts={self.allowed_hosts!r}: expected a non-empty tuple of "
+                             "lower-case host names, or None for any")
         SchedulerLimits(self.max_rows, self.max_queue, self.max_length)  # checks those
 
     @property
@@ -141,7 +160,7 @@ class ServedModel:
         for index, row in enumerate(rows):
             bad = [t for t in row if not 0 <= t < vocab]
             if bad:
-                raise ApiError(400, f"{param}[{index}]: token ids {bad[:8]} outside [0, {vocab})",
+                raise ApiError(400, f"{param}[{index}]: token ids {quote(bad)} outside [0, {vocab})",
                                param)
         return rows
 
@@ -183,18 +202,55 @@ class ServedModel:
         except ValueError as err:
             raise ApiError(400, str(err), str(err).split("=")[0]) from None
 
-    def max_tokens(self, requested: int | None, prompt: Sequence[int] | None = None) -> int:
-        """A request's ``max_tokens``, at most the server's cap. Left out: OpenAI's 16 for a
-        completion; for a chat ``prompt``, as many as the context and the cap allow."""
-        if requested is None:
-            if prompt is None:
-                return min(DEFAULT_COMPLETION_TOKENS, self.options.max_tokens)
-            room = self.scheduler.max_length - len(prompt) + 1  # the last token is not fed back
-            return max(1, min(self.options.max_tokens, room))
-        if requested > self.options.max_tokens:
-            raise ApiError(400, f"max_tokens={requested}: more than this server's limit of "
-                                f"{self.options.max_tokens} per request", "max_tokens")
-        return requested
+    def max_tokens(self, body: DecodingRequest, prompts: list[list[int]], prompt_param: str,
+                   default: int | None = None) -> int:
+        """New tokens per row: what the request asks (``max_tokens``, or a chat's
+        ``max_completion_tokens``), else ``default`` (None: as many as the context and the cap
+        allow). ``ApiError`` naming the field the client sent when it is over the server's cap
+        or the context left after the longest prompt (``prompt_param`` when no token is left)."""
+        requested, param = body.token_budget()
+        cap, context = self.options.max_tokens, self.scheduler.max_length
+        longest = max(len(p) for p in prompts)
+        if longest > context:
+            raise ApiError(400, f"{prompt_param}: {longest} tokens, more than this server's context "
+                                f"of {context}", prompt_param)
+        room = context - longest + 1  # the last token is not fed back
+        if requested is None and default is None:
+            return min(cap, room)
+        tokens = min(default, cap) if requested is None else requested
+        if tokens > cap:
+            raise ApiError(400, f"{param}={quote(tokens)}: more than this server's limit of {cap} "
+                                "per request (--max-tokens)", param)
+        if tokens > room:
+            raise ApiError(400, f"{param}={tokens}: a prompt of {longest} tokens leaves room for "
+                                f"{room} in this server's context of {context}; lower {param} to "
+                                f"at most {room}", param)
+        return tokens
+
+    def completion_inputs(self, body: CompletionRequest
+                          ) -> tuple[list[list[int]], int, tuple[int, ...]]:
+        """A completion request -> (prompt ids, max_tokens, stop ids); ``ApiError`` 400 for a
+        request that cannot run. Tokenises: call it in a worker thread."""
+        check_text(body, "")
+        body.refuse_unsupported()
+        prompts = self.prompts(body.prompt)
+        stop_ids = self.stop_ids(body.ignore_eos, body.stop_token_ids)
+        return prompts, self.max_tokens(body, prompts, "prompt", DEFAULT_COMPLETION_TOKENS), stop_ids
+
+    def chat_inputs(self, body: ChatRequest) -> tuple[list[list[int]], int, tuple[int, ...]]:
+        """A chat request -> ([prompt ids], max_tokens, stop ids): the messages rendered with
+        the export's template, stops at its end of turn. Tokenises: call it in a worker thread."""
+        if len(body.messages) > self.options.max_messages:
+            raise ApiError(400, f"messages: {len(body.messages):,} messages, more than this "
+                                f"server's limit of {self.options.max_messages:,} per chat "
+                                "(--max-messages)", "messages")
+        check_text(body, "")
+        body.refuse_unsupported()
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text(i)}
+                    for i, m in enumerate(body.messages)]
+        prompt, turn_ends = self.chat(messages)
+        stop_ids = self.stop_ids(body.ignore_eos, body.stop_token_ids, turn_ends)
+        return [prompt], self.max_tokens(body, [prompt], "messages"), stop_ids
 
     def submit(self, prompts: list[list[int]], body: DecodingRequest, max_tokens: int,
                stop_ids: tuple[int, ...], loop: asyncio.AbstractEventLoop) -> list[Handle]:
@@ -223,6 +279,11 @@ class ServedModel:
         texts as ``Model.embed_text`` embeds them, token ids as ``Model.embed`` does, both with
         the export's settings (``tfport embed``). Runs in a worker thread; one batch at a time
         per model."""
+        count = 1 if isinstance(inputs, str) or all(isinstance(t, int) for t in inputs) else len(inputs)
+        if count > self.options.max_inputs:
+            raise ApiError(400, f"input: {count:,} inputs, more than this server's limit of "
+                                f"{self.options.max_inputs:,} per request (--max-embedding-inputs)",
+                           "input")
         texts = [inputs] if isinstance(inputs, str) else inputs
         with self._embed_lock:
             try:
