@@ -50,6 +50,14 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                         help=f"inputs per /v1/embeddings request (default {limits.max_inputs:,})")
     parser.add_argument("--max-messages", type=_positive, default=limits.max_messages, metavar="N",
                         help=f"messages per chat request (default {limits.max_messages:,})")
+    parser.add_argument("--speculative", metavar="lookup|DRAFT_DIR", default=None,
+                        help="decode every served decoder speculatively: 'lookup' (n-gram matches in "
+                             "the prompt and output) or a draft export with the same vocabulary")
+    parser.add_argument("--draft-tokens", type=_positive, default=limits.draft_tokens, metavar="K",
+                        help=f"most tokens proposed per step (default {limits.draft_tokens}; adapted)")
+    parser.add_argument("--speculative-inexact", action="store_true",
+                        help="speculate on quantised exports too (their tokens can differ from "
+                             "plain decoding's)")
 
 
 def _options(args: argparse.Namespace):
@@ -58,7 +66,8 @@ def _options(args: argparse.Namespace):
                         max_tokens=args.max_tokens, timeout=args.timeout,
                         max_length=args.max_length, provider=args.provider, threads=args.threads,
                         max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs,
-                        max_messages=args.max_messages)
+                        max_messages=args.max_messages, speculative=args.speculative,
+                        draft_tokens=args.draft_tokens, speculative_inexact=args.speculative_inexact)
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:

@@ -137,8 +137,12 @@ class Completion:
                              "usage": self._usage(completion_tokens)})
 
     def _usage(self, completion_tokens: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": self.prompt_tokens + completion_tokens}
+        if self.served.speculates:  # draft tokens proposed and accepted for this request
+            usage["speculative"] = {"proposed": sum(h.proposed for h in self.handles),
+                                    "accepted": sum(h.accepted for h in self.handles)}
+        return usage
 
     async def _watch(self, request: Request) -> None:
         """Cancel the rows when the client of a non-streaming request goes away."""

@@ -22,6 +22,7 @@ from typing import Union
 import numpy as np
 
 from ..chat import chat_format
+from ..decoding.speculative import Speculation
 from ..defaults import OPENAI
 from ..model import Model
 from ..sampling import SamplingParams
@@ -48,7 +49,9 @@ class ServeOptions:
     (OpenAI's 2,048); ``max_messages`` messages per chat; ``api_key``: the Bearer key every
     request but ``/health`` must carry (None: none asked; never shown in a repr);
     ``allowed_hosts``: the ``Host`` header names answered (ports aside; None: any), against DNS
-    rebinding.
+    rebinding. ``speculative`` decodes every served decoder speculatively ("lookup" or a draft
+    export's directory; ``draft_tokens`` at most per step; ``speculative_inexact`` accepts a
+    quantised target, see ``decoding.speculative.Speculation``).
     """
 
     max_rows: int = 16
@@ -63,9 +66,12 @@ class ServeOptions:
     max_messages: int = 2048
     api_key: str | None = field(default=None, repr=False)
     allowed_hosts: tuple[str, ...] | None = None
+    speculative: str | None = None  # "lookup" or a draft export's directory (every decoder served)
+    draft_tokens: int = 8
+    speculative_inexact: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "max_body_bytes", "max_inputs", "max_messages"):
+        for name in ("max_tokens", "max_body_bytes", "max_inputs", "max_messages", "draft_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
@@ -96,8 +102,25 @@ class ServedModel:
         self.family = model.config.family
         self.scheduler: Scheduler | None = None
         if self.family == "decoder":
-            self.scheduler = Scheduler(model, options.limits, observer)
+            self.scheduler = Scheduler(model, options.limits, observer, self._speculation())
         self._embed_lock = threading.Lock()
+
+    def _speculation(self) -> Speculation | None:
+        """The scheduler's speculation from the options (a draft export opened once, with the
+        target's session settings)."""
+        drafter = self.options.speculative
+        if drafter is None:
+            return None
+        if drafter != "lookup":
+            if not Path(drafter).is_dir():
+                raise ValueError(f"speculative={drafter!r}: expected 'lookup' or the directory of a "
+                                 "draft decoder export")
+            drafter = Model.load(drafter, settings=self.model.settings)
+        return Speculation(drafter, self.options.draft_tokens, exact=not self.options.speculative_inexact)
+
+    @property
+    def speculates(self) -> bool:
+        return self.scheduler is not None and self.scheduler.speculation is not None
 
     @classmethod
     def load(cls, directory: str | Path, options: ServeOptions, name: str | None = None,
