@@ -97,7 +97,9 @@ class Handle:
         """Stop generating; the row is freed at the next step boundary."""
         self.cancelled = True
 
-    def _emit(self, event: Event) -> None:
+    def deliver(self, event: Event) -> None:
+        """Hand ``event`` to whoever reads this handle (the scheduler calls it; events after the
+        final one are dropped)."""
         with self._lock:
             if self.done:
                 return

@@ -182,7 +182,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
         for handle in [*self._waiting, *(live.handle for live in self._live)]:
-            handle._emit(Finished("cancelled"))
+            handle.deliver(Finished("cancelled"))
 
     # ------------------------------------------------------------------------------ the loop
     def _loop(self) -> None:
@@ -253,7 +253,7 @@ class Scheduler:
             row.handle.accepted += accepted
             self.observer.speculated(len(proposal.tokens), accepted)
             for token in pushed:
-                row.handle._emit(Token(token))
+                row.handle.deliver(Token(token))
             if error is not None:
                 self._retire(row, Failed(error))
             elif row.state.finish:
@@ -274,7 +274,7 @@ class Scheduler:
                 handle = self._waiting.popleft()
             reason = self._stop_reason(handle, now)
             if reason:
-                handle._emit(Finished(reason))
+                handle.deliver(Finished(reason))
                 self.observer.finished(reason, time.monotonic() - handle.submitted)
                 continue
             request = handle.request
@@ -282,7 +282,7 @@ class Scheduler:
                 row, logits = self.batch.add(np.asarray(request.prompt, dtype=np.int64))
             except Exception as err:  # this request only; the batch is unchanged
                 logger.exception("prefill failed")
-                handle._emit(Failed(err))
+                handle.deliver(Failed(err))
                 self.observer.finished("error", time.monotonic() - handle.submitted)
                 continue
             forced = self.model.forced_tokens(max_new_tokens=request.max_tokens,
@@ -301,7 +301,7 @@ class Scheduler:
     def _push(self, live: _Live, token: int) -> None:
         """Report ``token`` and retire the row when it ended (``SequenceState.push``)."""
         finish = live.state.push(token)
-        live.handle._emit(Token(token))
+        live.handle.deliver(Token(token))
         if finish:
             self._retire(live, Finished(finish))
 
@@ -310,14 +310,14 @@ class Scheduler:
         self.batch.remove(live.row)
         if self._speculator is not None:
             self._speculator.forget(id(live.handle))
-        live.handle._emit(event)
+        live.handle.deliver(event)
         reason = event.reason if isinstance(event, Finished) else "error"
         self.observer.finished(reason, time.monotonic() - live.handle.submitted)
 
     def _fail_live(self, err: BaseException) -> None:
         """Fail every live row and start over with an empty batch."""
         for live in self._live:
-            live.handle._emit(Failed(err))
+            live.handle.deliver(Failed(err))
             self.observer.finished("error", time.monotonic() - live.handle.submitted)
         self._live = []
         self.batch = self._new_batch()
