@@ -181,7 +181,11 @@ class Scheduler:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
-        for handle in [*self._waiting, *(live.handle for live in self._live)]:
+        with self._cond:
+            handles = [*self._waiting, *(live.handle for live in self._live)]
+            self._waiting.clear()
+            self._live = []  # the counts (/health, the gauges) read 0 once stopped
+        for handle in handles:
             handle.deliver(Finished("cancelled"))
 
     # ------------------------------------------------------------------------------ the loop

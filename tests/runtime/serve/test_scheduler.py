@@ -200,3 +200,14 @@ def test_the_exports_forced_tokens_are_forced_as_generate_forces_them(model, sch
         assert tokens[-1] in (7, 8)
     assert results[0][0][0] == 9
     assert solo(model, [5], 5, stop_token_ids=(), forced_bos_token_id=(), forced_eos_token_id=()) != results[0][0]
+
+
+def test_stop_cancels_and_forgets_waiting_and_running_requests(model):
+    """After stop, every request got Finished('cancelled') and the counts read 0 (they kept the
+    cancelled handles before)."""
+    scheduler = Scheduler(model, SchedulerLimits(max_rows=2, max_queue=16))  # never started
+    handles = scheduler.submit([GenerationRequest(p, 8) for p in prompts(5, seed=4)])
+    assert scheduler.waiting == 5
+    scheduler.stop()
+    assert (scheduler.waiting, scheduler.running) == (0, 0)
+    assert all(h.result() == ([], "cancelled") for h in handles)
