@@ -123,11 +123,16 @@ def check_logits(logits: np.ndarray) -> np.ndarray:
         return logits
     nan_rows = np.isnan(logits).any(axis=-1).nonzero()[0]
     if nan_rows.size:
-        raise RuntimeError(f"the model produced NaN logits (rows {nan_rows[:8].tolist()}); no "
-                           "token can be chosen. The export may be damaged (load it with "
-                           "verify='full') or overflow in its dtype")
+        raise nan_logits(nan_rows[:8].tolist())
     limit = np.finfo(np.float32).max
     return np.clip(logits, -limit, limit)
+
+
+def nan_logits(rows: list[int]) -> RuntimeError:
+    """The error for NaN logits in ``rows``: no token can be chosen from them."""
+    return RuntimeError(f"the model produced NaN logits (rows {rows}); no token can be chosen. "
+                        "The export may be damaged (load it with verify='full') or overflow in "
+                        "its dtype")
 
 
 def next_token(logits: np.ndarray, params: SamplingParams,

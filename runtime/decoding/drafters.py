@@ -140,7 +140,7 @@ class DraftModelRows:
                                          min(max_length, config.max_positions), config.fill_token_id)
         self.rows: dict[Hashable, object] = {}
         self.fed: dict[Hashable, list[int]] = {}  # key -> the tokens in its draft cache
-        self.step_seconds = 0.0  # one drafting step of all rows, exponential average (KPolicy)
+        self.step_seconds = 0.0  # one draft forward of all rows, exponential average (KPolicy)
 
     def forget(self, key: Hashable) -> None:
         if key in self.rows:
@@ -163,30 +163,38 @@ class DraftModelRows:
         del fed[common:]
         return context[common:]
 
+    def _timed(self, forward, feed):
+        """``forward(feed)``, its time averaged into ``step_seconds`` (every draft forward counts:
+        the one that feeds the rows' new tokens and each drafting step)."""
+        start = time.perf_counter()
+        out = forward(feed)
+        seconds = time.perf_counter() - start
+        self.step_seconds = seconds if not self.step_seconds else 0.7 * self.step_seconds + 0.3 * seconds
+        return out
+
     def propose(self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], ks: Sequence[int],
                 states: Sequence[SequenceState]) -> list[Proposal]:
         wanted = {key: (k, state) for key, k, state in zip(keys, ks, states) if k}
         chunks = {key: self._sync(key, list(context)) for key, context in zip(keys, contexts) if key in wanted}
         drafts: dict[Hashable, Proposal] = {key: Proposal([], []) for key in wanted}
         if wanted:
-            order = [key for key in sorted(self.rows, key=lambda key: self.rows[key].index)]
+            order = sorted(self.rows, key=lambda key: self.rows[key].index)
+            steps = max(k for k, _ in wanted.values())
             feed = {key: chunks.get(key, [self.fed[key][-1]]) for key in order}  # idle rows: rewound later
-            logits = dict(zip(order, self.batch.extend([np.asarray(feed[key], np.int64) for key in order])))
-            for step in range(max(k for k, _ in wanted.values())):
+            logits = dict(zip(order, self._timed(self.batch.extend, [np.asarray(feed[key], np.int64)
+                                                                     for key in order])))
+            for step in range(steps):
                 for key in order:
                     self.fed[key].extend(int(t) for t in feed[key])
                     if key in wanted and step < wanted[key][0]:
                         token, q = _draw(logits[key][-1], wanted[key][1])
                         drafts[key].tokens.append(token)
                         drafts[key].probs.append(q)
-                if step + 1 == max(k for k, _ in wanted.values()):
+                if step + 1 == steps:
                     break
                 feed = {key: [drafts[key].tokens[-1]] if key in drafts and len(drafts[key].tokens) > step
                         else [self.fed[key][-1]] for key in order}
-                start = time.perf_counter()
-                stepped = self.batch.step(np.array([feed[key][0] for key in order], np.int64))
-                seconds = time.perf_counter() - start
-                self.step_seconds = seconds if not self.step_seconds else 0.7 * self.step_seconds + 0.3 * seconds
+                stepped = self._timed(self.batch.step, np.array([feed[key][0] for key in order], np.int64))
                 logits = {key: stepped[b][None] for b, key in enumerate(order)}
         out = []
         for key in keys:

@@ -35,7 +35,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..sampling import SamplingParams, distribution, force_tokens, next_token, sample
+from ..sampling import SamplingParams, distribution, force_tokens, nan_logits, next_token, sample
 
 
 class LogitsProcessor(Protocol):
@@ -97,11 +97,9 @@ def choose(logits: np.ndarray, states: Sequence[SequenceState]) -> tuple[np.ndar
         if not (state.plain and finite[b]):
             groups.setdefault((id(state.params), id(state.rng)), []).append(b)
     for rows in groups.values():
-        nan = [b for b in rows if np.isnan(logits[b]).any()]
-        for b in nan:
-            errors[b] = RuntimeError(
-                "the model produced NaN logits; no token can be chosen. The export may be damaged "
-                "(load it with verify='full') or overflow in its dtype")
+        for b in rows:
+            if np.isnan(logits[b]).any():
+                errors[b] = nan_logits([b])
         rows = [b for b in rows if b not in errors]
         if not rows:
             continue

@@ -66,11 +66,11 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 class KPolicy:
     """K per row: argmax over k in 0..``k_max`` of expected_tokens(alpha, k) / (cost(k + 1) +
-    k * draft_cost), where alpha is the row's running acceptance rate (exponential average,
+    drafts(k) * draft_cost), where alpha is the row's running acceptance rate (exponential average,
     starting at ``prior``), ``cost(s)`` the measured time of feeding s tokens per row relative to
-    one, and ``draft_cost`` the measured time of a draft model's forward relative to the same (0
-    for prompt lookup); k > 0 costs k + 1 of those (the row's new tokens are fed first). Without a
-    cost function, always ``k_max``."""
+    one, ``draft_cost`` the measured time of a draft model's forward relative to the same (0 for
+    prompt lookup), and drafts(k) = k + 1 draft forwards for k > 0 (the row's new tokens are fed
+    first), 0 for k = 0. Without a cost function, always ``k_max``."""
 
     def __init__(self, k_max: int, cost: Callable[[int], float] | None, prior: float = 0.6,
                  decay: float = 0.7):
@@ -122,9 +122,9 @@ class Speculator:
     """One decoding run's or scheduler's speculation over ``batch``: drafts, K per row, the
     verification of each row's run, and the statistics. Rows are named by any hashable key.
 
-        proposals = speculator.propose(keys, contexts, states, lengths)   # before a forward
+        proposals = speculator.propose(keys, contexts, states, rows)      # before a forward
         logits = batch.extend([[last, *p.tokens] for each row])           # one target forward
-        pushed, error = speculator.verify(key, row, state, logits, proposal)
+        pushed, accepted, error = speculator.verify(key, row, state, logits, proposal)
     """
 
     def __init__(self, batch: RowBatch, runner, speculation: "Speculation", drafter: Drafter,
