@@ -2,9 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= gpu,export,text,serve,dev,docs
+EXTRAS ?= gpu,export,text,serve,serve-ray,dev,docs
 
-.PHONY: setup demo test test-cuda clean
+.PHONY: setup browser demo test test-cuda clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -18,7 +18,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(PY) -m tfport.demo --out out/demo
 
-test: setup
+# The chat page's browser test needs Chromium and its driver: installed here when run as root
+# with apt-get and missing (CI's fresh machine); a failed install only makes that test skip.
+browser:
+	@if ! command -v chromedriver >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium and chromium-driver for tests/runtime/serve/test_chat_page.py"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } >/dev/null 2>&1 \
+			|| echo "could not install chromium: the chat page's browser tests will skip"; \
+	fi
+
+test: setup browser
 	$(PY) -m pytest -q -ra tests
 
 # Only the CUDA part of the parity suite (on a GPU machine).

@@ -17,6 +17,17 @@ is tokenized without adding special tokens (the template writes them).
 Generation stops at the template's end-of-turn token(s) -- the special token(s) the template
 writes after an assistant message, found by rendering one -- and at the config's EOS.
 
+Tools (``tfport.runtime.tools``): ``tools=`` reaches the template as transformers passes it (a
+list of ``{"type": "function", "function": {...}}``), assistant messages may carry
+``tool_calls`` (``function.arguments`` as JSON text, OpenAI's way, or a dict, transformers'
+way: the template gets a dict) and ``tool`` messages answer them. The reply is parsed in the
+call format the template teaches; ``tool_choice="required"`` or a named function forces a call
+whose arguments match the function's parameter schema (a grammar, ``decoding.grammar``):
+
+    >>> reply = model.chat(messages, tools=[weather_tool], tool_choice="required")
+    >>> reply.tool_calls[0].name, json.loads(reply.tool_calls[0].arguments)
+    ('get_weather', {'city': 'Paris'})
+
 Needs ``jinja2`` and ``tokenizers`` (extra ``text``); no torch.
 """
 
@@ -30,7 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 from tfport.contract import CHAT_TEMPLATE_FILE
 
+from .decoding.grammar import KINDS
 from .tokenizer import TextStream, TextTokenizer
+from .tools import (CallDelta, ChatReply, ToolCallParser, ToolFormat, ToolRequest, parse_reply,
+                    template_message, tool_request)
 
 if TYPE_CHECKING:
     from .model import Model
@@ -85,17 +99,21 @@ def compile_template(text: str):
 
 
 def check_messages(messages: Messages) -> list[dict[str, Any]]:
-    """``messages`` as a list of dicts, each with a str ``role`` and ``content``."""
+    """``messages`` as a list of dicts, each with a str ``role`` and ``content`` (an assistant
+    message with ``tool_calls`` may leave content out), tool calls as templates take them
+    (``tools.template_message``)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise TypeError(f"messages: expected a non-empty list of {{'role': ..., 'content': ...}} "
                         f"dicts, got {type(messages).__name__}")
     out = []
     for index, message in enumerate(messages):
+        if isinstance(message, Mapping):
+            message = template_message(message, index)
         if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
                 or not isinstance(message.get("content"), str):
             raise TypeError(f"messages[{index}]={message!r}: expected a dict with a str 'role' "
                             "and a str 'content'")
-        out.append(dict(message))
+        out.append(message)
     return out
 
 
@@ -105,6 +123,7 @@ class ChatFormat:
     def __init__(self, template: str, tokenizer: TextTokenizer, bos_token_id: int | None,
                  eos_token_id: int | None, pad_token_id: int | None = None):
         self.template = compile_template(template)
+        self.source = template
         self.tokenizer = tokenizer
         names = {"bos_token": bos_token_id, "eos_token": eos_token_id, "pad_token": pad_token_id}
         self.special_tokens = {name: tokenizer.token(i) for name, i in names.items() if i is not None}
@@ -125,6 +144,28 @@ class ChatFormat:
     def prompt_ids(self, messages: Messages, **kwargs: Any) -> list[int]:
         """Token ids of the rendered prompt (the template writes the special tokens)."""
         return self.tokenizer.encode(self.render(messages, **kwargs), add_special_tokens=False)
+
+    def tool_request(self, tools: Any = None, tool_choice: Any = None,
+                     parallel_tool_calls: bool = True) -> ToolRequest:
+        """What ``tools`` / ``tool_choice`` ask of this template (``tools.tool_request``); its
+        grammar writes markers that are special tokens as ``<[id]>``."""
+
+        def literal(text: str) -> str:
+            token = self._special_id(text)
+            return json.dumps(text) if token is None else f"<[{token}]>"
+
+        return tool_request(self.source, tools, tool_choice, parallel_tool_calls, literal)
+
+    def marker_ids(self, fmt: ToolFormat) -> dict[int, str]:
+        """Ids of ``fmt``'s markers that are special tokens here -> their text (which decoding
+        leaves out, and the call parser needs)."""
+        ids = {text: self._special_id(text) for text in fmt.special_texts}
+        return {token: text for text, token in ids.items() if token is not None}
+
+    def _special_id(self, text: str) -> int | None:
+        """The id of ``text`` when it is one special token of the tokenizer, else None."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and ids[0] in self.tokenizer.special_ids() else None
 
     def _end_of_turn(self) -> list[int]:
         """The special tokens the template writes right after an assistant message's text."""
@@ -170,34 +211,79 @@ def chat_format(model: "Model") -> ChatFormat:
     return fmt
 
 
-def chat_stream(model: "Model", messages: Messages, *,
-                max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **generate_kwargs: Any) -> Iterator[str]:
+def chat_stream(model: "Model", messages: Messages, *, tools: Any = None, tool_choice: Any = None,
+                parallel_tool_calls: bool = True, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+                **generate_kwargs: Any) -> Iterator[str | CallDelta]:
     """The assistant's reply to ``messages``, one str per generated token: the text that became
     complete with it ("" while a character's bytes are incomplete, or while a byte-level decode
     would rewrite text already yielded). Ends at an end-of-turn token (never shown) or after
     ``max_new_tokens``. ``generate_kwargs``: ``temperature``, ``top_k``, ``top_p``, ``seed``,
-    ``stop_token_ids`` (default: the end-of-turn ids and EOS)."""
+    ``stop_token_ids`` (default: the end-of-turn ids and EOS), ``json_schema`` / ``regex`` /
+    ``grammar``.
+
+    With ``tools`` (and ``tool_choice`` other than "none") the reply is parsed as it comes:
+    content as str pieces, calls as ``tools.CallDelta`` items (see ``tools.ToolCallParser``).
+    ``tool_choice`` "required" or ``{"type": "function", "function": {"name": ...}}`` forces a
+    call by grammar, so it takes no other constraint; ``parallel_tool_calls=False`` allows one."""
+    texts, tool_format = _reply_texts(model, messages, tools, tool_choice, parallel_tool_calls,
+                                      max_new_tokens, generate_kwargs)
+    return texts if tool_format is None else _parsed(texts, ToolCallParser(tool_format))
+
+
+def chat(model: "Model", messages: Messages, *, tools: Any = None, tool_choice: Any = None,
+         parallel_tool_calls: bool = True, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+         **generate_kwargs: Any) -> str | ChatReply:
+    """The assistant's reply to ``messages`` as one str (see ``chat_stream``); with ``tools``,
+    a ``ChatReply`` with the calls parsed (``tools.parse_reply``)."""
+    texts, tool_format = _reply_texts(model, messages, tools, tool_choice, parallel_tool_calls,
+                                      max_new_tokens, generate_kwargs)
+    text = "".join(texts)
+    if tools is None:
+        return text
+    return ChatReply(*parse_reply(tool_format, text)) if tool_format else ChatReply(text, [])
+
+
+def _reply_texts(model: "Model", messages: Messages, tools: Any, tool_choice: Any,
+                 parallel_tool_calls: bool, max_new_tokens: int, generate_kwargs: dict[str, Any]
+                 ) -> tuple[Iterator[str], ToolFormat | None]:
+    """The reply's text pieces (markers that are special tokens shown) and the tool-call format
+    to parse them in (None: plain content); arguments as ``chat_stream``'s."""
     fmt = chat_format(model)
-    prompt = fmt.prompt_ids(messages)
+    request = fmt.tool_request(tools, tool_choice, parallel_tool_calls)
+    if request.grammar is not None:
+        given = [name for name in KINDS if generate_kwargs.get(name) is not None]
+        if given:
+            raise ValueError(f"tool_choice={tool_choice!r:.60}: forces a call by grammar; it takes "
+                             f"no {', '.join(given)} too")
+        generate_kwargs = {**generate_kwargs, "grammar": request.grammar}
+    prompt = fmt.prompt_ids(messages, **({"tools": request.tools} if request.tools else {}))
     stops = generate_kwargs.pop("stop_token_ids", None)
     stops = fmt.stop_ids if stops is None else model.stop_ids(stops)
     steps = model.stream([prompt], max_new_tokens=max_new_tokens, stop_token_ids=stops,
                          **generate_kwargs)
+    markers = fmt.marker_ids(request.format) if request.format is not None else {}
 
-    def pieces() -> Iterator[str]:
+    def texts() -> Iterator[str]:
         text = TextStream(fmt.tokenizer)
         for tokens in steps:
             token = int(tokens[0])
             if token in stops:
                 break
-            yield text.push(token)
+            yield text.push(token) + markers.get(token, "")
         tail = text.finish()
         if tail:
             yield tail
 
-    return pieces()
+    return texts(), request.format
 
 
-def chat(model: "Model", messages: Messages, **kwargs: Any) -> str:
-    """The assistant's reply to ``messages`` as one str (see ``chat_stream``)."""
-    return "".join(chat_stream(model, messages, **kwargs))
+def _parsed(texts: Iterator[str], parser: ToolCallParser) -> Iterator[str | CallDelta]:
+    """Text pieces -> content pieces and call deltas, in order."""
+    for piece in texts:
+        content, deltas = parser.push(piece)
+        yield content
+        yield from deltas
+    content, deltas = parser.finish()
+    if content:
+        yield content
+    yield from deltas

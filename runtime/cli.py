@@ -4,6 +4,7 @@ without torch.
     tfport generate DIR --ids 1,5,7 [--ids 1,9] --max-new-tokens 32 [--stream]
     tfport generate DIR --text "Once upon a time" --temperature 0.8 --top-p 0.9 --seed 0
     tfport chat DIR [--system "You are terse."] [--message "Hi!"]
+    tfport chat DIR --message "Extract the person" --json-schema person.json   # also --regex, --grammar
     tfport embed DIR --text "a sentence" --pooling mean --normalize
 
 Generated ids print one line per prompt (comma-separated; the text too when the export has a
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 # Show a progress bar (stderr) when not streaming and generating at least this many tokens.
 PROGRESS_MIN_TOKENS = 32
+_ASCII_INT = re.compile(r"[+-]?[0-9]+")  # a token id as --ids takes it (int() also reads "１")
 
 
 def parse_stop_ids(text: str) -> list[int]:
@@ -42,18 +45,18 @@ def parse_stop_ids(text: str) -> list[int]:
 
 def parse_ids(text: str) -> list[int]:
     """``"1,2,3"`` (spaces around ids allowed) -> [1, 2, 3]; an empty entry (``1,,2``, a trailing
-    comma) or a space inside one (``1 2``) is refused, not skipped or joined."""
+    comma), a space inside one (``1 2``) and what only Python's ``int`` reads as a number (the
+    full-width ``１``, other scripts' digits, ``1_0``) are refused, not skipped, joined or read."""
     if not text.strip():
         raise argparse.ArgumentTypeError("--ids: expected at least one token id")
-    parts = text.split(",")
-    if any(not part.strip() for part in parts):
+    parts = [part.strip() for part in text.split(",")]
+    if any(not part for part in parts):
         raise argparse.ArgumentTypeError(f"--ids {text!r}: an entry is empty; expected "
                                          "comma-separated integers such as 1,2,3")
-    try:
-        return [int(part) for part in parts]
-    except ValueError:
+    if not all(_ASCII_INT.fullmatch(part) for part in parts):
         raise argparse.ArgumentTypeError(f"--ids {text!r}: expected comma-separated integers "
-                                         "such as 1,2,3") from None
+                                         "(ASCII digits 0-9) such as 1,2,3")
+    return [int(part) for part in parts]
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -106,6 +109,46 @@ def _speculation(args: argparse.Namespace, model: Model) -> dict:
             "draft_tokens": args.draft_tokens, "speculation": SpeculationStats()}
 
 
+def _add_penalties(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                        help="divide the positive logits of tokens already in the prompt or output "
+                             "by R, multiply the negative ones (transformers; 1: off, the default)")
+    parser.add_argument("--min-p", type=float, default=None, metavar="P",
+                        help="when sampling, drop tokens less likely than P times the most likely "
+                             "(0: off, the default)")
+
+
+def _add_constraint(parser: argparse.ArgumentParser) -> None:
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", metavar="FILE", default=None,
+                            help="structured output: the reply is JSON valid under the JSON schema "
+                                 "in FILE (needs llguidance, extra 'text')")
+    constraint.add_argument("--regex", default=None,
+                            help="structured output: the reply matches this regular expression")
+    constraint.add_argument("--grammar", metavar="FILE", default=None,
+                            help="structured output: the reply follows the Lark grammar in FILE "
+                                 "(llguidance's dialect; %%json {...} embeds a JSON schema)")
+
+
+def _constraint(args: argparse.Namespace) -> dict:
+    """generate/chat keyword arguments for ``--json-schema`` / ``--regex`` / ``--grammar``."""
+    if args.regex is not None:
+        return {"regex": args.regex}
+    option, path = ("--json-schema", args.json_schema) if args.json_schema is not None else ("--grammar", args.grammar)
+    if path is None:
+        return {}
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{option} {path!r}: cannot read it ({err})") from None
+    if option == "--grammar":
+        return {"grammar": text}
+    try:
+        return {"json_schema": json.loads(text)}
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{option} {path!r}: not valid JSON ({err})") from None
+
+
 def _report_speculation(options: dict) -> None:
     stats = options.get("speculation")
     if stats is not None:
@@ -135,7 +178,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                      help="the first generated token of a seq2seq model, e.g. mBART-50's target "
                           "language code (default: the export's generation_config.json)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    _add_penalties(gen)
     _add_speculative(gen)
+    _add_constraint(gen)
     gen.set_defaults(func=run_generate)
 
     chat = subparsers.add_parser(
@@ -146,6 +191,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     chat.add_argument("--system", help="system message opening the conversation")
     chat.add_argument("--message", help="answer this one message and exit (no prompt, no loop)")
     _add_speculative(chat)
+    _add_constraint(chat)
     chat.add_argument("--max-new-tokens", type=positive_int, default=256, help="per reply (default 256)")
     chat.add_argument("--temperature", type=float, default=None,
                       help="0 is greedy (default: the export's generation_config.json, else greedy)")
@@ -154,6 +200,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     chat.add_argument("--top-p", type=float, default=None,
                       help="nucleus mass to keep (1: all; default: generation_config.json, else 1)")
     chat.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    _add_penalties(chat)
     chat.add_argument("--provider", choices=PROVIDERS, default="cpu",
                       help="execution provider (default: cpu; auto tries CUDA)")
     chat.add_argument("--threads", type=int, default=0,
@@ -194,7 +241,9 @@ def run_generate(args: argparse.Namespace) -> int:
     model, prompts = _open(args)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=args.stop,
-                   forced_bos_token_id=args.forced_bos, **_speculation(args, model))
+                   forced_bos_token_id=args.forced_bos, repetition_penalty=args.repetition_penalty,
+                   min_p=args.min_p, **_speculation(args, model),
+                   **_constraint(args))
     text = args.text is not None
     if args.stream:
         if len(prompts) != 1:
@@ -257,7 +306,9 @@ def run_chat(args: argparse.Namespace) -> int:
     model.runner("decoder", "chat")  # a decoder with a template and a tokenizer, before input is read
     chat_format(model)
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, **_speculation(args, model))
+                   top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                   repetition_penalty=args.repetition_penalty, min_p=args.min_p,
+                   **_speculation(args, model), **_constraint(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     if args.message is not None:
         _reply(model, [*messages, {"role": "user", "content": args.message}], options)

@@ -8,6 +8,7 @@ methods), and ``sequence_state`` turns the resolved values into the engine's per
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -15,12 +16,15 @@ from tfport.config import ModelConfig
 from tfport.generation import GenerationDefaults
 
 from .decoding.engine import LogitsProcessor, SequenceState
-from .sampling import SamplingParams, make_rng
+from .sampling import Penalties, SamplingParams, make_rng
 
 # The sampling a request gets where neither it nor the export says anything: the library is
 # greedy (as transformers' generate); the OpenAI API's documented default is temperature 1.
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
 OPENAI = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+# Options of ``SamplingParams`` no generation_config.json sets: off unless a request asks.
+REQUEST_OPTIONS = frozenset({"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                             "logit_bias"})
 
 
 class RequestDefaults:
@@ -41,6 +45,19 @@ class RequestDefaults:
         defaults = self.generation.sampling if sampled else unsaid
         given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         return {k: defaults[k] if v is None else v for k, v in given.items()}
+
+    def params(self, temperature: float | None = None, top_k: int | None = None,
+               top_p: float | None = None, *, unsaid: dict = GREEDY, **options: Any) -> SamplingParams:
+        """The ``SamplingParams`` a request decodes with: ``sampling``'s three, and ``options``
+        (``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+        ``logit_bias``) where not None, else off. ``ValueError`` naming a bad one."""
+        unknown = sorted(set(options) - REQUEST_OPTIONS)
+        if unknown:
+            raise TypeError(f"unexpected sampling option(s) {unknown}: expected {sorted(REQUEST_OPTIONS)}")
+        given = {k: v for k, v in options.items() if v is not None}
+        if "logit_bias" in given:
+            given["logit_bias"] = dict(given["logit_bias"])
+        return SamplingParams(**self.sampling(temperature, top_k, top_p, unsaid=unsaid), **given)
 
     def stop_ids(self, stop_token_ids: Sequence[int] | None = None) -> tuple[int, ...]:
         """The stop ids ``generate`` uses: ``stop_token_ids`` checked, else every eos id of the
@@ -103,9 +120,25 @@ class RequestDefaults:
 def sequence_states(count: int, params: SamplingParams, seed: int | np.random.Generator | None,
                     max_tokens: int, stop_ids: tuple[int, ...] = (),
                     forced: Mapping[int, tuple[int, ...]] | None = None,
-                    processors: Sequence[LogitsProcessor] = ()) -> list[SequenceState]:
+                    processors: Sequence[LogitsProcessor] = (), *,
+                    prompts: Sequence[Sequence[int]] = (), vocab_size: int | None = None,
+                    logprobs: int | None = None) -> list[SequenceState]:
     """The engine's states of ``count`` sequences decoded together with the same arguments: one
-    random generator from ``seed`` (``make_rng``) shared by all, none when greedy without a seed."""
+    random generator from ``seed`` (``make_rng``) shared by all, none when greedy without a seed.
+
+    When ``params`` has a bias or penalty, each state's first processor applies it
+    (``Penalties``) over its prompt, ``prompts[b]`` (the repetition penalty counts the prompt's
+    tokens), with ``logit_bias`` ids checked against ``vocab_size``. ``logprobs``: each state
+    records its tokens' log-probabilities with that many alternatives (None: not recorded)."""
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer))
+                                 or logprobs < 0):
+        raise ValueError(f"logprobs={logprobs!r}: expected an integer >= 0 (the alternatives "
+                         "reported per token) or None")
+    if params.penalised and (len(prompts) != count or vocab_size is None):
+        raise ValueError(f"prompts: penalties need each of the {count} sequences' prompt and the "
+                         f"vocab_size, got {len(prompts)} prompts and vocab_size={vocab_size!r}")
     rng = None if params.greedy and seed is None else make_rng(seed)
-    return [SequenceState(params, rng, max_tokens, stop_ids, forced or {}, tuple(processors))
-            for _ in range(count)]
+    return [SequenceState(params, rng, max_tokens, stop_ids, forced or {},
+                          ((Penalties(params, prompts[b], vocab_size),) if params.penalised else ())
+                          + tuple(processors), logprobs=logprobs)
+            for b in range(count)]

@@ -19,6 +19,7 @@ import numpy as np
 from .binding import Feed, GraphRunner
 from .decoding import DecodeStrategy
 from .decoding.engine import SequenceState, choose
+from .decoding.prefix import PrefixCache
 
 # step -> the token ids allowed at that step (forced bos at 0, forced eos at the last).
 Forced = Mapping[int, tuple[int, ...]]
@@ -39,9 +40,9 @@ def sample_loop(logits: np.ndarray, advance: Callable[[np.ndarray, int], np.ndar
         done = np.array([state.finish is not None for state in states])
         token = np.where(done, pad_token_id, picked)
         yield token
-        for state, t, ended in zip(states, token.tolist(), done):
+        for state, t, ended, row in zip(states, token.tolist(), done, logits):
             if not ended:
-                state.push(t)
+                state.push(t, row)
         if all(state.finish is not None for state in states):
             return
         logits = advance(token, step)
@@ -49,13 +50,16 @@ def sample_loop(logits: np.ndarray, advance: Callable[[np.ndarray, int], np.ndar
 
 def generate_steps(strategy: DecodeStrategy, runner: GraphRunner, rows: Sequence[np.ndarray],
                    states: Sequence[SequenceState], pad_token_id: int,
-                   static: Mapping[str, Feed] | None = None) -> Iterator[np.ndarray]:
+                   static: Mapping[str, Feed] | None = None,
+                   prefix: PrefixCache | None = None) -> Iterator[np.ndarray]:
     """Yield one token per row, int64 [B], until every row has ended (``sample_loop``).
 
     ``rows`` are the first decoder input, checked: the prompts, or for seq2seq the decoder start
     token per row; ``strategy`` (from the export's cache layout) pads them and keeps the cache for
-    up to ``max(state.max_tokens)`` steps. Nothing runs until the first token is asked for.
+    up to ``max(state.max_tokens)`` steps; a single prompt starts from its longest prefix in
+    ``prefix``, which keeps its tokens' keys and values when it ends (``decoding.prefix``).
+    Nothing runs until the first token is asked for.
     """
     steps = max(state.max_tokens for state in states)
-    logits, advance = strategy.start(runner, rows, steps, pad_token_id, static or {})
+    logits, advance = strategy.start(runner, rows, steps, pad_token_id, static or {}, prefix)
     yield from sample_loop(logits, advance, states, pad_token_id)

@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +29,18 @@ from tfport.integrity import VERIFY_MODES, check_graph_metadata, verify_files
 
 from .binding import GraphRunner
 from .decoding import LayoutDecoding, decoding_for
+from .decoding.engine import SequenceState
+from .decoding.grammar import KINDS, compile_constraint, constraint_arguments
+from .decoding.prefix import DEFAULT_MB, PrefixCache
 from .decoding.speculative import Speculation, SpeculationStats, speculate
 from .defaults import RequestDefaults, sequence_states
 from .encoding import EncoderMethods
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
-from .sampling import SamplingParams
+from .sampling import Logprobs
 from .session import SessionSettings, graph_metadata, open_session
 from .tokenizer import TextTokenizer
+from .tools import CallDelta, ChatReply
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +49,13 @@ StepCallback = Callable[[int, np.ndarray], None]
 
 
 class Model(EncoderMethods):
-    """The graphs of one export directory as ONNX Runtime sessions (see ``load_model``)."""
+    """The graphs of one export directory as ONNX Runtime sessions (see ``load_model``).
+
+    ``prefix_cache``: a decoder's ``PrefixCache`` (``decoding.prefix``, 256 MiB): a single
+    prompt (``chat`` over a conversation, ``generate`` with one prompt) starts from the keys and
+    values of its longest prefix an earlier request computed, and keeps its own when it ends.
+    Set it to None to turn that off, or to another ``PrefixCache`` to size it.
+    """
 
     def __init__(self, directory: Path, manifest: Manifest, runners: dict[str, GraphRunner],
                  settings: SessionSettings):
@@ -57,6 +67,8 @@ class Model(EncoderMethods):
         # What a request leaves out: the checkpoint's stop ids, sampling defaults and forced
         # tokens (generation_config.json), else the config's and the library's.
         self.defaults = RequestDefaults(manifest.config, GenerationDefaults.read(directory))
+        self.prefix_cache: PrefixCache | None = (PrefixCache.from_mb(DEFAULT_MB)
+                                                 if manifest.config.family == "decoder" else None)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
@@ -70,6 +82,7 @@ class Model(EncoderMethods):
         ``"fast"`` only those up to 64 MiB (larger ones, the weights of a big model, are checked
         by size), ``"none"`` skips the check; what is skipped is logged as a warning. Each
         graph's settings fingerprint is checked against the manifest whatever ``verify`` says.
+        An old export (manifest format 2) records neither, so it loads only with ``"none"``.
         Raises ``ValueError`` for a directory that is not an export, a file that does not match
         the manifest or a graph that cannot be loaded, ``RuntimeError`` if ``cuda`` is not usable.
         """
@@ -89,6 +102,11 @@ class Model(EncoderMethods):
             raise ValueError(f"model_dir={str(directory)!r}: {MANIFEST_FILE} is incomplete or "
                              f"malformed ({type(err).__name__}: {err}); re-export it") from None
         if manifest.files is None:
+            if verify != "none":
+                raise ValueError(f"model_dir={str(directory)!r}: written by an older tfport (manifest "
+                                 f"format 2), which records no file hashes or settings fingerprints, "
+                                 f"so verify={verify!r} cannot check it; re-export it, or load it "
+                                 "unverified with verify='none' (--verify none)")
             logger.warning("model_dir=%r: written by an older tfport (manifest format 2), which "
                            "records no file hashes or settings fingerprints: nothing is verified; "
                            "re-export to get the checks", str(directory))
@@ -176,7 +194,12 @@ class Model(EncoderMethods):
                forced_eos_token_id: int | Sequence[int] | None = None,
                speculative: "Speculation | str | os.PathLike | Model | None" = None,
                draft_tokens: int | None = None,
-               speculation: SpeculationStats | None = None) -> Iterator[np.ndarray]:
+               speculation: SpeculationStats | None = None,
+               min_p: float | None = None, repetition_penalty: float | None = None,
+               presence_penalty: float | None = None, frequency_penalty: float | None = None,
+               logit_bias: Mapping[int, float] | None = None,
+               logprobs: Logprobs | None = None, json_schema: Any = None,
+               regex: str | None = None, grammar: str | None = None) -> Iterator[np.ndarray]:
         """Tokens int64 [B] per step, as they are produced (see ``generate`` for arguments).
 
         Arguments are checked now, before the first token is asked for.
@@ -186,19 +209,44 @@ class Model(EncoderMethods):
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
-        params = SamplingParams(**self.sampling(temperature, top_k, top_p))
+        if logprobs is not None and not isinstance(logprobs, Logprobs):
+            raise TypeError(f"logprobs={logprobs!r}: expected a tfport.runtime.sampling.Logprobs "
+                            "(e.g. Logprobs(top=5)), which collects them, or None")
+        params = self.defaults.params(temperature, top_k, top_p, min_p=min_p,
+                                      repetition_penalty=repetition_penalty,
+                                      presence_penalty=presence_penalty,
+                                      frequency_penalty=frequency_penalty, logit_bias=logit_bias)
         stops = self.stop_ids(stop_token_ids)
         rows = split_prompts(input_ids, attention_mask)
         check_vocab(rows, config.vocab_size)
         first, static = self._first_decoder_inputs(rows, int(max_new_tokens))
         forced = self.forced_tokens(forced_bos_token_id, forced_eos_token_id, int(max_new_tokens),
                                     one_token_start=max(len(row) for row in first) == 1)
-        states = sequence_states(len(first), params, seed, int(max_new_tokens), stops, forced)
+        states = sequence_states(len(first), params, seed, int(max_new_tokens), stops, forced,
+                                 prompts=first, vocab_size=config.vocab_size,
+                                 logprobs=None if logprobs is None else logprobs.top)
+        if logprobs is not None:
+            logprobs.rows = [state.token_logprobs for state in states]  # filled as rows decode
+        self._constrain(states, json_schema, regex, grammar)
         if speculative is not None:
             return speculate(self, first, states, speculative, draft_tokens, speculation)
         if draft_tokens is not None:
             raise ValueError(f"draft_tokens={draft_tokens!r}: applies with speculative=...")
-        return generate_steps(self.decoding.strategy, runner, first, states, config.fill_token_id, static)
+        return generate_steps(self.decoding.strategy, runner, first, states, config.fill_token_id, static,
+                              self.prefix_cache)
+
+    def _constrain(self, states: Sequence[SequenceState], json_schema: Any, regex: str | None,
+                   grammar: str | None) -> None:
+        """Give each row its own processor of the constraint asked for, if any
+        (``decoding.grammar``): it allows only output that ``json_schema`` / ``regex`` /
+        ``grammar`` accepts, and ends the row at its stop ids once the output is complete."""
+        if json_schema is None and regex is None and grammar is None:
+            return
+        argument = next(name for name, value in zip(KINDS, (json_schema, regex, grammar)) if value is not None)
+        constraint = compile_constraint(self.text_tokenizer(argument), self.config.vocab_size,
+                                        json_schema=json_schema, regex=regex, grammar=grammar)
+        for state in states:
+            state.processors = (*state.processors, constraint.processor(state.stop_ids))
 
     def sampling(self, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None) -> dict:
@@ -247,6 +295,10 @@ class Model(EncoderMethods):
                  forced_eos_token_id: int | Sequence[int] | None = None,
                  speculative: "Speculation | str | os.PathLike | Model | None" = None,
                  draft_tokens: int | None = None, speculation: SpeculationStats | None = None,
+                 min_p: float | None = None, repetition_penalty: float | None = None,
+                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                 logit_bias: Mapping[int, float] | None = None, logprobs: Logprobs | None = None,
+                 json_schema: Any = None, regex: str | None = None, grammar: str | None = None,
                  callback: StepCallback | None = None, progress: bool = False) -> np.ndarray:
         """Continue prompts -> generated tokens int64 [B, N], N <= max_new_tokens.
 
@@ -273,6 +325,21 @@ class Model(EncoderMethods):
         are plain greedy decoding's; sampled ones follow the same distribution (not the same
         draws). ``speculation`` (a ``SpeculationStats``) collects proposed / accepted counts.
         Decoder-only exports with every position's logits (``logits="all"``).
+
+        Penalties, as OpenAI / transformers / vLLM define them (``tfport.runtime.sampling``):
+        ``logit_bias`` {token id: bias in [-100, 100]} added to the logits,
+        ``repetition_penalty`` (> 0, 1 off) on every token of the prompt and the output,
+        ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]) on the output's token counts;
+        they change greedy picks too. ``min_p`` (in [0, 1]) drops tokens less likely than
+        ``min_p`` times the most likely one when sampling. ``logprobs`` (a ``Logprobs``)
+        collects each generated token's log-probability under the model (the log-softmax of
+        its raw logits, before penalties and temperature) and its ``top`` alternatives'.
+
+        Structured output (``decoding.grammar``, needs the export's tokenizer.json and
+        llguidance): ``json_schema`` (a dict or its JSON text), ``regex`` or ``grammar`` (Lark
+        text as llguidance takes it) constrain every row: only tokens that keep its output inside
+        are picked, and the row's stop ids end it once the output is complete (a row cut by
+        ``max_new_tokens`` may be incomplete). Works with every option above, speculation included.
         """
         if callback is not None and not callable(callback):
             raise TypeError(f"callback={callback!r}: expected a function callback(step, tokens) "
@@ -283,7 +350,10 @@ class Model(EncoderMethods):
                             stop_token_ids=stop_token_ids, temperature=temperature, top_k=top_k,
                             top_p=top_p, seed=seed, forced_bos_token_id=forced_bos_token_id,
                             forced_eos_token_id=forced_eos_token_id, speculative=speculative,
-                            draft_tokens=draft_tokens, speculation=speculation)
+                            draft_tokens=draft_tokens, speculation=speculation, min_p=min_p,
+                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+                            logprobs=logprobs, json_schema=json_schema, regex=regex, grammar=grammar)
         tokens = []
         with tqdm(total=int(max_new_tokens), desc="generate", unit="tok", file=sys.stderr,
                   disable=not progress, leave=False) as bar:
@@ -317,20 +387,40 @@ class Model(EncoderMethods):
         static.update({"past_key_values." + n[len("present."):]: outputs[n] for n in names})
         return static
 
-    def chat(self, messages: Sequence[dict], **kwargs: Any) -> str:
+    def chat(self, messages: Sequence[dict], **kwargs: Any) -> str | ChatReply:
         """The assistant's reply to ``messages`` (``[{"role": "user", "content": "..."}, ...]``),
         rendered with the export's chat template and stopped at its end-of-turn token.
 
         Keyword arguments: ``max_new_tokens`` (default 256), ``temperature``, ``top_k``,
-        ``top_p``, ``seed``, ``stop_token_ids``; see ``tfport.runtime.chat``.
+        ``top_p``, ``seed``, ``stop_token_ids``, ``json_schema`` / ``regex`` / ``grammar`` (see
+        ``generate``); see ``tfport.runtime.chat``. ``response_format`` is OpenAI's:
+        ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``,
+        ``{"type": "json_object"}`` or ``{"type": "text"}`` (``decoding.grammar.constraint_arguments``).
+
+        Tools (``tfport.runtime.tools``): ``tools`` (OpenAI's function tools), ``tool_choice``
+        ("auto", "none", "required" or ``{"type": "function", "function": {"name": ...}}``),
+        ``parallel_tool_calls``; with ``tools`` the reply is a ``ChatReply`` (``content``,
+        ``tool_calls``).
         """
         from .chat import chat
-        return chat(self, messages, **kwargs)
+        return chat(self, messages, **_response_format(kwargs))
 
-    def chat_stream(self, messages: Sequence[dict], **kwargs: Any) -> Iterator[str]:
-        """``chat``, streamed: one text piece per generated token (see ``tfport.runtime.chat``)."""
+    def chat_stream(self, messages: Sequence[dict], **kwargs: Any) -> Iterator[str | CallDelta]:
+        """``chat``, streamed: one text piece per generated token (see ``tfport.runtime.chat``);
+        with ``tools``, calls come as ``tools.CallDelta`` items."""
         from .chat import chat_stream
-        return chat_stream(self, messages, **kwargs)
+        return chat_stream(self, messages, **_response_format(kwargs))
+
+
+def _response_format(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``chat`` keyword arguments with ``response_format`` turned into ``json_schema`` / ``regex``
+    / ``grammar`` (``constraint_arguments``); ``ValueError`` when a constraint is given twice."""
+    kwargs = dict(kwargs)
+    constraint = constraint_arguments(kwargs.pop("response_format", None))
+    given = [name for name in KINDS if kwargs.get(name) is not None]
+    if constraint and given:
+        raise ValueError(f"response_format, {', '.join(given)}: give the output's constraint once")
+    return {**kwargs, **constraint}
 
 def cut_at_stop(tokens: Sequence[int], stop_token_ids: Sequence[int]) -> list[int]:
     """Tokens before the first stop id."""

@@ -349,6 +349,10 @@ class Manifest:
         if type(version) is not int or version not in READ_VERSIONS:
             raise ValueError(f"{path}: format_version={version!r}, this tfport reads "
                              f"{list(READ_VERSIONS)} (re-export with this tfport version)")
+        if version < 3 and "files" in data:  # an edited format-3 manifest: its checks would be off
+            raise ValueError(f"{path}: format_version={version!r} but a 'files' section, which "
+                             "only format 3 writes; the manifest was edited: restore "
+                             "format_version 3 or re-export")
         required = ["config", "dtype", "opset", "target", "layout", "graphs"]
         missing = [key for key in required + ["files"] * (version >= 3) if key not in data]
         if missing:

@@ -12,9 +12,10 @@ from .concat import ConcatCache, ConcatRows
 from .engine import LogitsProcessor, SequenceState, choose
 from .inplace import InplaceBuffer, InplaceRows
 from .layout import DECODINGS, Advance, DecodeStrategy, LayoutDecoding, Relayout, decoding_for, register_decoding
+from .prefix import PrefixCache
 from .rows import Row, RowBatch
 from .speculative import Speculation, SpeculationStats
 
 __all__ = ["Advance", "DecodeStrategy", "Relayout", "LayoutDecoding", "DECODINGS", "decoding_for",
            "register_decoding", "SequenceState", "LogitsProcessor", "choose", "Row", "RowBatch",
-           "ConcatCache", "ConcatRows", "InplaceBuffer", "InplaceRows", "Speculation", "SpeculationStats"]
+           "ConcatCache", "ConcatRows", "InplaceBuffer", "InplaceRows", "Speculation", "SpeculationStats", "PrefixCache"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import weakref
+
 import numpy as np
 import onnxruntime as ort
 
@@ -21,6 +23,7 @@ from tfport.dtypes import NUMPY_DTYPES
 from ..binding import PRESENT, Feed, GraphRunner, KVCache, empty_cache, past_name, self_cache_inputs
 from ..inputs import pad_batch, positions_from_mask
 from .layout import LayoutDecoding, register_decoding
+from .prefix import NO_PREFIX, Prefix, PrefixCache, cache_chunk, cached_start
 from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
 from .inplace import logits_layout
 
@@ -61,24 +64,52 @@ def decoder_forward(runner: GraphRunner, input_ids: np.ndarray, attention_mask: 
     return logits, {past_name(name): outputs[name] for name in presents}
 
 
+def past_from(runner: GraphRunner, prefix: Prefix) -> dict[str, np.ndarray]:
+    """The cache of one row starting from ``prefix``: name -> [1, Hkv, prefix.length, D]."""
+    if not prefix.length:
+        return empty_cache(runner.spec, 1)
+    return {name: value[None] for name, value in prefix.kv.items()}
+
+
+def host_cache(cache: Mapping[str, Feed]) -> dict[str, np.ndarray]:
+    """``cache`` with every OrtValue copied to a host array."""
+    return {name: np.asarray(value.numpy() if isinstance(value, ort.OrtValue) else value)
+            for name, value in cache.items()}
+
+
 class ConcatCache:
-    """Left-padded prompts, a growing mask, the cache returned by each call fed to the next."""
+    """Left-padded prompts, a growing mask, the cache returned by each call fed to the next.
+
+    With a ``prefix`` cache, a single decoder prompt starts from its longest cached prefix
+    (``decoding.prefix``), and its prompt and fed tokens are kept when the request ends."""
 
     def start(self, runner: GraphRunner, rows: Sequence[np.ndarray], max_new_tokens: int,
-              pad_token_id: int, static: Mapping[str, Feed]):
+              pad_token_id: int, static: Mapping[str, Feed], prefix: PrefixCache | None = None):
         ids, mask = pad_batch(rows, pad_token_id, "left")  # [B, S]
         static = dict(static)
-        state = DecodeState(mask, empty_cache(runner.spec, ids.shape[0]))
-        logits, state.cache = decoder_forward(runner, ids, mask, state.cache, static)
+        cached = prefix is not None and len(rows) == 1 and not static
+        start = cached_start(prefix, rows[0]) if cached else NO_PREFIX
+        past = past_from(runner, start) if cached else empty_cache(runner.spec, ids.shape[0])
+        state = DecodeState(mask, past)
+        logits, state.cache = decoder_forward(runner, ids[:, start.length:], mask, state.cache, static)
+        fed = [int(t) for t in rows[0]] if cached else None  # the tokens in the cache
 
         def advance(token: np.ndarray, step: int) -> np.ndarray:
+            if fed is not None:
+                fed.append(int(token[0]))
             ones = np.ones((token.shape[0], 1), dtype=np.int64)
             state.attention_mask = np.concatenate([state.attention_mask, ones], axis=1)  # [B, T+1]
             next_logits, state.cache = decoder_forward(runner, token[:, None], state.attention_mask,
                                                        state.cache, static)
             return next_logits
 
+        if cached:  # the request is over when advance goes
+            weakref.finalize(advance, _keep_blocks, prefix, fed, state)
         return logits, advance
+
+
+def _keep_blocks(prefix: PrefixCache, fed: list[int], state: DecodeState) -> None:
+    prefix.insert(fed, {name: value[0] for name, value in host_cache(state.cache).items()})
 
 
 class ConcatRows:
@@ -88,11 +119,14 @@ class ConcatRows:
     masked columns (positions are counted from the mask, so the holes are invisible) until a
     rebuild drops them.
 
-    A prompt is prefilled alone (batch 1) and joins the batch at the next step.
+    A prompt is prefilled alone (batch 1), from its longest cached prefix with a ``prefix``
+    cache, and joins the batch at the next step.
     """
 
-    def __init__(self, runner: GraphRunner, capacity: int, max_length: int, pad_token_id: int = 0):
+    def __init__(self, runner: GraphRunner, capacity: int, max_length: int, pad_token_id: int = 0,
+                 prefix: PrefixCache | None = None):
         self.runner = runner
+        self.prefix = prefix
         self.capacity = int(capacity)
         self.max_length = int(max_length)
         self.pad_token_id = pad_token_id
@@ -108,26 +142,52 @@ class ConcatRows:
 
     def add(self, prompt: np.ndarray) -> tuple[Row, np.ndarray]:
         prompt = check_prompt(self, prompt)
-        ids = prompt[None]
-        mask = np.ones_like(ids)
-        logits, cache = decoder_forward(self.runner, ids, mask, empty_cache(self.runner.spec, 1), {})
-        row = Row(len(self.rows), prompt.size, {n: v.numpy() for n, v in cache.items()})
+        logits, cache = self._prefill(prompt, cached_start(self.prefix, prompt), prompt.size)
+        row = Row(len(self.rows), prompt.size, prompt.tolist(), cache)
+        if self.prefix is not None:
+            self.prefix.insert(row.tokens, {name: value[0] for name, value in row.pending.items()})
         self.rows.append(row)
         return row, logits[0]
 
+    def _prefill(self, prompt: np.ndarray, start: Prefix, stop: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """``prompt[start.length:stop]`` on top of ``start``, batch 1 -> (logits [1, V], the
+        cache name -> [1, Hkv, stop, D] on the host)."""
+        mask = np.ones((1, stop), dtype=np.int64)
+        logits, cache = decoder_forward(self.runner, prompt[None, start.length:stop], mask,
+                                        past_from(self.runner, start), {})
+        return logits, host_cache(cache)
+
+    def prefill_chunk(self, prompt: np.ndarray, budget: int) -> int:
+        if self.prefix is None:
+            return 0
+        prompt = check_prompt(self, prompt)
+        return cache_chunk(self.prefix, prompt, budget, lambda start, stop: {
+            name: value[0] for name, value in self._prefill(prompt, start, stop)[1].items()})
+
     def remove(self, row: Row) -> None:
         assert self.rows[row.index] is row, (row, self.rows)
+        if self.prefix is not None:
+            self.prefix.insert(row.tokens, self._row_cache(row))
         del self.rows[row.index]
         for index, other in enumerate(self.rows):
             other.index = index
         row.index = -1
 
+    def _row_cache(self, row: Row) -> dict[str, np.ndarray]:
+        """``row``'s keys and values: name -> [Hkv, length, D] (the batch's cache comes to the
+        host, where the next rebuild reads it)."""
+        if row.pending is not None:
+            return {name: value[0, :, :row.length] for name, value in row.pending.items()}
+        self.cache = host_cache(self.cache)
+        b = self._members.index(row)
+        real = self.mask[b].astype(bool)  # its real tokens: the unmasked columns
+        return {name: value[b][:, real] for name, value in self.cache.items()}
+
     def _rebuild(self) -> None:
         """Lay the live rows out as one left-padded batch without holes (when membership changed,
         or rewound tokens left too many masked columns)."""
         old = {id(row): b for b, row in enumerate(self._members)}
-        host = {name: np.asarray(value.numpy() if isinstance(value, ort.OrtValue) else value)
-                for name, value in self.cache.items()}
+        host = self.cache = host_cache(self.cache)
         width = max(row.length for row in self.rows)
         n = len(self.rows)
         mask = np.zeros((n, width), dtype=np.int64)
@@ -161,6 +221,8 @@ class ConcatRows:
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         tokens = check_step(self, tokens)
+        for row, token in zip(self.rows, tokens.tolist()):
+            row.tokens.append(token)
         return self._feed(tokens[:, None], np.ones((len(self.rows), 1), dtype=np.int64))[:, -1]
 
     def extend(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
@@ -168,8 +230,9 @@ class ConcatRows:
         width = max(c.size for c in chunks)
         ids = np.full((len(chunks), width), self.pad_token_id, dtype=np.int64)
         new_mask = np.zeros((len(chunks), width), dtype=np.int64)  # a short chunk: masked tail
-        for b, chunk in enumerate(chunks):
+        for b, (row, chunk) in enumerate(zip(self.rows, chunks)):
             ids[b, :chunk.size], new_mask[b, :chunk.size] = chunk, 1
+            row.tokens.extend(chunk.tolist())
         logits = self._feed(ids, new_mask)
         return [logits[b, :chunk.size] for b, chunk in enumerate(chunks)]
 
@@ -180,6 +243,7 @@ class ConcatRows:
             real = np.nonzero(self.mask[b])[0]
             self.mask[b, real[len(real) - count:]] = 0
         row.length -= count  # a pending prompt's cache is cut at its length when merged
+        del row.tokens[row.length:]
 
 
 class ConcatRelayout:

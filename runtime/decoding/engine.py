@@ -7,14 +7,18 @@ parameters and random generator, stop ids, token budget, the tokens the export f
 steps, and logits processors. Per step:
 
     tokens, errors = choose(logits, states)   # logits [n, V] -> int64 [n], {row: RuntimeError}
-    for state, token in zip(states, tokens):
-        state.push(int(token))                # records it; state.finish: "stop" | "length" | None
+    for b, (state, token) in enumerate(zip(states, tokens)):
+        state.push(int(token), logits[b])     # records it; state.finish: "stop" | "length" | None
 
 ``choose`` applies, per row, the forced ids of its step (``force_tokens``), then its processors
-in order, then picks greedily or samples. Greedy rows with nothing to apply are one vectorised
-argmax; sampled rows that share one parameter set and one generator (the rows of one
-``generate`` call) are drawn together, so a batch draws the same numbers as before the engine
-existed. NaN logits fail their row only (``errors``); +-inf are clipped (``check_logits``).
+in order (a request's bias and penalties are one, ``sampling.Penalties``, so greedy rows with
+penalties are not plain), then picks greedily or samples (temperature, top-k, top-p, min-p).
+``push`` records the token's log-probability under the model (the raw logits' log-softmax, before
+any processor) and its ``logprobs`` most likely alternatives when the state asks for them.
+Greedy rows with nothing to apply are one vectorised argmax; sampled rows that share one
+parameter set and one generator (the rows of one ``generate`` call) are drawn together, so a
+batch draws the same numbers as before the engine existed. NaN logits fail their row only
+(``errors``); +-inf are clipped (``check_logits``).
 
 A step may also verify K proposed tokens (speculative decoding, ``speculative``): the target's
 logits after the row's last token and after each proposal, [K + 1, V], go to ``verify``, which
@@ -35,7 +39,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..sampling import SamplingParams, distribution, force_tokens, nan_logits, next_token, sample
+from ..sampling import (SamplingParams, TokenLogprob, distribution, force_tokens, nan_logits, next_token,
+                        sample, token_logprobs)
 
 
 class LogitsProcessor(Protocol):
@@ -51,7 +56,8 @@ class SequenceState:
     ``max_tokens`` new tokens, ends at any of ``stop_ids`` (reported, then the row ends),
     ``forced`` step -> the only ids allowed there (``Model.forced_tokens``), ``processors``
     applied before picking. ``tokens`` are those pushed; ``finish`` is "stop" or "length" once
-    the sequence has ended."""
+    the sequence has ended. ``logprobs``: record each token's ``TokenLogprob`` with that many
+    alternatives in ``token_logprobs`` (None: not recorded)."""
 
     params: SamplingParams
     rng: np.random.Generator | None
@@ -61,14 +67,20 @@ class SequenceState:
     processors: tuple[LogitsProcessor, ...] = ()
     tokens: list[int] = field(default_factory=list)
     finish: str | None = None
+    logprobs: int | None = None
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def plain(self) -> bool:
         """Greedy with nothing to apply at this step: picked by the batch's vectorised argmax."""
         return self.params.greedy and not self.processors and len(self.tokens) not in self.forced
 
-    def push(self, token: int) -> str | None:
-        """Record ``token`` -> why the sequence ended with it ("stop", "length") or None."""
+    def push(self, token: int, logits: np.ndarray | None = None) -> str | None:
+        """Record ``token``, chosen from the raw ``logits`` [V] (needed when ``logprobs`` is
+        set) -> why the sequence ended with it ("stop", "length") or None."""
+        if self.logprobs is not None:
+            assert logits is not None, "a state that records logprobs needs the logits of each token"
+            self.token_logprobs.extend(token_logprobs(logits[None], [token], self.logprobs))
         self.tokens.append(token)
         if token in self.stop_ids:
             self.finish = "stop"
@@ -81,6 +93,8 @@ class SequenceState:
         step = len(self.tokens)
         if step in self.forced:
             logits = force_tokens(logits[None], self.forced[step])[0]
+        elif self.processors:  # processors may change it in place; the raw logits stay for push
+            logits = logits.copy()
         for processor in self.processors:
             logits = processor(self.tokens, logits)
         return logits
@@ -135,7 +149,7 @@ def verify(state: SequenceState, logits: np.ndarray, proposal: Sequence[int],
                 token = _sample_against(state, logits[i], offered, None if draft is None or offered is None
                                         else draft[i])
             pushed.append(token)
-            if state.push(token) or token != offered:
+            if state.push(token, logits[i]) or token != offered:
                 return pushed, None
     except RuntimeError as err:  # NaN logits (sampling.check_logits)
         return pushed, err

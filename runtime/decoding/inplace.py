@@ -31,6 +31,7 @@ from tfport.dtypes import NUMPY_DTYPES
 from ..binding import PAST, PRESENT, Feed, GraphRunner
 from ..inputs import pad_batch
 from .layout import LayoutDecoding, register_decoding
+from .prefix import NO_PREFIX, Prefix, PrefixCache, cache_chunk, cached_start
 from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
 
 KEPT = "inplace"  # GraphRunner.kept key of the idle decoder
@@ -66,6 +67,9 @@ class InplaceDecoder:
         self.batch, self.slots = batch, slots
         self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
         self.cache: dict[str, ort.OrtValue] = {}
+        # On the CPU the buffers are these host arrays (an OrtValue over a numpy array shares
+        # its memory there): a cached prefix is copied in, a finished request's blocks read out.
+        self.host: dict[str, np.ndarray] | None = {} if runner.device == "cpu" else None
         self.binding = runner.session.io_binding()
         self._step: StepFeeds | None = None  # made by the first ``step``
         self._step_bound = False  # whether the binding holds the step feeds (a call rebinds)
@@ -75,6 +79,8 @@ class InplaceDecoder:
                 zeros = np.zeros((batch, heads, slots, dim), dtype=NUMPY_DTYPES[spec.dtype])
                 buffer = ort.OrtValue.ortvalue_from_numpy(zeros, runner.device, runner.device_id)
                 self.cache[spec.name] = buffer
+                if self.host is not None:
+                    self.host[spec.name] = zeros
                 self.binding.bind_ortvalue_input(spec.name, buffer)
                 self.binding.bind_ortvalue_output(PRESENT + spec.name[len(PAST):], buffer)
 
@@ -158,27 +164,53 @@ def keep(runner: GraphRunner, decoder: InplaceDecoder) -> None:
     runner.kept[KEPT] = decoder
 
 
+def fill_prefix(buffers: Mapping[str, np.ndarray], prefix: Prefix) -> None:
+    """Copy ``prefix``'s keys and values into the first slots of one row's ``buffers`` (name ->
+    [Hkv, slots, D])."""
+    for name, value in prefix.kv.items():
+        buffers[name][:, :prefix.length] = value
+
+
 class InplaceBuffer:
-    """Right-padded prompts; ``seqlens_k`` says where each row's tokens go in its buffer."""
+    """Right-padded prompts; ``seqlens_k`` says where each row's tokens go in its buffer.
+
+    With a ``prefix`` cache, a single prompt on the CPU starts from its longest cached prefix
+    (``decoding.prefix``), and its prompt and fed tokens are kept when the request ends."""
 
     def start(self, runner: GraphRunner, rows: Sequence[np.ndarray], max_new_tokens: int,
-              pad_token_id: int, static: Mapping[str, Feed]):
+              pad_token_id: int, static: Mapping[str, Feed], prefix: PrefixCache | None = None):
         assert not static, "the inplace layout is decoder-only: no cross-attention inputs"
         ids, mask = pad_batch(rows, pad_token_id, "right")  # [B, S]
         lengths = mask.sum(axis=1)  # real prompt tokens per row
         batch = len(rows)
         decoder = lease(runner, batch, ids.shape[1] + max_new_tokens)
-        logits = decoder(ids, lengths - 1)  # [B, S, V], or [B, 1, V]: each row's last token
-        logits = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(batch), lengths - 1]  # [B, V]
+        cached = prefix is not None and batch == 1 and decoder.host is not None
+        start = cached_start(prefix, rows[0]) if cached else NO_PREFIX
+        if start.length:
+            fill_prefix({name: value[0] for name, value in decoder.host.items()}, start)
+        logits = decoder(ids[:, start.length:], lengths - 1)  # [B, S, V], or [B, 1, V]: each row's last token
+        last = lengths - 1 - start.length  # each row's last token among those fed
+        logits = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(batch), last]  # [B, V]
 
         top = int(lengths.max())
+        fed = [int(t) for t in rows[0]] if cached else None  # the tokens in the cache
 
         def advance(token: np.ndarray, step: int) -> np.ndarray:
             # Step k's token is row b's token number lengths[b] + k: seqlens_k = its index.
+            if fed is not None:
+                fed.append(int(token[0]))
             return decoder.step(token, lengths + step, top + step + 1)
 
-        weakref.finalize(advance, keep, runner, decoder)  # the request is over when advance goes
+        # The request is over when advance goes: its blocks are kept, then its buffers.
+        weakref.finalize(advance, _hand_back, runner, decoder, prefix if cached else None, fed)
         return logits, advance
+
+
+def _hand_back(runner: GraphRunner, decoder: InplaceDecoder, prefix: PrefixCache | None,
+               fed: list[int] | None) -> None:
+    if prefix is not None:
+        prefix.insert(fed, {name: value[0] for name, value in decoder.host.items()})
+    keep(runner, decoder)
 
 
 class InplaceRows:
@@ -188,14 +220,17 @@ class InplaceRows:
     On the CPU, OrtValues over numpy slices share their memory, so the kernel writes each row's
     new keys/values in place and a slice's binding is made once per batch size. A prompt is
     prefilled alone on its row's slice (the CPU GroupQueryAttention kernel takes several new
-    tokens on top of a cache only at batch 1). Removing a row moves the last row into its place.
+    tokens on top of a cache only at batch 1), from its longest cached prefix with a ``prefix``
+    cache. Removing a row moves the last row into its place.
     """
 
-    def __init__(self, runner: GraphRunner, capacity: int, max_length: int, pad_token_id: int = 0):
+    def __init__(self, runner: GraphRunner, capacity: int, max_length: int, pad_token_id: int = 0,
+                 prefix: PrefixCache | None = None):
         if runner.device != "cpu":
             raise ValueError(f"InplaceRows: device {runner.device!r} is not supported; row "
                              "slices share host memory, which needs the CPU provider")
         self.runner = runner
+        self.prefix = prefix
         self.capacity = int(capacity)
         self.max_length = int(max_length)
         self.rows: list[Row] = []
@@ -247,10 +282,35 @@ class InplaceRows:
         prompt = check_prompt(self, prompt)
         index = len(self.rows)
         length = prompt.size
-        logits = require_finite(self._run(index, index + 1, prompt[None], np.array([length - 1]))[0, -1])
-        row = Row(index, length)
+        logits = self._prefill(index, prompt, cached_start(self.prefix, prompt), length)
+        row = Row(index, length, prompt.tolist())
+        if self.prefix is not None:
+            self.prefix.insert(row.tokens, self._row_cache(index))
         self.rows.append(row)
-        return row, logits
+        return row, require_finite(logits[0, -1])
+
+    def _prefill(self, index: int, prompt: np.ndarray, start: Prefix, stop: int) -> np.ndarray:
+        """``prompt[start.length:stop]`` on top of ``start`` in row ``index``'s buffers -> logits
+        [1, S, V] (or [1, 1, V])."""
+        fill_prefix(self._row_cache(index), start)
+        return self._run(index, index + 1, prompt[None, start.length:stop], np.array([stop - 1]))
+
+    def prefill_chunk(self, prompt: np.ndarray, budget: int) -> int:
+        """On the first free row (``check_prompt``: there is one), left free."""
+        if self.prefix is None:
+            return 0
+        prompt = check_prompt(self, prompt)
+        index = len(self.rows)
+
+        def prefill(start: Prefix, stop: int) -> dict[str, np.ndarray]:
+            self._prefill(index, prompt, start, stop)
+            return self._row_cache(index)
+
+        return cache_chunk(self.prefix, prompt, budget, prefill)
+
+    def _row_cache(self, index: int) -> dict[str, np.ndarray]:
+        """Row ``index``'s buffers: name -> [Hkv, max_length, D] (views)."""
+        return {name: buffer[index] for name, buffer in self.buffers.items()}
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """One token per live row -> logits [n, V], a view of this batch's step buffer for n
@@ -268,8 +328,9 @@ class InplaceRows:
         feeds.seqlens_k[:] = [row.length for row in self.rows]  # the new token's index
         feeds.total_sequence_length[()] = int(feeds.seqlens_k.max()) + 1
         self.runner.session.run_with_iobinding(binding)
-        for row in self.rows:
+        for row, token in zip(self.rows, tokens.tolist()):
             row.length += 1
+            row.tokens.append(token)
         return feeds.logits[:, -1]
 
     def extend(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
@@ -283,15 +344,19 @@ class InplaceRows:
             index = row.index
             out.append(self._run(index, index + 1, chunk[None], np.array([row.length + chunk.size - 1]))[0])
             row.length += chunk.size
+            row.tokens.extend(chunk.tolist())
         return out
 
     def rewind(self, row: Row, count: int) -> None:
         """The rewound slots are overwritten by the next tokens; the kernel never reads them."""
         check_rewind(row, count)
         row.length -= count
+        del row.tokens[row.length:]
 
     def remove(self, row: Row) -> None:
         assert self.rows[row.index] is row, (row, self.rows)
+        if self.prefix is not None:
+            self.prefix.insert(row.tokens, self._row_cache(row.index))
         last = self.rows.pop()
         if last is not row:  # move the last row's cache into the freed place
             for buffer in self.buffers.values():

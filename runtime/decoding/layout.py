@@ -5,9 +5,10 @@ position) has one module here (``concat.py``, ``inplace.py``) holding everything
 differently for it, registered as one ``LayoutDecoding``:
 
 - ``strategy``: a fixed batch from prefill to the end (``Model.generate`` / ``stream`` / ``chat``)
-      logits, advance = strategy.start(runner, rows, max_new_tokens, pad_token_id, static)
+      logits, advance = strategy.start(runner, rows, max_new_tokens, pad_token_id, static, prefix)
       logits = advance(tokens, step)        # tokens int64 [B] just picked -> next logits [B, V]
-- ``rows``: the ``RowBatch`` class continuous batching runs (``rows.py`` says the interface);
+- ``rows``: the ``RowBatch`` class continuous batching runs (``rows.py`` says the interface),
+  ``rows(runner, capacity, max_length, pad_token_id, prefix=None)``;
 - ``relayout``: how a parity case made in the ``concat`` layout is fed to this layout's graph;
 - ``score``: every position's logits of one sequence (perplexity).
 
@@ -25,6 +26,7 @@ import numpy as np
 from tfport.contract import CacheLayout
 
 from ..binding import Feed, GraphRunner
+from .prefix import PrefixCache
 from .rows import RowBatch
 
 # advance(tokens int64 [B], step) -> logits float32 [B, V] after feeding those tokens (the
@@ -37,10 +39,13 @@ RelaidInputs = tuple[dict, "dict | None", "Callable[[str, np.ndarray], np.ndarra
 
 class DecodeStrategy(Protocol):
     def start(self, runner: GraphRunner, rows: Sequence[np.ndarray], max_new_tokens: int,
-              pad_token_id: int, static: Mapping[str, Feed]) -> tuple[np.ndarray, Advance]:
+              pad_token_id: int, static: Mapping[str, Feed],
+              prefix: PrefixCache | None = None) -> tuple[np.ndarray, Advance]:
         """Run the prompts ``rows`` (checked int64 token lists; for seq2seq the decoder start
         token) -> (last-position logits float32 [B, V], advance). ``static``: decoder inputs that
-        do not change between steps (seq2seq cross-attention K/V and encoder mask)."""
+        do not change between steps (seq2seq cross-attention K/V and encoder mask). ``prefix``:
+        a cache a single decoder prompt may start from, and keeps its blocks in when the request
+        ends (``decoding.prefix``; a strategy may ignore it)."""
         ...
 
 

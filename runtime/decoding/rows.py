@@ -18,6 +18,11 @@ Speculative decoding feeds several tokens per row and forgets the rejected ones:
 
 A row's tokens do not depend on its neighbours: each prompt is prefilled alone (batch 1), and a
 decode step sees only the row's own cache (masked padding or its own ``seqlens_k``).
+
+With a ``PrefixCache`` (``rows(..., prefix=cache)``, ``decoding.prefix``), ``add`` starts the
+row from the longest cached prefix of its prompt and prefills only the rest; the prompt's blocks
+are kept after its prefill, and the row's prompt and fed tokens when it is removed. A long
+prompt can be prefilled in chunks between steps (``prefill_chunk``), the cache holding them.
 Decoder-only exports; seq2seq (cross-attention inputs per row) is not batched here.
 """
 
@@ -32,10 +37,12 @@ import numpy as np
 @dataclass(eq=False)
 class Row:
     """One live sequence of a ``RowBatch``: ``index`` is its position in ``batch.rows`` (it moves
-    down when an earlier row leaves), ``length`` the tokens in its cache."""
+    down when an earlier row leaves), ``length`` the tokens in its cache, ``tokens`` their ids
+    (those fed so far: its first ``length`` are the cache's)."""
 
     index: int
     length: int
+    tokens: list[int] = field(default_factory=list, repr=False)
     # concat layout: the prompt's cache until it is merged into the batch, name -> [1, Hkv, S, D]
     pending: dict[str, np.ndarray] | None = field(default=None, repr=False)
 
@@ -66,6 +73,12 @@ class RowBatch(Protocol):
 
     def rewind(self, row: Row, count: int) -> None:
         """Forget the last ``count`` tokens of ``row``'s cache (rejected proposals)."""
+        ...
+
+    def prefill_chunk(self, prompt: np.ndarray, budget: int) -> int:
+        """Chunked prefill: up to ``budget`` more tokens of ``prompt`` int64 [S] computed into
+        the prefix cache (``prefix.cache_chunk``) on a free row, which stays free -> the prompt's
+        tokens now cached (0 without a prefix cache). ``add(prompt)`` then prefills the rest."""
         ...
 
 

@@ -188,13 +188,14 @@ def speculative_steps(batch: RowBatch, prompts: Sequence[np.ndarray], states: Se
     count = len(prompts)
     added = [batch.add(prompt) for prompt in prompts]
     rows = [row for row, _ in added]
-    picked, errors = choose(np.stack([logits for _, logits in added]), states)
+    first = np.stack([logits for _, logits in added])  # [B, V]
+    picked, errors = choose(first, states)
     if errors:
         raise RuntimeError(f"rows {sorted(errors)}: {next(iter(errors.values()))}")
     contexts = [[int(t) for t in prompt] for prompt in prompts]
     ready: list[collections.deque[int]] = [collections.deque() for _ in range(count)]
     for b, token in enumerate(picked.tolist()):
-        states[b].push(token)
+        states[b].push(token, first[b])
         _take(batch, rows[b], states[b], [token], contexts[b], ready[b])
     while True:
         while all(ready[b] or states[b].finish for b in range(count)) and any(ready):

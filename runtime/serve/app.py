@@ -9,9 +9,10 @@ Prometheus metrics, on FastAPI.
 | ``POST /v1/completions`` | prompt (text, texts, ids, id lists) -> text; ``n``, ``stream`` (SSE) |
 | ``POST /v1/chat/completions`` | messages rendered with the export's chat template -> message |
 | ``POST /v1/embeddings`` | encoder exports: vectors as ``tfport embed`` gives them |
-| ``GET /v1/models`` | the served models (id = export directory name) |
+| ``GET /v1/models`` | the served models (id = directory name; ``family``, ``chat_template``) |
 | ``GET /health`` | 200 while every scheduler runs, else 503 |
 | ``GET /metrics`` | Prometheus text: requests, queue depth, tokens/s, time to first token |
+| ``GET /`` | the chat page (``page``; not routed with ``--no-ui``) |
 
 A handler parses, asks the library (through ``served.ServedModel``) and shapes the response
 (``responses``): sampling defaults, stop ids, chat prompts and embeddings are the library's, so
@@ -20,11 +21,16 @@ the server gives what ``tfport generate`` / ``chat`` / ``embed`` give. Every cho
 on ids. Errors are OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for
 malformed JSON or parameters, 401 without the server's API key (``--api-key``; ``/health`` needs
 none), 404 for an unknown model, 413 for a body over ``--max-body-bytes``, 429 when the model's
-queue is full, 504 for a request past its timeout, 500 for a request that failed (the server
-carries on; the body shows a request id, the log has the details).
+queue is full, 503 with ``Retry-After`` while the models load or the server shuts down
+(``lifecycle``), 504 for a request past its timeout, 500 for a request that failed (the server
+carries on; the body shows a request id, the log has the details). CORS and the switched-off
+endpoints are ``exposure``'s.
 
 Tokenising and building big responses run in a few worker threads (``WORKERS``), never on the
-event loop, so one big request does not hold up ``/health`` or the other clients.
+event loop, so one big request does not hold up ``/health`` or the other clients; after one,
+the C heap's free pages go back to the system (``memory.TrimMemory``). Prompts are limited in
+characters before they are tokenised (``--max-prompt-chars``), in tokens after
+(``--max-prompt-tokens``), and a request in the tokens it takes (``--max-request-tokens``).
 """
 
 from __future__ import annotations
@@ -43,11 +49,15 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import openapi
+from .exposure import Cors, Switches, hidden_paths
 from .guards import AllowedHosts, ApiKey, BodyLimit
+from .memory import TrimMemory
 from .metrics import CONTENT_TYPE_LATEST, MetricsMiddleware, ServeMetrics
+from .page import mount_page
 from .protocol import ApiError, ChatRequest, CompletionRequest, EmbeddingRequest, quote
 from .responses import Completion, embedding_response
 from .served import ServedModel, ServeOptions
@@ -55,16 +65,19 @@ from .served import ServedModel, ServeOptions
 logger = logging.getLogger(__name__)
 
 WORKERS = 4  # threads per app that tokenise requests and build big responses
+RETRY_AFTER_S = 2  # a 503's Retry-After: loading, or shutting down (a balancer moves on meanwhile)
 
 
 @dataclass
 class ServerState:
-    """The served models by name, the limits and the metrics of one app."""
+    """The served models by name, the limits and the metrics of one app; ``shutting_down``
+    once the server stops admitting requests (``lifecycle``: /health and new model requests 503)."""
 
     models: dict[str, ServedModel]
     options: ServeOptions
     metrics: ServeMetrics = field(default_factory=ServeMetrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    shutting_down: bool = False
 
     @classmethod
     def load(cls, directories: Sequence[str | Path], options: ServeOptions,
@@ -96,6 +109,11 @@ class ServerState:
             served.stop()
 
     def get(self, name: str) -> ServedModel:
+        """The model a request names: ``ApiError`` 404 for one not served, 503 once shutting down."""
+        if self.shutting_down:
+            raise ApiError(503, "the server is shutting down and takes no new requests; retry "
+                                "(another replica, or this one restarted, will answer)",
+                           code="shutting_down")
         if name not in self.models:
             raise ApiError(404, f"model {quote(name)} is not served here (served: {sorted(self.models)})",
                            "model", "model_not_found")
@@ -103,7 +121,8 @@ class ServerState:
 
 
 def _error(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
 def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
@@ -114,6 +133,8 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
         if getattr(app.state, "server", None) is None:
             app.state.server = await run_in_threadpool(load_state)
         app.state.workers = anyio.CapacityLimiter(WORKERS)
+        if app.state.server.options.ui:  # known once loaded (a Ray replica loads here)
+            mount_page(app)
         app.state.server.start()
         try:
             yield
@@ -132,8 +153,15 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
     def allowed_hosts() -> tuple[str, ...] | None:
         return None if app.state.server is None else app.state.server.options.allowed_hosts
 
+    def option(name: str, unloaded=None):
+        """The server's option ``name``; ``unloaded`` while its models load."""
+        return unloaded if app.state.server is None else getattr(app.state.server.options, name)
+
     app.add_middleware(BodyLimit, limit=body_limit)
+    app.add_middleware(TrimMemory)  # memory back to the system after a big request
+    app.add_middleware(Switches, hidden=lambda: hidden_paths(option("docs", True), option("metrics", True)))
     app.add_middleware(ApiKey, key=api_key)  # before the body is read
+    app.add_middleware(Cors, origins=lambda: option("cors_origins", ()))  # preflights carry no key
     app.add_middleware(AllowedHosts, hosts=allowed_hosts)
     app.add_middleware(MetricsMiddleware,  # the outermost: counts the 413s too
                        metrics=lambda: getattr(app.state.server, "metrics", None))
@@ -164,26 +192,28 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
     async def internal_error(request: Request, err: Exception):
         return _error(ApiError.internal(err, f"{request.method} {request.url.path}"))
 
-    @app.get("/health")
+    @app.get("/health", responses=openapi.HEALTH)
     async def health():
         models = {name: served.health() for name, served in state().models.items()}
         healthy = all(model.get("alive", True) for model in models.values())
-        return JSONResponse({"status": "ok" if healthy else "unhealthy", "models": models,
+        status = "shutting down" if state().shutting_down else "ok" if healthy else "unhealthy"
+        return JSONResponse({"status": status, "models": models,
                              "pid": os.getpid()},  # tells Ray Serve replicas apart
-                            status_code=200 if healthy else 503)
+                            status_code=200 if status == "ok" else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses=openapi.METRICS, response_class=PlainTextResponse)
     async def metrics():
         return Response(state().metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.MODELS)
     async def models():
         server = state()
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": server.created, "owned_by": "tfport",
-             "family": served.family} for name, served in server.models.items()]}
+             "family": served.family, "chat_template": served.chats}
+            for name, served in server.models.items()]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=openapi.COMPLETIONS)
     async def completions(body: CompletionRequest, request: Request):
         served = state().get(body.model)
         served.require("decoder", "/v1/completions")
@@ -191,7 +221,7 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
         handles = served.submit(prompts, body, max_tokens, stop_ids, asyncio.get_running_loop())
         return await Completion(served, body, handles, prompts, chat=False).respond(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=openapi.CHAT_COMPLETIONS)
     async def chat_completions(body: ChatRequest, request: Request):
         served = state().get(body.model)
         served.require("decoder", "/v1/chat/completions")
@@ -199,7 +229,7 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
         handles = served.submit(prompts, body, max_tokens, stop_ids, asyncio.get_running_loop())
         return await Completion(served, body, handles, prompts, chat=True).respond(request)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses=openapi.EMBEDDINGS)
     async def embeddings(body: EmbeddingRequest):
         served = state().get(body.model)
         served.require("encoder", "/v1/embeddings")

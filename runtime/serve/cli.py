@@ -2,6 +2,7 @@
 
     tfport serve out/dec [out/minilm ...] [--host 127.0.0.1] [--port 8000] [--max-rows 16]
     tfport serve out/dec --ray [--replicas 2]          # Ray Serve: proxy + replica routing
+    tfport serve out/dec --ray --min-replicas 1 --max-replicas 4   # Serve's autoscaler
     tfport serve out/dec --host 0.0.0.0 --api-key-file key.txt   # exposed: a key is needed
     tfport bench-serve out/dec --concurrency 1,4,16 --requests 32 --max-tokens 64
 
@@ -50,6 +51,17 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                         help=f"inputs per /v1/embeddings request (default {limits.max_inputs:,})")
     parser.add_argument("--max-messages", type=_positive, default=limits.max_messages, metavar="N",
                         help=f"messages per chat request (default {limits.max_messages:,})")
+    parser.add_argument("--max-prompt-chars", type=_positive, default=limits.max_prompt_chars,
+                        metavar="N", help="characters per prompt or embedding input (a chat's: all "
+                                          "its messages'), refused before tokenising "
+                                          f"(default {limits.max_prompt_chars:,})")
+    parser.add_argument("--max-prompt-tokens", type=_positive, default=None, metavar="N",
+                        help="tokens per prompt or embedding input once tokenised (default and "
+                             "at most: the model's context)")
+    parser.add_argument("--max-request-tokens", type=_positive, default=limits.max_request_tokens,
+                        metavar="N", help="tokens one request may take: prompt tokens x n + "
+                                          "max_tokens x n over its prompts, or its embedding "
+                                          f"inputs' tokens (default {limits.max_request_tokens:,})")
     parser.add_argument("--speculative", metavar="lookup|DRAFT_DIR", default=None,
                         help="decode every served decoder speculatively: 'lookup' (n-gram matches in "
                              "the prompt and output) or a draft export with the same vocabulary")
@@ -58,6 +70,14 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-inexact", action="store_true",
                         help="speculate on quantised exports too (their tokens can differ from "
                              "plain decoding's)")
+    parser.add_argument("--prefix-cache-mb", type=int, default=limits.prefix_cache_mb, metavar="MB",
+                        help="MiB of keys and values each decoder keeps for prompts that start "
+                             "alike (automatic prefix caching; 0: off; default "
+                             f"{limits.prefix_cache_mb})")
+    parser.add_argument("--prefill-chunk", type=int, default=limits.prefill_chunk, metavar="TOKENS",
+                        help="while rows decode, prefill a longer prompt this many tokens per step "
+                             "(chunked prefill; needs the prefix cache; 0: whole; default "
+                             f"{limits.prefill_chunk})")
 
 
 def _options(args: argparse.Namespace):
@@ -66,8 +86,11 @@ def _options(args: argparse.Namespace):
                         max_tokens=args.max_tokens, timeout=args.timeout,
                         max_length=args.max_length, provider=args.provider, threads=args.threads,
                         max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs,
-                        max_messages=args.max_messages, speculative=args.speculative,
-                        draft_tokens=args.draft_tokens, speculative_inexact=args.speculative_inexact)
+                        max_messages=args.max_messages, max_prompt_chars=args.max_prompt_chars,
+                        max_prompt_tokens=args.max_prompt_tokens,
+                        max_request_tokens=args.max_request_tokens, speculative=args.speculative,
+                        draft_tokens=args.draft_tokens, speculative_inexact=args.speculative_inexact,
+                        prefix_cache_mb=args.prefix_cache_mb, prefill_chunk=args.prefill_chunk or None)
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -85,8 +108,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                             "or --api-key-file, or --insecure)")
     keys = serve.add_mutually_exclusive_group()
     keys.add_argument("--api-key", metavar="KEY",
-                      help="require 'Authorization: Bearer KEY' on every request but /health "
-                           "(visible to other users in the process list: prefer --api-key-file)")
+                      help="require 'Authorization: Bearer KEY' on every request but /health and "
+                           "the chat page's files (visible to other users in the process list: prefer --api-key-file)")
     keys.add_argument("--api-key-file", metavar="PATH",
                       help="as --api-key, the key read from this file (surrounding space stripped)")
     serve.add_argument("--insecure", action="store_true",
@@ -98,8 +121,17 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--ray", action="store_true",
                        help="deploy on Ray Serve (extra 'serve-ray'); joins a running cluster "
                             "(RAY_ADDRESS) or starts a local one")
-    serve.add_argument("--replicas", type=_positive, default=1,
-                       help="Ray Serve replicas (with --ray; default 1)")
+    serve.add_argument("--replicas", type=_positive, default=None, metavar="N",
+                       help="Ray Serve replicas, a fixed count (with --ray; default 1)")
+    serve.add_argument("--min-replicas", type=int, default=None, metavar="N",
+                       help="with --ray and --max-replicas: Serve's autoscaler keeps N to M "
+                            "replicas, adding one while each holds more than --max-rows requests "
+                            "(0: none while idle)")
+    serve.add_argument("--max-replicas", type=_positive, default=None, metavar="M",
+                       help="the autoscaler's most replicas (with --ray and --min-replicas)")
+    serve.add_argument("--no-ui", dest="ui", action="store_false",
+                       help="do not serve the chat page at / (the API only)")
+    _add_network_options(serve)
     serve.set_defaults(func=run_serve)
 
     bench = subparsers.add_parser(
@@ -124,6 +156,43 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=run_bench)
 
 
+def _add_network_options(serve: argparse.ArgumentParser) -> None:
+    """Connections, browsers, endpoints and shutdown (``connections``, ``exposure``, ``lifecycle``)."""
+    from .served import ServeOptions
+    default = ServeOptions()
+    serve.add_argument("--header-timeout", type=float, default=default.header_timeout, metavar="S",
+                       help="seconds a connection may take to send a request's head; then it is "
+                            f"closed (default {default.header_timeout:g})")
+    serve.add_argument("--body-timeout", type=float, default=default.body_timeout, metavar="S",
+                       help="seconds a request's body may take after its head; then the connection "
+                            f"is closed (default {default.body_timeout:g})")
+    serve.add_argument("--keep-alive-timeout", type=float, default=default.keep_alive_timeout,
+                       metavar="S", help="seconds an idle kept-alive connection stays open "
+                                         f"(default {default.keep_alive_timeout:g})")
+    serve.add_argument("--limit-concurrency", type=_positive, default=default.limit_concurrency,
+                       metavar="N", help="open connections or running requests at most; past it "
+                                         f"new requests get 503 (default {default.limit_concurrency:,})")
+    serve.add_argument("--shutdown-timeout", type=float, default=default.shutdown_timeout,
+                       metavar="S", help="after SIGTERM, seconds running requests get to finish "
+                                         "before their streams are ended; a second signal exits "
+                                         f"at once (default {default.shutdown_timeout:g})")
+    serve.add_argument("--cors-origin", action="append", dest="cors_origins", metavar="ORIGIN",
+                       help="a browser origin allowed to call the API, e.g. https://app.example.com "
+                            "(repeat for more; '*': any; default: none, no CORS headers)")
+    serve.add_argument("--no-docs", dest="docs", action="store_false",
+                       help="answer 404 for /docs, /redoc and /openapi.json")
+    serve.add_argument("--no-metrics", dest="metrics", action="store_false",
+                       help="answer 404 for /metrics")
+
+
+def _network(args: argparse.Namespace) -> dict:
+    """The ``ServeOptions`` fields of ``_add_network_options``' options."""
+    return {"header_timeout": args.header_timeout, "body_timeout": args.body_timeout,
+            "keep_alive_timeout": args.keep_alive_timeout, "limit_concurrency": args.limit_concurrency,
+            "shutdown_timeout": args.shutdown_timeout, "cors_origins": tuple(args.cors_origins or ()),
+            "docs": args.docs, "metrics": args.metrics}
+
+
 def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key_file is None:
         return args.api_key
@@ -146,7 +215,7 @@ def _allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:
 def run_serve(args: argparse.Namespace) -> int:
     from .guards import is_loopback
     options = dataclasses.replace(_options(args), api_key=_api_key(args),
-                                  allowed_hosts=_allowed_hosts(args))
+                                  allowed_hosts=_allowed_hosts(args), ui=args.ui, **_network(args))
     if not is_loopback(args.host) and options.api_key is None and not args.insecure:
         raise ValueError(f"--host={args.host!r}: serving beyond this machine without an API key "
                          "lets anyone who can reach it use the models; give --api-key-file (or "
@@ -154,17 +223,17 @@ def run_serve(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and options.api_key is None:
         logger.warning("serving on %s without an API key (--insecure)", args.host)
     if args.ray:
-        from .ray_serve import run_ray
+        from .ray_serve import Replicas, run_ray
+        replicas = Replicas.from_options(args.replicas, args.min_replicas, args.max_replicas)
         return run_ray(args.model_dirs, options, names=args.names, host=args.host,
-                       port=args.port, replicas=args.replicas)
-    if args.replicas != 1:
-        raise ValueError("--replicas: needs --ray (one process serves one replica)")
-    import uvicorn
-
-    from .app import ServerState, create_app
+                       port=args.port, replicas=replicas)
+    if (args.replicas, args.min_replicas, args.max_replicas) != (None, None, None):
+        raise ValueError("--replicas, --min-replicas, --max-replicas: need --ray (one process "
+                         "serves one replica)")
+    from .app import ServerState
+    from .lifecycle import serve
     state = ServerState.load(args.model_dirs, options, args.names)  # bad exports: an error, before uvicorn
-    app = create_app(lambda: state)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    serve(state, args.host, args.port)
     return 0
 
 

@@ -1,7 +1,8 @@
 """ASGI middleware that refuses a request before the app reads it: one addressed to a host name
 the server does not answer to (400, ``--allowed-hosts``: a web page that rebinds its own name to
 127.0.0.1 cannot reach a local server), one without the server's API key (401, ``--api-key``;
-``/health`` stays open) and a body over the server's limit (413, ``--max-body-bytes``).
+``/health`` and the chat page's files stay open) and a body over the server's limit (413,
+``--max-body-bytes``).
 
 The key is the ``Authorization: Bearer KEY`` header, compared in constant time
 (``hmac.compare_digest``), as OpenAI's clients send their ``api_key``.
@@ -23,7 +24,8 @@ from fastapi.responses import JSONResponse
 
 from .protocol import ApiError, quote
 
-OPEN_PATHS = ("/health",)  # answered without the key: a load balancer's probe has none
+OPEN_PATHS = ("/health", "/")  # answered without the key: a load balancer's probe has none;
+OPEN_PREFIXES = ("/static/",)  # nor has a browser opening the chat page (its requests carry it)
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 
 
@@ -70,15 +72,17 @@ class BodyLimit:
 
 
 class ApiKey:
-    """401 for a request (but to ``OPEN_PATHS``) without ``Authorization: Bearer <key()>``;
-    ``key()`` None: every request passes."""
+    """401 for a request (but to ``OPEN_PATHS`` and ``OPEN_PREFIXES``) without
+    ``Authorization: Bearer <key()>``; ``key()`` None: every request passes."""
 
     def __init__(self, app, key: Callable[[], str | None]):
         self.app = app
         self.key = key
 
     async def __call__(self, scope, receive, send):
-        key = self.key() if scope["type"] == "http" and scope["path"] not in OPEN_PATHS else None
+        path = scope.get("path", "")
+        is_open = path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+        key = self.key() if scope["type"] == "http" and not is_open else None
         if key is None:
             return await self.app(scope, receive, send)
         scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, Union
 
-from ..sampling import SamplingParams
+from ..decoding.engine import LogitsProcessor
+from ..sampling import SamplingParams, TokenLogprob
 
 
 class QueueFull(RuntimeError):
@@ -24,7 +25,8 @@ class QueueFull(RuntimeError):
 class GenerationRequest:
     """One sequence to generate: ``prompt`` token ids, at most ``max_tokens`` new tokens, stop at
     any of ``stop_ids`` (the stop token is reported, then the row ends); ``timeout`` seconds from
-    submission (None: no limit)."""
+    submission (None: no limit); ``logprobs``: each ``Token`` carries its log-probability and
+    that many alternatives (None: none)."""
 
     prompt: Sequence[int]
     max_tokens: int = 16
@@ -32,11 +34,17 @@ class GenerationRequest:
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
     timeout: float | None = None
+    logprobs: int | None = None
+    # This row's own logits processors, after its penalties (a grammar: decoding.grammar).
+    processors: tuple[LogitsProcessor, ...] = ()
 
 
 @dataclass(frozen=True)
 class Token:
+    """A generated token ``id``; ``logprob`` when the request asked for logprobs."""
+
     id: int
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Seconds; time to first token and latency span a loaded 2-core CPU to a GPU.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -50,12 +51,16 @@ class ServeMetrics:
                                 "(speculative decoding)", ["model"], registry=r)
         self.accepted = Counter("tfport_speculative_accepted_tokens", "draft tokens the target "
                                 "accepted (speculative decoding)", ["model"], registry=r)
+        self.prefix_caches: dict = {}  # model -> its scheduler's PrefixCache, read when scraped
+        r.register(PrefixCacheCollector(self.prefix_caches))
 
     def watch(self, model: str, scheduler) -> None:
         """Report ``model``'s queue depth and running rows as ``scheduler`` (its ``waiting`` and
-        ``running``) has them when scraped."""
+        ``running``) has them when scraped, and its prefix cache's counts if it has one."""
         self.queue.labels(model).set_function(lambda: scheduler.waiting)
         self.running.labels(model).set_function(lambda: scheduler.running)
+        if scheduler.prefix is not None:
+            self.prefix_caches[model] = scheduler.prefix
 
     def observer(self, model: str) -> "ModelObserver":
         return ModelObserver(self, model)
@@ -105,6 +110,31 @@ class ModelObserver:
     def speculated(self, proposed: int, accepted: int) -> None:
         self.m.proposed.labels(self.model).inc(proposed)
         self.m.accepted.labels(self.model).inc(accepted)
+
+
+class PrefixCacheCollector:
+    """Each model's prefix cache (``decoding.prefix``) as read when scraped: hits, misses and
+    evictions counted in tokens, and the bytes its blocks hold."""
+
+    def __init__(self, caches: dict):
+        self.caches = caches
+
+    def collect(self):
+        hits = CounterMetricFamily("tfport_prefix_cache_hits", "prompt tokens whose keys and "
+                                   "values came from the prefix cache (chunked prefill's "
+                                   "chunks included)", labels=["model"])
+        misses = CounterMetricFamily("tfport_prefix_cache_misses", "prompt tokens looked up in "
+                                     "the prefix cache and prefilled", labels=["model"])
+        evicted = CounterMetricFamily("tfport_prefix_cache_evicted", "tokens of the blocks "
+                                      "evicted from the prefix cache", labels=["model"])
+        used = GaugeMetricFamily("tfport_prefix_cache_bytes", "bytes the prefix cache's blocks "
+                                 "hold", labels=["model"])
+        for model, cache in list(self.caches.items()):
+            hits.add_metric([model], cache.hit_tokens)
+            misses.add_metric([model], cache.miss_tokens)
+            evicted.add_metric([model], cache.evicted_tokens)
+            used.add_metric([model], cache.bytes)
+        return [hits, misses, evicted, used]
 
 
 class MetricsMiddleware:

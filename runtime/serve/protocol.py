@@ -1,11 +1,16 @@
 """The OpenAI API request bodies this server takes, and its error shape.
 
 Fields the server does not implement are refused with a 400 that names them when they ask for
-something (``logprobs``, ``top_logprobs``, penalties, ``logit_bias``, ``echo``, ``suffix``,
-``best_of`` > ``n``, ``tools`` / ``functions``, a ``response_format`` other than text, a message
-role other than system, user, assistant or developer); unknown fields are ignored, as
-OpenAI-compatible servers do. Token ids and counts are strict integers (``true`` is not 1).
-Extensions, as vLLM names them: ``top_k``, ``ignore_eos``, ``stop_token_ids``.
+something (``suffix``, ``best_of`` > ``n``, ``functions``, a message role other than
+system, user, assistant, developer or tool); unknown fields are ignored, as OpenAI-compatible servers
+do. ``response_format`` (text, ``json_object``, ``json_schema``; extensions ``regex`` and
+``grammar``, Lark) constrains the output (``decoding.grammar``); a malformed one is a 400 with
+param ``response_format``. Token ids and counts are strict integers (``true`` is
+not 1). Extensions, as vLLM names them: ``top_k``, ``min_p``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids``. Sampling options are checked against OpenAI's ranges
+(penalties in [-2, 2], ``logit_bias`` values in [-100, 100], completions' ``logprobs`` 0-5,
+chat's ``top_logprobs`` 0-20 with ``logprobs: true``). Chat's ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` are OpenAI's (``tfport.runtime.tools``; a malformed one is a 400 naming it).
 
 Text is checked at the edge (``check_text``): a str that is not Unicode text (a lone surrogate,
 which JSON can carry as ``"\\ud800"``) is a 400 naming its field, e.g. ``messages[1].content``. An
@@ -18,9 +23,11 @@ from __future__ import annotations
 import logging
 import reprlib
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from ..decoding.grammar import constraint_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -154,32 +161,52 @@ class DecodingRequest(BaseModel):
     seed: Optional[StrictInt] = Field(default=None, ge=0)
     ignore_eos: bool = False  # extension
     stop_token_ids: Optional[list[StrictInt]] = None  # extension
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
-    top_logprobs: Optional[int] = None
+    presence_penalty: Optional[float] = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0, allow_inf_nan=False)  # extension
+    min_p: Optional[float] = Field(default=None, ge=0, le=1)  # extension
+    logit_bias: Optional[dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]]] = None
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
     response_format: Optional[dict[str, Any]] = None
     user: Optional[str] = None
 
     def refuse_unsupported(self) -> None:
         """``ApiError`` 400 for a field that asks for what this server does not do, or an
-        invalid ``stop`` (checked before anything is queued)."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ApiError(400, f"{name}={quote(getattr(self, name))}: penalties are not "
-                                    "supported by this server (use 0)", name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias: not supported by this server", "logit_bias")
-        if self.top_logprobs is not None:
-            raise ApiError(400, "top_logprobs: not supported by this server", "top_logprobs")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ApiError(400, f"response_format={quote(self.response_format)}: only text is supported by "
-                                "this server", "response_format")
+        invalid ``stop`` or ``response_format`` (checked before anything is queued)."""
+        self.constraint()
         self.stop_strings()
+
+    def constraint(self) -> dict[str, Any]:
+        """What ``response_format`` asks of the output, as ``Model.generate``'s ``json_schema`` /
+        ``regex`` / ``grammar`` ({} for text; ``decoding.grammar.constraint_arguments``);
+        ``ApiError`` 400 naming the field when it is malformed."""
+        try:
+            return constraint_arguments(self.response_format)
+        except ValueError as err:
+            raise ApiError(400, str(err), "response_format") from None
 
     def token_budget(self) -> tuple[int | None, str]:
         """The new tokens asked per row (None: not said) and the field that asks them."""
         return self.max_tokens, "max_tokens"
+
+    def logprobs_top(self) -> int | None:
+        """The alternatives reported per generated token, None when no logprobs are asked."""
+        raise NotImplementedError
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The penalties, bias and ``min_p`` as ``RequestDefaults.params`` takes them (None:
+        not sent); ``ApiError`` for a ``logit_bias`` key that is not a token id."""
+        bias = None
+        if self.logit_bias is not None:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not key.strip().isdecimal():
+                    raise ApiError(400, f"logit_bias: key {quote(key)} is not a token id (expected "
+                                        "a decimal integer string such as \"50256\")", "logit_bias")
+                bias[int(key)] = value
+        return {"min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "logit_bias": bias}
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -191,23 +218,22 @@ class DecodingRequest(BaseModel):
 class CompletionRequest(DecodingRequest):
     prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=5)
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
+    def logprobs_top(self) -> int | None:
+        return self.logprobs
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise ApiError(400, "echo: not supported by this server", "echo")
-        if self.logprobs is not None:
-            raise ApiError(400, "logprobs: not supported by this server", "logprobs")
         if self.suffix:
             raise ApiError(400, "suffix: not supported by this server", "suffix")
         if self.best_of not in (None, self.n):
             raise ApiError(400, f"best_of={quote(self.best_of)}: only best_of == n is supported", "best_of")
 
 
-ROLES = ("system", "user", "assistant", "developer")
+ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class ChatMessage(BaseModel):
@@ -239,7 +265,9 @@ class ChatRequest(DecodingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: Optional[bool] = None
     max_completion_tokens: Optional[StrictInt] = Field(default=None, ge=1)
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[dict[str, Any]]] = None  # checked by tfport.runtime.tools
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: bool = True
     functions: Optional[list[dict[str, Any]]] = None
 
     def token_budget(self) -> tuple[int | None, str]:
@@ -248,13 +276,16 @@ class ChatRequest(DecodingRequest):
             return self.max_completion_tokens, "max_completion_tokens"
         return super().token_budget()
 
+    def logprobs_top(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.logprobs:
-            raise ApiError(400, "logprobs: not supported by this server", "logprobs")
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise ApiError(400, f"{name}: not supported by this server", name)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, f"top_logprobs={self.top_logprobs}: needs logprobs: true",
+                           "top_logprobs")
+        if self.functions:
+            raise ApiError(400, "functions: not supported by this server (send tools)", "functions")
 
 
 class EmbeddingRequest(BaseModel):

@@ -3,7 +3,12 @@ turned into OpenAI's JSON, or into server-sent events as tokens arrive.
 
 Each choice's tokens become text with the export's tokenizer (``TextStream``), held back while
 its end could be the start of a ``stop`` string (``StopText``); every choice also carries its
-``token_ids`` (stop token excluded), so exports without a tokenizer are served on ids. A client
+``token_ids`` (stop token excluded), so exports without a tokenizer are served on ids, and its
+``logprobs`` when asked (``logprobs``: OpenAI's shapes; a streamed chunk carries its tokens').
+A completion with ``echo`` starts with its prompt (the first chunk of a stream), and with
+``logprobs`` the prompt tokens' too (``ServedModel.prompt_logprobs``). A chat with ``tools``
+has its replies parsed in the template's call format (``tfport.runtime.tools``): ``tool_calls``
+in the message, ``delta.tool_calls`` items in a stream, finish reason "tool_calls". A client
 that goes away (a closed stream, or a disconnect while a JSON answer is pending) cancels its rows,
 which frees them at the scheduler's next step. ``embedding_response`` builds an embeddings answer
 (in a worker thread: the JSON of 2,048 vectors takes a while).
@@ -17,13 +22,17 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..chat import chat_format
+from ..tools import ToolCallParser, parse_reply
 from .protocol import ApiError, DecodingRequest, EmbeddingRequest, check_text, quote
 from .handles import Failed, Finished, Handle, Token
+from .logprobs import Scored, chat_logprobs, completion_logprobs
 from .served import ServedModel
 
 logger = logging.getLogger(__name__)
@@ -64,10 +73,14 @@ class StopText:
         return out
 
 
-async def choice_pieces(served: ServedModel, handle: Handle, stops: list[str]
-                        ) -> AsyncIterator[tuple[str, list[int], str | None]]:
-    """One choice's (text piece, new token ids, finish reason or None) as it is generated;
-    ``ApiError`` for a row that timed out, was cancelled by the server or failed."""
+async def choice_pieces(served: ServedModel, handle: Handle, stops: list[str],
+                        markers: Mapping[int, str] | None = None
+                        ) -> AsyncIterator[tuple[str, list[int], str | None, list[Scored]]]:
+    """One choice's (text piece, new token ids, finish reason or None, the new tokens' scores
+    when logprobs are asked: ``logprobs.Scored``) as it is generated; ``ApiError`` for a row that
+    timed out, was cancelled by the server or failed. ``markers``: special token ids shown as
+    their text (tool-call markers, ``ChatFormat.marker_ids``)."""
+    markers = markers or {}
     text = served.text_stream()
     stop = StopText(stops)
     stop_ids = handle.request.stop_ids
@@ -75,23 +88,35 @@ async def choice_pieces(served: ServedModel, handle: Handle, stops: list[str]
         if isinstance(event, Token):
             if event.id in stop_ids:
                 continue  # the Finished("stop") that follows ends the choice
-            piece = stop.push(text.push(event.id)) if text is not None else ""
-            yield piece, [event.id], None
+            offset = len(text.shown) if text is not None else 0  # the choice's text before it
+            piece = stop.push(text.push(event.id) + markers.get(event.id, "")) if text is not None else ""
+            yield piece, [event.id], None, [] if event.logprob is None else [(event.logprob, offset)]
             if stop.stopped:
                 handle.cancel()
-                yield "", [], "stop"
+                yield "", [], "stop", []
                 return
         elif isinstance(event, Finished):
             if event.reason == "timeout":
                 raise ApiError(504, f"the request ran past this server's timeout of "
                                     f"{handle.request.timeout:g} s", code="timeout")
             if event.reason == "cancelled":
-                raise ApiError(503, "the request was cancelled (the server is stopping)")
+                raise ApiError(503, "the request was cancelled: the server is stopping (running "
+                                    "requests get --shutdown-timeout seconds)", code="shutting_down")
             tail = text.finish() if text is not None else ""
-            yield stop.push(tail) + stop.finish(), [], "stop" if stop.stopped else event.reason
+            yield stop.push(tail) + stop.finish(), [], "stop" if stop.stopped else event.reason, []
             return
         elif isinstance(event, Failed):
             raise ApiError.internal(event.error, "generation")
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What a completion with ``echo`` shows before its tokens: the prompt's ``text``, and with
+    logprobs its token ``ids`` and their ``scored`` entries (``ServedModel.prompt_logprobs``)."""
+
+    text: str = ""
+    ids: list[int] = field(default_factory=list)
+    scored: list[Scored] = field(default_factory=list)
 
 
 class Completion:
@@ -109,6 +134,13 @@ class Completion:
         self.prompt_tokens = sum(len(p) for p in prompts) * body.n
         self.chat = chat
         self.stops = body.stop_strings()
+        self.prompts = prompts
+        self.top = body.logprobs_top()  # alternatives per token; None: no logprobs
+        self.echo = not chat and body.echo
+        # tool calls: the format the replies are parsed in (None: plain content), one parser a choice
+        self.tool_format = served.tool_request(body).format if chat else None
+        self.markers = chat_format(served.model).marker_ids(self.tool_format) if self.tool_format else {}
+        self.parsers = [ToolCallParser(self.tool_format) for _ in handles] if self.tool_format else []
 
     def cancel(self) -> None:
         for handle in self.handles:
@@ -120,17 +152,21 @@ class Completion:
                                      headers={"Cache-Control": "no-cache"})
         watcher = asyncio.create_task(self._watch(request))
         try:
-            results = await asyncio.gather(*(self._collect(h) for h in self.handles))
+            echoes, *results = await asyncio.gather(self._echoes(),
+                                                    *(self._collect(h) for h in self.handles))
         finally:
             watcher.cancel()
             self.cancel()  # a no-op for finished rows; frees the others after an error
         choices = []
         completion_tokens = 0
-        for index, (text, ids, reason) in enumerate(results):
+        for index, (text, ids, reason, scored) in enumerate(results):
             completion_tokens += len(ids)
-            output = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-            choices.append({"index": index, **output, "logprobs": None, "finish_reason": reason,
-                            "token_ids": ids})
+            echo = echoes[index]
+            output = {"message": self._message(text)} if self.chat else {"text": echo.text + text}
+            if self.chat and output["message"].get("tool_calls") and reason == "stop":
+                reason = "tool_calls"
+            choices.append({"index": index, **output, "logprobs": self._logprobs(scored, echo),
+                            "finish_reason": reason, "token_ids": ids})
         # written by json at once, not walked item by item by FastAPI's encoder first
         return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
                              "model": self.served.name, "choices": choices,
@@ -150,24 +186,94 @@ class Completion:
             await asyncio.sleep(DISCONNECT_POLL_S)
         self.cancel()
 
-    async def _collect(self, handle: Handle) -> tuple[str, list[int], str]:
-        pieces, ids, reason = [], [], None
-        async for piece, new, finish in choice_pieces(self.served, handle, self.stops):
+    async def _collect(self, handle: Handle) -> tuple[str, list[int], str, list[Scored]]:
+        pieces, ids, reason, scored = [], [], None, []
+        async for piece, new, finish, scores in choice_pieces(self.served, handle, self.stops,
+                                                              self.markers):
             pieces.append(piece)
             ids.extend(new)
+            scored.extend(scores)
             reason = finish or reason
-        return "".join(pieces), ids, reason
+        return "".join(pieces), ids, reason, scored
+
+    async def _echoes(self) -> list[Echo]:
+        """Each choice's ``Echo``: its prompt (text, ids, scores) with ``echo``, else empty.
+        Scoring the prompts runs the decoder: in a worker thread."""
+        if not self.echo:
+            return [Echo()] * len(self.handles)
+        echoes = await asyncio.to_thread(lambda: [self._echo(i) for i in range(len(self.prompts))])
+        return [echoes[index // self.body.n] for index in range(len(self.handles))]
+
+    def _echo(self, index: int) -> Echo:
+        """The echo of prompt ``index``: the prompt as sent (decoded when sent as ids) and, with
+        logprobs, its tokens' scores at their offsets in the decoded prompt."""
+        prompt, tokenizer = self.prompts[index], self.served.model.tokenizer
+        sent = self.body.prompt
+        text = sent if isinstance(sent, str) else sent[index] if isinstance(sent[index], str) \
+            else tokenizer.decode(prompt) if tokenizer is not None else ""
+        if self.top is None:
+            return Echo(text)
+        stream = self.served.text_stream()
+        offsets = []
+        for token in prompt:
+            offsets.append(len(stream.shown) if stream is not None else 0)
+            if stream is not None:
+                stream.push(token)
+        return Echo(text, prompt, list(zip(self.served.prompt_logprobs(prompt, self.top), offsets)))
+
+    def _logprobs(self, scored: list[Scored], echo: Echo, prompt: bool = True) -> dict | None:
+        """A choice's (or chunk's) ``logprobs`` of its tokens' ``scored`` entries, in the
+        endpoint's shape, after ``echo``'s text (and its prompt tokens' entries when ``prompt``);
+        None when not asked."""
+        if self.top is None:
+            return None
+        tokenizer = self.served.model.tokenizer
+        if self.chat:
+            return chat_logprobs(tokenizer, [score for score, _ in scored])
+        ids, entries = (echo.ids, echo.scored) if prompt else ([], [])
+        shift = len(echo.text)
+        return completion_logprobs(tokenizer, [*ids, *(score.token for score, _ in scored)],
+                                   [*entries, *((score, offset + shift) for score, offset in scored)])
 
     def _chunk(self, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": self.object + (".chunk" if self.chat else ""),
                 "created": self.created, "model": self.served.name, "choices": choices, **extra}
 
-    def _choice_chunk(self, index: int, piece: str | None, reason: str | None, ids: list[int]) -> dict:
+    def _message(self, text: str) -> dict:
+        """A chat choice's message: ``text`` as content, or parsed into content and
+        ``tool_calls`` (content None when only whitespace is left)."""
+        if self.tool_format is None:
+            return {"role": "assistant", "content": text}
+        content, calls = parse_reply(self.tool_format, text)
+        if not calls:
+            return {"role": "assistant", "content": content}
+        return {"role": "assistant", "content": content if content.strip() else None,
+                "tool_calls": [call.openai() for call in calls]}
+
+    def _parse(self, index: int, piece: str, reason: str | None
+               ) -> tuple[str, list[dict], str | None]:
+        """A streamed choice's piece (and finish reason) -> (content, ``delta.tool_calls`` items,
+        finish reason: "tool_calls" for a reply that ended with calls)."""
+        if not self.parsers:
+            return piece, [], reason
+        parser = self.parsers[index]
+        content, deltas = parser.push(piece)
+        if reason is not None:
+            tail, more = parser.finish()
+            content, deltas = content + tail, deltas + more
+            if parser.calls and reason == "stop":
+                reason = "tool_calls"
+        return content, [delta.openai() for delta in deltas], reason
+
+    def _choice_chunk(self, index: int, piece: str | None, reason: str | None, ids: list[int],
+                      logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
         if self.chat:
             output = {"delta": {} if piece is None else {"content": piece}}
+            if tool_calls:
+                output["delta"]["tool_calls"] = tool_calls
         else:
             output = {"text": piece or ""}
-        return self._chunk([{"index": index, **output, "logprobs": None, "finish_reason": reason,
+        return self._chunk([{"index": index, **output, "logprobs": logprobs, "finish_reason": reason,
                              "token_ids": ids}])
 
     async def _events(self) -> AsyncIterator[str]:
@@ -175,7 +281,7 @@ class Completion:
 
         async def pump(index: int, handle: Handle) -> None:
             try:
-                async for item in choice_pieces(self.served, handle, self.stops):
+                async for item in choice_pieces(self.served, handle, self.stops, self.markers):
                     await events.put((index, item))
             except ApiError as err:
                 await events.put((index, err))
@@ -192,6 +298,11 @@ class Completion:
                     chunk = self._choice_chunk(index, "", None, [])
                     chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
                     yield sse(chunk)
+            echoes = await self._echoes()
+            if self.echo:  # the prompt first, with its tokens' logprobs when asked
+                for index, echo in enumerate(echoes):
+                    logprobs = self._logprobs([], echo)
+                    yield sse(self._choice_chunk(index, echo.text, None, [], logprobs))
             remaining = len(tasks)
             while remaining:
                 index, item = await events.get()
@@ -200,11 +311,13 @@ class Completion:
                 elif isinstance(item, ApiError):
                     yield sse(item.body())
                 else:
-                    piece, ids, reason = item
+                    piece, ids, reason, scored = item
+                    piece, calls, reason = self._parse(index, piece, reason)
                     completion_tokens += len(ids)
-                    if piece or ids or reason:
+                    if piece or ids or reason or calls:
+                        logprobs = self._logprobs(scored, echoes[index], prompt=False) if scored else None
                         yield sse(self._choice_chunk(index, piece if piece or not reason else None,
-                                                     reason, ids))
+                                                     reason, ids, logprobs, calls))
             if (self.body.stream_options or {}).get("include_usage"):
                 yield sse(self._chunk([], usage=self._usage(completion_tokens)))
             yield "data: [DONE]\n\n"

@@ -35,24 +35,32 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..decoding.engine import SequenceState, choose
+from ..decoding.prefix import PrefixCache
 from ..decoding.rows import Row, RowBatch
 from ..decoding.speculative import Speculation, SpeculationStats, Speculator, check_speculative, drafter_for
 from ..defaults import sequence_states
+from ..sampling import check_bias_ids
 from .handles import (Event, Failed, Finished, GenerationRequest, Handle, Observer, QueueFull,  # noqa: F401
                       Token, NullObserver)
 
 logger = logging.getLogger(__name__)
 
 
+class Stopped(RuntimeError):
+    """The scheduler is stopped and takes no more requests (HTTP 503: the server is stopping)."""
+
+
 @dataclass(frozen=True)
 class SchedulerLimits:
     """``max_rows``: requests decoded together; ``max_queue``: requests waiting for a row;
     ``max_length``: prompt + generated tokens per row (the KV buffer's slots; default the model's
-    ``max_positions``)."""
+    ``max_positions``); ``prefill_chunk``: while rows decode, a prompt longer than this is
+    prefilled this many tokens per step (chunked prefill, with a prefix cache; None: whole)."""
 
     max_rows: int = 16
     max_queue: int = 256
     max_length: int | None = None
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_queue"):
@@ -61,6 +69,9 @@ class SchedulerLimits:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 2):
             raise ValueError(f"max_length={self.max_length!r}: expected an integer >= 2 or None")
+        chunk = self.prefill_chunk
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"prefill_chunk={chunk!r}: expected a positive integer or None")
 
 
 @dataclass(eq=False)
@@ -71,10 +82,12 @@ class _Live:
 
 
 class Scheduler:
-    """Continuous batching over one decoder ``Model`` (see the module docstring)."""
+    """Continuous batching over one decoder ``Model`` (see the module docstring). With a
+    ``prefix`` cache, each prompt starts from its longest cached prefix (``decoding.prefix``)."""
 
     def __init__(self, model, limits: SchedulerLimits = SchedulerLimits(),
-                 observer: Observer | None = None, speculation: Speculation | None = None):
+                 observer: Observer | None = None, speculation: Speculation | None = None,
+                 prefix: PrefixCache | None = None):
         runner = model.runner("decoder", "serve")
         if model.config.family != "decoder":
             raise ValueError(f"Scheduler: family {model.config.family!r} is not batched per row; "
@@ -88,6 +101,11 @@ class Scheduler:
         self._make_batch = model.decoding.rows
         # Speculative decoding (decoding.speculative): every step verifies each row's proposals.
         self.speculation = speculation
+        # Automatic prefix caching (decoding.prefix): a prompt starts from its longest cached prefix.
+        self.prefix = prefix
+        if prefix is not None and limits.prefill_chunk is not None and limits.prefill_chunk < prefix.block_size:
+            raise ValueError(f"prefill_chunk={limits.prefill_chunk}: expected at least the prefix "
+                             f"cache's block of {prefix.block_size} tokens")
         self._drafter = None if speculation is None else drafter_for(speculation.drafter, model)
         self.speculation_stats = SpeculationStats()
         self.batch: RowBatch = self._new_batch()
@@ -99,7 +117,7 @@ class Scheduler:
 
     def _new_batch(self) -> RowBatch:
         batch = self._make_batch(self.runner, self.limits.max_rows, self.max_length,
-                                 self.model.config.fill_token_id)
+                                 self.model.config.fill_token_id, prefix=self.prefix)
         self._speculator = None
         if self.speculation is not None:
             check_speculative(self.model, batch, self.speculation)
@@ -129,13 +147,17 @@ class Scheduler:
                              f"- 1 = {need} tokens, more than this server's context of "
                              f"{self.max_length}; lower max_tokens to at most "
                              f"{self.max_length - len(prompt) + 1}")
+        check_bias_ids(request.params, vocab)
+        if request.logprobs is not None and (isinstance(request.logprobs, bool)
+                                             or not isinstance(request.logprobs, int) or request.logprobs < 0):
+            raise ValueError(f"logprobs={request.logprobs!r}: expected an integer >= 0 or None")
         if request.timeout is not None and not request.timeout > 0:
             raise ValueError(f"timeout={request.timeout!r}: expected a positive number of seconds")
 
     def submit(self, requests: GenerationRequest | Sequence[GenerationRequest],
                loop: asyncio.AbstractEventLoop | None = None) -> Handle | list[Handle]:
         """Queue request(s) -> handle(s), all or none: ``QueueFull`` when the queue has no room
-        for all of them, ``ValueError`` for a request ``check`` refuses."""
+        for all of them, ``ValueError`` for a request ``check`` refuses, ``Stopped`` once stopped."""
         single = isinstance(requests, GenerationRequest)
         requests = [requests] if single else list(requests)
         for request in requests:
@@ -146,7 +168,7 @@ class Scheduler:
                 handle.attach(loop)
         with self._cond:
             if self._stopping:
-                raise RuntimeError("the scheduler is stopped")
+                raise Stopped("the server is stopping and takes no more requests")
             if len(self._waiting) + len(handles) > self.limits.max_queue:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue="
                                 f"{self.limits.max_queue}); retry later")
@@ -232,7 +254,7 @@ class Scheduler:
             if b in errors:
                 self._retire(row, Failed(errors[b]))
             else:
-                self._push(row, int(picked[b]))
+                self._push(row, int(picked[b]), logits[b])
 
     def _speculate(self) -> None:
         """One step of every live row with speculation: its proposals verified in one forward,
@@ -256,8 +278,9 @@ class Scheduler:
             row.handle.proposed += len(proposal.tokens)
             row.handle.accepted += accepted
             self.observer.speculated(len(proposal.tokens), accepted)
-            for token in pushed:
-                row.handle.deliver(Token(token))
+            scores = row.state.token_logprobs[-len(pushed):] if row.state.logprobs is not None else []
+            for n, token in enumerate(pushed):
+                row.handle.deliver(Token(token, scores[n] if scores else None))
             if error is not None:
                 self._retire(row, Failed(error))
             elif row.state.finish:
@@ -275,8 +298,14 @@ class Scheduler:
             with self._cond:
                 if not self._waiting:
                     return
-                handle = self._waiting.popleft()
+                handle = self._waiting[0]
             reason = self._stop_reason(handle, now)
+            if reason is None and self._prefill_chunk(handle):
+                return  # one chunk of its prompt this step; it stays first in the queue
+            with self._cond:
+                if not self._waiting or self._waiting[0] is not handle:  # stopped meanwhile
+                    continue
+                self._waiting.popleft()
             if reason:
                 handle.deliver(Finished(reason))
                 self.observer.finished(reason, time.monotonic() - handle.submitted)
@@ -292,7 +321,9 @@ class Scheduler:
             forced = self.model.forced_tokens(max_new_tokens=request.max_tokens,
                                               one_token_start=len(request.prompt) == 1)
             state, = sequence_states(1, request.params, request.seed, request.max_tokens,
-                                     request.stop_ids, forced)
+                                     request.stop_ids, forced, request.processors, prompts=[request.prompt],
+                                     vocab_size=self.model.config.vocab_size,
+                                     logprobs=request.logprobs)
             live = _Live(handle, row, state)
             self._live.append(live)
             self.observer.first_token(time.monotonic() - handle.submitted)
@@ -300,12 +331,31 @@ class Scheduler:
             if errors:  # NaN logits: this request only
                 self._retire(live, Failed(errors[0]))
                 continue
-            self._push(live, int(picked[0]))
+            self._push(live, int(picked[0]), logits)
 
-    def _push(self, live: _Live, token: int) -> None:
-        """Report ``token`` and retire the row when it ended (``SequenceState.push``)."""
-        finish = live.state.push(token)
-        live.handle.deliver(Token(token))
+    def _prefill_chunk(self, handle: Handle) -> bool:
+        """Chunked prefill: while rows decode, prefill one chunk of a prompt that has more than
+        ``prefill_chunk`` tokens left into the prefix cache -> whether it did (False: admit it
+        now, its prefill starting from the chunks cached so far)."""
+        budget = self.limits.prefill_chunk
+        if budget is None or self.prefix is None or not self._live:
+            return False
+        prompt = np.asarray(handle.request.prompt, dtype=np.int64)
+        before = self.prefix.cached_length(prompt)
+        if prompt.size - before <= budget:
+            return False
+        try:
+            return self.batch.prefill_chunk(prompt, budget) > before  # no progress: prefill it whole
+        except Exception:  # its own prefill will fail it (or succeed) as an unchunked one would
+            logger.exception("chunked prefill failed")
+            return False
+
+    def _push(self, live: _Live, token: int, logits: np.ndarray) -> None:
+        """Report ``token``, picked from ``logits`` [V], and retire the row when it ended
+        (``SequenceState.push``)."""
+        state = live.state
+        finish = state.push(token, logits)
+        live.handle.deliver(Token(token, state.token_logprobs[-1] if state.logprobs is not None else None))
         if finish:
             self._retire(live, Finished(finish))
 

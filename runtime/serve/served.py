@@ -13,6 +13,7 @@ export's truncation, lower-casing, pooling and normalisation) and ``Model.embed`
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,20 +23,32 @@ from typing import Union
 import numpy as np
 
 from ..chat import chat_format
+from ..decoding.grammar import Constraint, compile_constraint
+from ..decoding.prefix import DEFAULT_MB, PrefixCache
 from ..decoding.speculative import Speculation
 from ..defaults import OPENAI
 from ..model import Model
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, TokenLogprob, check_bias_ids, token_logprobs
 from ..session import SessionSettings
 from ..tokenizer import TextStream, TextTokenizer
+from ..tools import ToolRequest
+from .exposure import check_origins
 from .protocol import ApiError, ChatRequest, CompletionRequest, DecodingRequest, check_text, quote
 from .handles import GenerationRequest, Handle, QueueFull
-from .scheduler import Scheduler, SchedulerLimits
+from .scheduler import Scheduler, SchedulerLimits, Stopped
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MiB = 1 << 20
 # A completion prompt or an embedding input: a text, texts, token ids or token id lists.
 Inputs = Union[str, list[str], list[int], list[list[int]]]
+
+
+def text_lengths(inputs: Inputs, param: str) -> dict[str, int]:
+    """Where each text of a prompt or an embedding input is (``param``, ``param[i]``) -> its
+    length in characters."""
+    if isinstance(inputs, str):
+        return {param: len(inputs)}
+    return {f"{param}[{index}]": len(text) for index, text in enumerate(inputs) if isinstance(text, str)}
 
 
 @dataclass(frozen=True)
@@ -46,12 +59,29 @@ class ServeOptions:
     ``max_tokens`` caps a request's ``max_tokens``; ``timeout`` seconds per request;
     ``max_length`` tokens per row (prompt + generated; default the model's max_positions);
     ``max_body_bytes`` per request body (413 past it); ``max_inputs`` embedding inputs per request
-    (OpenAI's 2,048); ``max_messages`` messages per chat; ``api_key``: the Bearer key every
+    (OpenAI's 2,048); ``max_messages`` messages per chat; ``max_prompt_chars`` characters per
+    prompt (a chat's: all its messages'), refused before it is tokenised; ``max_prompt_tokens``
+    tokens per prompt or embedding input once tokenised (None: the model's context);
+    ``max_request_tokens`` tokens one request may take (prompt tokens x n + max_tokens x n over
+    its prompts; an embedding request's inputs); ``api_key``: the Bearer key every
     request but ``/health`` must carry (None: none asked; never shown in a repr);
     ``allowed_hosts``: the ``Host`` header names answered (ports aside; None: any), against DNS
     rebinding. ``speculative`` decodes every served decoder speculatively ("lookup" or a draft
     export's directory; ``draft_tokens`` at most per step; ``speculative_inexact`` accepts a
-    quantised target, see ``decoding.speculative.Speculation``).
+    quantised target, see ``decoding.speculative.Speculation``). ``prefix_cache_mb``: MiB of
+    keys and values each served decoder keeps for prompts that start alike (automatic prefix
+    caching, ``decoding.prefix``; 0: off). ``prefill_chunk``: while rows decode, a longer prompt
+    is prefilled this many tokens per step, between decode steps (with the prefix cache, which
+    holds the chunks; None: whole). ``ui``: serve the chat page at
+    ``/`` (``static/``; ``--no-ui``: off, its routes not mounted).
+
+    Connections (``connections``; uvicorn only, not Ray): a request head must arrive within
+    ``header_timeout`` seconds and its body within ``body_timeout``; an idle kept-alive connection
+    is closed after ``keep_alive_timeout``; past ``limit_concurrency`` open connections or running
+    requests, 503 (None: no limit). ``shutdown_timeout``: seconds running requests get to finish
+    after SIGTERM (``lifecycle``). ``cors_origins``: the browser origins allowed to call the API
+    (``exposure``; ``("*",)``: any; empty: no CORS headers); ``docs`` and ``metrics``: whether
+    ``/docs`` (with ``/redoc`` and ``/openapi.json``) and ``/metrics`` are served.
     """
 
     max_rows: int = 16
@@ -64,19 +94,43 @@ class ServeOptions:
     max_body_bytes: int = 4 * MiB
     max_inputs: int = 2048
     max_messages: int = 2048
+    max_prompt_chars: int = 1_000_000  # ~250k tokens of English: more than any context, 1 s to tokenise
+    max_prompt_tokens: int | None = None  # None: the model's context
+    max_request_tokens: int = 256 * 1024  # 16 rows of a 16k context; 2,048 inputs of 128 tokens
     api_key: str | None = field(default=None, repr=False)
     allowed_hosts: tuple[str, ...] | None = None
     speculative: str | None = None  # "lookup" or a draft export's directory (every decoder served)
     draft_tokens: int = 8
     speculative_inexact: bool = False
+    prefix_cache_mb: int = DEFAULT_MB  # automatic prefix caching per decoder (0: off)
+    prefill_chunk: int | None = 256  # tokens of a long prompt prefilled per step while rows decode
+    ui: bool = True
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0  # a 4 MiB body at 0.5 Mbit/s
+    keep_alive_timeout: float = 5.0  # uvicorn's default
+    limit_concurrency: int | None = 1000  # under the usual 1,024 open files, past which accept() fails
+    shutdown_timeout: float = 30.0  # Kubernetes' default grace period
+    cors_origins: tuple[str, ...] = ()
+    docs: bool = True
+    metrics: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "max_body_bytes", "max_inputs", "max_messages", "draft_tokens"):
+        for name in ("max_tokens", "max_body_bytes", "max_inputs", "max_messages", "draft_tokens",
+                     "max_prompt_chars", "max_prompt_tokens", "max_request_tokens"):
             value = getattr(self, name)
+            if value is None and name == "max_prompt_tokens":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
-        if not self.timeout > 0:
-            raise ValueError(f"timeout={self.timeout!r}: expected a positive number of seconds")
+        for name in ("timeout", "header_timeout", "body_timeout", "keep_alive_timeout",
+                     "shutdown_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected a positive number of seconds")
+        limit = self.limit_concurrency
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"limit_concurrency={limit!r}: expected a positive integer, or None "
+                             "for no limit")
+        check_origins(self.cors_origins)
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()
                                          or not self.api_key.isascii()):
             raise ValueError("api_key: expected a non-empty ASCII string")
@@ -85,11 +139,12 @@ class ServeOptions:
                 or not all(isinstance(h, str) and h and h == h.lower() for h in self.allowed_hosts)):
             raise ValueError(f"allowed_hosts={self.allowed_hosts!r}: expected a non-empty tuple of "
                              "lower-case host names, or None for any")
-        SchedulerLimits(self.max_rows, self.max_queue, self.max_length)  # checks those
+        SchedulerLimits(self.max_rows, self.max_queue, self.max_length, self.prefill_chunk)  # checks those
+        PrefixCache.from_mb(self.prefix_cache_mb)  # checks it
 
     @property
     def limits(self) -> SchedulerLimits:
-        return SchedulerLimits(self.max_rows, self.max_queue, self.max_length)
+        return SchedulerLimits(self.max_rows, self.max_queue, self.max_length, self.prefill_chunk)
 
 
 class ServedModel:
@@ -102,7 +157,9 @@ class ServedModel:
         self.family = model.config.family
         self.scheduler: Scheduler | None = None
         if self.family == "decoder":
-            self.scheduler = Scheduler(model, options.limits, observer, self._speculation())
+            model.prefix_cache = PrefixCache.from_mb(options.prefix_cache_mb)  # the library's too
+            self.scheduler = Scheduler(model, options.limits, observer, self._speculation(),
+                                       model.prefix_cache)
         self._embed_lock = threading.Lock()
 
     def _speculation(self) -> Speculation | None:
@@ -117,6 +174,18 @@ class ServedModel:
                                  "draft decoder export")
             drafter = Model.load(drafter, settings=self.model.settings)
         return Speculation(drafter, self.options.draft_tokens, exact=not self.options.speculative_inexact)
+
+    @functools.cached_property
+    def chats(self) -> bool:
+        """Whether /v1/chat/completions can render this export's prompts (a decoder with a chat
+        template and a tokenizer, as ``tfport.runtime.chat`` finds them)."""
+        if self.family != "decoder":
+            return False
+        try:
+            chat_format(self.model)
+        except (ValueError, ImportError):
+            return False
+        return True
 
     @property
     def speculates(self) -> bool:
@@ -155,6 +224,42 @@ class ServedModel:
             raise ApiError(400, f"model {self.name!r} is a {self.family} export; {endpoint} needs "
                                 f"{kind} export", "model")
 
+    # --------------------------------------------------------------------------------- limits
+    @property
+    def context(self) -> int:
+        """Tokens a row may hold: the scheduler's ``max_length`` (decoders), else the model's
+        ``max_positions``."""
+        return self.model.config.max_positions if self.scheduler is None else self.scheduler.max_length
+
+    def limit_chars(self, lengths: dict[str, int], param: str) -> None:
+        """``ApiError`` 400 naming ``--max-prompt-chars`` for a text over it: ``lengths`` maps
+        where each text is (``prompt[1]``) to its length, known before anything tokenises it."""
+        limit = self.options.max_prompt_chars
+        for where, chars in lengths.items():
+            if chars > limit:
+                raise ApiError(400, f"{where}: {chars:,} characters, more than this server's "
+                                    f"limit of {limit:,} per prompt (--max-prompt-chars)", param)
+
+    def limit_prompt_tokens(self, rows: list[list[int]], param: str) -> None:
+        """``ApiError`` 400 for a tokenised prompt over ``--max-prompt-tokens`` (default and at
+        most the context)."""
+        limit = min(self.options.max_prompt_tokens or self.context, self.context)
+        for index, row in enumerate(rows):
+            if len(row) > limit:
+                where = param if len(rows) == 1 else f"{param}[{index}]"
+                raise ApiError(400, f"{where}: {len(row):,} tokens, more than this server's limit of "
+                                    f"{limit:,} per prompt (--max-prompt-tokens; the model's context "
+                                    f"is {self.context:,})", param)
+
+    def limit_request_tokens(self, tokens: int, what: str, param: str | None = None) -> None:
+        """``ApiError`` 400 for a request taking more than ``--max-request-tokens`` tokens
+        (``what`` says how they add up)."""
+        limit = self.options.max_request_tokens
+        if tokens > limit:
+            raise ApiError(400, f"this request takes {tokens:,} tokens ({what}), more than this "
+                                f"server's limit of {limit:,} per request (--max-request-tokens)",
+                           param)
+
     # ------------------------------------------------------------------------------ token ids
     def _tokenizer(self, param: str) -> TextTokenizer:
         tokenizer = self.model.tokenizer
@@ -187,14 +292,31 @@ class ServedModel:
                                param)
         return rows
 
-    def chat(self, messages: list[dict]) -> tuple[list[int], tuple[int, ...]]:
-        """Prompt ids of ``messages`` rendered with the export's chat template, and the ids that
-        end the assistant's turn (``tfport.runtime.chat``, as ``Model.chat`` takes them)."""
+    def chat(self, messages: list[dict], tools: list[dict] | None = None
+             ) -> tuple[list[int], tuple[int, ...]]:
+        """Prompt ids of ``messages`` (and ``tools``) rendered with the export's chat template,
+        and the ids that end the assistant's turn (``tfport.runtime.chat``, as ``Model.chat``
+        takes them)."""
         try:
             fmt = chat_format(self.model)
-            return fmt.prompt_ids(messages), fmt.stop_ids
+            return fmt.prompt_ids(messages, **({"tools": tools} if tools else {})), fmt.stop_ids
         except (ValueError, TypeError) as err:
             raise ApiError(400, str(err), "messages") from None
+
+    def tool_request(self, body: ChatRequest) -> ToolRequest:
+        """What the chat's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` ask of this
+        export's template (``ChatFormat.tool_request``: the tools to render, the call format to
+        parse, the grammar forcing a call); ``ApiError`` 400 naming the malformed field."""
+        if body.tools is None and body.tool_choice is None:
+            return ToolRequest()
+        try:
+            return chat_format(self.model).tool_request(body.tools, body.tool_choice,
+                                                        body.parallel_tool_calls)
+        except ValueError as err:
+            message = str(err)
+            param = next((p for p in ("tool_choice", "parallel_tool_calls") if message.startswith(p)),
+                         "tools")
+            raise ApiError(400, message, param) from None
 
     def text_stream(self) -> TextStream | None:
         tokenizer = self.model.tokenizer
@@ -217,26 +339,37 @@ class ServedModel:
     def sampling(self, body: DecodingRequest) -> SamplingParams:
         """The request's sampling; the fields it leaves out from the export's
         generation_config.json where it samples, else OpenAI's defaults (temperature 1), resolved
-        where ``Model.generate`` resolves its own (``RequestDefaults.sampling``)."""
+        where ``Model.generate`` resolves its own (``RequestDefaults.params``); penalties,
+        ``logit_bias`` and ``min_p`` off unless sent."""
         top_k = 0 if body.top_k == -1 else body.top_k  # vLLM's -1: keep all, as 0 does
         try:
-            return SamplingParams(**self.model.defaults.sampling(body.temperature, top_k, body.top_p,
-                                                                 unsaid=OPENAI))
+            params = self.model.defaults.params(body.temperature, top_k, body.top_p, unsaid=OPENAI,
+                                                **body.sampling_options())
+            check_bias_ids(params, self.model.config.vocab_size)
+            return params
         except ValueError as err:
-            raise ApiError(400, str(err), str(err).split("=")[0]) from None
+            raise ApiError(400, str(err), str(err).split("=")[0].split(":")[0]) from None
+
+    def prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob | None]:
+        """Each prompt token's log-probability after the tokens before it and its ``top``
+        alternatives (None for the first: nothing precedes it), from one forward over the
+        prompt (the export's decoder returning every position's logits). Runs the decoder: call
+        it in a worker thread."""
+        logits = self.model.decoding.score(self.model.runner("decoder", "echo"),
+                                           np.asarray(prompt, dtype=np.int64)[None])  # [S, V]
+        return [None, *token_logprobs(logits[:-1], prompt[1:], top)]
 
     def max_tokens(self, body: DecodingRequest, prompts: list[list[int]], prompt_param: str,
                    default: int | None = None) -> int:
         """New tokens per row: what the request asks (``max_tokens``, or a chat's
         ``max_completion_tokens``), else ``default`` (None: as many as the context and the cap
         allow). ``ApiError`` naming the field the client sent when it is over the server's cap
-        or the context left after the longest prompt (``prompt_param`` when no token is left)."""
+        or the context left after the longest prompt, naming ``prompt_param`` for a prompt over
+        ``--max-prompt-tokens`` (``limit_prompt_tokens``)."""
         requested, param = body.token_budget()
         cap, context = self.options.max_tokens, self.scheduler.max_length
+        self.limit_prompt_tokens(prompts, prompt_param)
         longest = max(len(p) for p in prompts)
-        if longest > context:
-            raise ApiError(400, f"{prompt_param}: {longest} tokens, more than this server's context "
-                                f"of {context}", prompt_param)
         room = context - longest + 1  # the last token is not fed back
         if requested is None and default is None:
             return min(cap, room)
@@ -254,11 +387,28 @@ class ServedModel:
                           ) -> tuple[list[list[int]], int, tuple[int, ...]]:
         """A completion request -> (prompt ids, max_tokens, stop ids); ``ApiError`` 400 for a
         request that cannot run. Tokenises: call it in a worker thread."""
+        self.limit_chars(text_lengths(body.prompt, "prompt"), "prompt")
         check_text(body, "")
         body.refuse_unsupported()
+        self.constraint(body)  # compiled here, off the event loop; submit finds it cached
+        if body.echo and body.logprobs is not None and not self.scheduler.batch.all_logits:
+            raise ApiError(400, "echo with logprobs: the prompt's log-probabilities need every "
+                                "position's logits, and this export returns the last position's "
+                                "only (re-export with --logits all)", "echo")
         prompts = self.prompts(body.prompt)
         stop_ids = self.stop_ids(body.ignore_eos, body.stop_token_ids)
-        return prompts, self.max_tokens(body, prompts, "prompt", DEFAULT_COMPLETION_TOKENS), stop_ids
+        max_tokens = self.max_tokens(body, prompts, "prompt", DEFAULT_COMPLETION_TOKENS)
+        self.limit_generation(prompts, body.n, max_tokens)
+        return prompts, max_tokens, stop_ids
+
+    def limit_generation(self, prompts: list[list[int]], n: int, max_tokens: int) -> None:
+        """``--max-request-tokens`` for ``n`` sequences of each prompt, each up to ``max_tokens``
+        new tokens."""
+        prompt_tokens = sum(len(p) for p in prompts)
+        sequences = len(prompts) * n
+        self.limit_request_tokens(prompt_tokens * n + sequences * max_tokens,
+                                  f"{prompt_tokens:,} prompt tokens x n={n} + {sequences} "
+                                  f"sequence(s) x max_tokens={max_tokens:,}")
 
     def chat_inputs(self, body: ChatRequest) -> tuple[list[list[int]], int, tuple[int, ...]]:
         """A chat request -> ([prompt ids], max_tokens, stop ids): the messages rendered with
@@ -267,19 +417,24 @@ class ServedModel:
             raise ApiError(400, f"messages: {len(body.messages):,} messages, more than this "
                                 f"server's limit of {self.options.max_messages:,} per chat "
                                 "(--max-messages)", "messages")
+        texts = [m.text(i) for i, m in enumerate(body.messages)]
+        self.limit_chars({"messages": sum(map(len, texts))}, "messages")
         check_text(body, "")
         body.refuse_unsupported()
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text(i)}
-                    for i, m in enumerate(body.messages)]
-        prompt, turn_ends = self.chat(messages)
+        self.constraint(body)  # compiled here, off the event loop; submit finds it cached
+        messages = [{**m.model_dump(exclude_none=True), "content": text}
+                    for m, text in zip(body.messages, texts)]
+        prompt, turn_ends = self.chat(messages, self.tool_request(body).tools)
         stop_ids = self.stop_ids(body.ignore_eos, body.stop_token_ids, turn_ends)
-        return [prompt], self.max_tokens(body, [prompt], "messages"), stop_ids
+        max_tokens = self.max_tokens(body, [prompt], "messages")
+        self.limit_generation([prompt], body.n, max_tokens)
+        return [prompt], max_tokens, stop_ids
 
     def submit(self, prompts: list[list[int]], body: DecodingRequest, max_tokens: int,
                stop_ids: tuple[int, ...], loop: asyncio.AbstractEventLoop) -> list[Handle]:
         """Queue ``body.n`` sequences per prompt (each its own seed, ``seed + i``) -> handles
         delivering to ``loop``; ``ApiError`` 400 for a request that cannot run, 429 when the
-        queue is full."""
+        queue is full, 503 once the scheduler is stopped."""
         params = self.sampling(body)
         count = len(prompts) * body.n
         if count > self.options.max_queue:
@@ -288,13 +443,42 @@ class ServedModel:
         rows = [prompt for prompt in prompts for _ in range(body.n)]
         requests = [GenerationRequest(prompt, max_tokens, params,
                                       None if body.seed is None else body.seed + index, stop_ids,
-                                      self.options.timeout) for index, prompt in enumerate(rows)]
+                                      self.options.timeout, body.logprobs_top())
+                    for index, prompt in enumerate(rows)]
+        constraint = self.constraint(body)
+        if constraint is not None:  # one processor per row: each holds its row's grammar state
+            if not stop_ids:
+                raise ApiError(400, "response_format: a constrained row ends at a stop token once its "
+                                    "output is complete, and ignore_eos leaves it none", "response_format")
+            for request in requests:
+                request.processors = (constraint.processor(stop_ids),)
         try:
             return self.scheduler.submit(requests, loop=loop)
         except QueueFull as err:
             raise ApiError(429, str(err), code="queue_full") from None
+        except Stopped as err:
+            raise ApiError(503, str(err), code="shutting_down") from None
         except ValueError as err:
             raise ApiError(400, str(err), "max_tokens" if "max_tokens" in str(err) else "prompt") from None
+
+    def constraint(self, body: DecodingRequest) -> Constraint | None:
+        """``body.response_format`` compiled for this export (None for text): the first call
+        compiles (``chat_inputs`` / ``completion_inputs``, in a worker thread), later ones hit
+        ``decoding.grammar``'s cache. ``ApiError`` 400 with param ``response_format`` when it is
+        malformed or cannot be served (no tokenizer, no llguidance)."""
+        arguments, param = body.constraint(), "response_format"
+        tools = self.tool_request(body) if isinstance(body, ChatRequest) else ToolRequest()
+        if tools.grammar is not None:  # tool_choice "required" or a named function
+            if arguments:
+                raise ApiError(400, f"tool_choice={quote(body.tool_choice)}: forces a tool call by "
+                                    "grammar; it takes no response_format too", "tool_choice")
+            arguments, param = {"grammar": tools.grammar}, "tools"
+        if not arguments:
+            return None
+        try:
+            return compile_constraint(self._tokenizer(param), self.model.config.vocab_size, **arguments)
+        except (ValueError, TypeError, ImportError) as err:
+            raise ApiError(400, f"{param}: {err}", param) from None
 
     # ----------------------------------------------------------------------------- embeddings
     def embed(self, inputs: Inputs) -> tuple[np.ndarray, int]:
@@ -307,15 +491,25 @@ class ServedModel:
             raise ApiError(400, f"input: {count:,} inputs, more than this server's limit of "
                                 f"{self.options.max_inputs:,} per request (--max-embedding-inputs)",
                            "input")
+        self.limit_chars(text_lengths(inputs, "input"), "input")
         texts = [inputs] if isinstance(inputs, str) else inputs
         with self._embed_lock:
             try:
                 if texts and all(isinstance(t, str) for t in texts):
                     self._tokenizer("input")
                     encoded = self.model.encode_texts(texts, method="embeddings")
-                    tokens = sum(len(ids) for ids in encoded.ids)
+                    tokens = self._limit_inputs(encoded.ids)
                     return self.model.embed_encoded(encoded, progress=False), tokens
                 rows = self.prompts(inputs, "input")
-                return self.model.embed(rows), sum(len(row) for row in rows)
+                tokens = self._limit_inputs(rows)
+                return self.model.embed(rows), tokens
             except (ValueError, TypeError) as err:
                 raise ApiError(400, f"input: {err}", "input") from None
+
+    def _limit_inputs(self, rows: Sequence[Sequence[int]]) -> int:
+        """The tokens of tokenised embedding inputs, within ``--max-prompt-tokens`` each and
+        ``--max-request-tokens`` together."""
+        self.limit_prompt_tokens(rows, "input")
+        tokens = sum(len(row) for row in rows)
+        self.limit_request_tokens(tokens, f"{len(rows):,} inputs", "input")
+        return tokens

@@ -176,14 +176,14 @@ def test_embeddings_equal_the_runtime(server, client, serve_exports):
     ({"model": "dec-ort", "prompt": "w5", "temperature": -1}, "temperature"),
     ({"model": "dec-ort", "prompt": "w5", "max_tokens": 70}, "max_tokens"),  # context 64
     ({"model": "dec-ort", "prompt": [500]}, "prompt"),
-    ({"model": "dec-ort", "prompt": "w5", "logprobs": 2}, "logprobs"),
+    ({"model": "dec-ort", "prompt": "w5", "logprobs": 6}, "logprobs"),  # OpenAI's 0-5
     ({"model": "dec-ort"}, "prompt"),
     ({"model": "enc", "prompt": "w5"}, "model"),
     ({"model": "dec-ort", "prompt": [1] * 70}, "prompt"),  # longer than the context of 64
     ({"model": "dec-ort", "prompt": [True, False]}, "prompt"),  # booleans are not token ids
     ({"model": "dec-ort", "prompt": "w5", "max_tokens": True}, "max_tokens"),
     ({"model": "dec-ort", "prompt": "w5", "stop_token_ids": [2.0]}, "stop_token_ids[0]"),
-    ({"model": "dec-ort", "prompt": "w5", "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "dec-ort", "prompt": "w5", "top_logprobs": 21}, "top_logprobs"),  # 0-20
     ({"model": "dec-ort", "prompt": "w5", "response_format": {"type": "json_object"}}, "response_format"),
     ({"model": "dec-ort", "prompt": [[5]] * 5, "n": 16}, "n"),  # 80 sequences, queue of 64
 ])

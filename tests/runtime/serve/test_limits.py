@@ -5,6 +5,7 @@ event loop, against servers on 127.0.0.1."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import socket
 import threading
 import time
@@ -91,7 +92,9 @@ def test_health_answers_while_a_big_request_is_tokenised(server, monkeypatch, pa
     """A 1.2 MB prompt whose tokenisation is held until /health has answered: /health must not
     wait for it (on the event loop it would, for the 5 s the tokenizer is held)."""
     url, state = server
-    tokenizer = state.models["dec-ort"].model.tokenizer
+    served = state.models["dec-ort"]  # a prompt over --max-prompt-chars is never tokenised
+    monkeypatch.setattr(served, "options", dataclasses.replace(served.options, max_prompt_chars=10**7))
+    tokenizer = served.model.tokenizer
     encode = tokenizer.encode
     started, release = threading.Event(), threading.Event()
 
@@ -130,7 +133,9 @@ def test_health_answers_while_the_tokenizer_works(server, monkeypatch):
     """The same with nothing held: a 2.4 MB prompt takes the tokenizer seconds, during which it
     must let go of the GIL (``tokenizers``' encode does not; its encode_batch does)."""
     url, state = server
-    tokenizer = state.models["dec-ort"].model.tokenizer
+    served = state.models["dec-ort"]  # a prompt over --max-prompt-chars is never tokenised
+    monkeypatch.setattr(served, "options", dataclasses.replace(served.options, max_prompt_chars=10**7))
+    tokenizer = served.model.tokenizer
     encode = tokenizer.encode
     working = threading.Event()
 

@@ -1,0 +1,178 @@
+"""Automatic prefix caching: the keys and values of token prefixes already computed, reused by
+the next sequence that starts with them (a multi-turn chat resends its whole history each turn).
+
+The cache holds blocks of ``block_size`` tokens. A block's key is a chained hash: the hash of
+its parent block's key and its own token ids, so a key names the whole prefix up to the block's
+end, and two sequences share a block only when they share every token before it. Each block
+keeps one array per cache input (``past_key_values.*``) [Hkv, block_size, D] in the graph's KV
+dtype; the arrays are never written after insertion (a row copies them into its own cache).
+
+    cache = PrefixCache(max_bytes=256 * 2**20)
+    prefix = cache.lookup(prompt)              # the longest cached block-aligned prefix < len(prompt)
+    ... fill the row's cache with prefix.kv[name] [Hkv, prefix.length, D], prefill prompt[prefix.length:]
+    cache.insert(tokens, kv)                   # kv[name] [Hkv, >= len(tokens), D]: its full blocks
+
+Bytes are accounted per block; past ``max_bytes`` the least recently used blocks are evicted.
+A lookup touches the blocks it walks from the deepest to the first, so a prefix's first blocks
+(shared by more sequences) are the most recent and the deepest go first. Positions need no care
+here: a cached prefix always starts at position 0, so the rest of the prompt continues from
+``prefix.length``, as it would after a whole prefill.
+
+Chunked prefill (``cache_chunk``) uses the cache as its scratch: a long prompt's chunks are
+computed between a server's decode steps and kept here, and its own prefill starts from them.
+
+Counters, in tokens: ``hit_tokens`` (prompt tokens read from the cache, including those a
+prompt's own earlier chunks put there), ``miss_tokens`` (prompt tokens looked up and
+prefilled), ``evicted_tokens`` (tokens of evicted blocks); ``bytes`` in use. Thread-safe (a
+server's scheduler and the library may share one).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+MiB = 2**20
+DEFAULT_MB = 256  # ~5,600 tokens of SmolLM2-135M's float32 cache (46 KiB a token)
+BLOCK_SIZE = 32
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """The cached start of a sequence: ``length`` tokens (a multiple of the block size, 0 on a
+    miss) and ``kv`` name -> [Hkv, length, D] (empty when ``length`` is 0)."""
+
+    length: int
+    kv: dict[str, np.ndarray]
+
+
+NO_PREFIX = Prefix(0, {})
+
+
+class PrefixCache:
+    """Blocks of keys and values keyed by a chained hash of their token prefix (module docstring)."""
+
+    def __init__(self, max_bytes: int, block_size: int = BLOCK_SIZE):
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ValueError(f"max_bytes={max_bytes!r}: expected a positive integer")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r}: expected a positive integer")
+        self.max_bytes = max_bytes
+        self.block_size = block_size
+        self._blocks: collections.OrderedDict[bytes, dict[str, np.ndarray]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.bytes = 0
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+        self.evicted_tokens = 0
+
+    @classmethod
+    def from_mb(cls, megabytes: int, block_size: int = BLOCK_SIZE) -> "PrefixCache | None":
+        """A cache of ``megabytes`` MiB; None for 0 (no caching)."""
+        if isinstance(megabytes, bool) or not isinstance(megabytes, int) or megabytes < 0:
+            raise ValueError(f"prefix_cache_mb={megabytes!r}: expected an integer >= 0 (0: off)")
+        return cls(megabytes * MiB, block_size) if megabytes else None
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def _keys(self, tokens: Sequence[int], blocks: int) -> list[bytes]:
+        """The chained keys of the first ``blocks`` full blocks of ``tokens``."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        keys, parent = [], b""
+        for b in range(blocks):
+            parent = hashlib.blake2b(parent + ids[b * self.block_size:(b + 1) * self.block_size].tobytes(),
+                                     digest_size=16).digest()
+            keys.append(parent)
+        return keys
+
+    def _found(self, keys: list[bytes]) -> list[dict[str, np.ndarray]]:
+        found = []
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """How many tokens ``lookup(tokens)`` would find (nothing copied, touched or counted)."""
+        keys = self._keys(tokens, (len(tokens) - 1) // self.block_size)
+        with self._lock:
+            return len(self._found(keys)) * self.block_size
+
+    def lookup(self, tokens: Sequence[int], count: bool = True) -> Prefix:
+        """The longest cached block-aligned prefix of ``tokens`` strictly shorter than it (one
+        token at least is left to prefill, whose logits the caller needs). ``count``: add it to
+        the hit and miss counters (a request's lookup; not a chunk of its prefill)."""
+        keys = self._keys(tokens, (len(tokens) - 1) // self.block_size)
+        with self._lock:
+            found = self._found(keys)
+            for key in reversed(keys[:len(found)]):  # deepest first: the first blocks stay newest
+                self._blocks.move_to_end(key)
+            length = len(found) * self.block_size
+            if count:
+                self.hit_tokens += length
+                self.miss_tokens += len(tokens) - length
+        if not found:
+            return NO_PREFIX
+        return Prefix(length, {name: np.concatenate([block[name] for block in found], axis=1)
+                               for name in found[0]})
+
+    def insert(self, tokens: Sequence[int], kv: Mapping[str, np.ndarray]) -> None:
+        """Keep the full blocks of ``tokens`` whose keys and values ``kv`` holds: name ->
+        [Hkv, >= len(tokens), D], position i the keys/values of ``tokens[i]`` (read, not kept:
+        new blocks are copied). Blocks already cached are touched; a block with non-finite
+        values is not kept (nor the blocks after it)."""
+        keys = self._keys(tokens, len(tokens) // self.block_size)
+        with self._lock:
+            for b, key in enumerate(keys):
+                if key in self._blocks:
+                    continue
+                span = slice(b * self.block_size, (b + 1) * self.block_size)
+                block = {name: np.array(value[:, span]) for name, value in kv.items()}  # copies
+                size = sum(value.nbytes for value in block.values())
+                if size > self.max_bytes or not all(np.isfinite(v).all() for v in block.values()):
+                    break
+                self._blocks[key] = block
+                self.bytes += size
+            for key in reversed(keys):
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+            self._evict()
+
+    def _evict(self) -> None:
+        while self.bytes > self.max_bytes:
+            _, block = self._blocks.popitem(last=False)
+            self.bytes -= sum(value.nbytes for value in block.values())
+            self.evicted_tokens += self.block_size
+
+
+def cached_start(cache: PrefixCache | None, tokens: Sequence[int]) -> Prefix:
+    """``cache.lookup(tokens)``, or ``NO_PREFIX`` without a cache."""
+    return NO_PREFIX if cache is None else cache.lookup(tokens)
+
+
+def cache_chunk(cache: PrefixCache, prompt: np.ndarray, budget: int,
+                prefill: Callable[[Prefix, int], Mapping[str, np.ndarray]]) -> int:
+    """Chunked prefill through the cache: compute the keys and values of up to ``budget`` more
+    tokens of ``prompt`` int64 [S] after its longest cached prefix, ending on a block boundary
+    before its last token, and keep them -> the prompt's tokens now cached.
+
+    ``prefill(start, stop)`` runs the tokens ``prompt[start.length:stop]`` on top of ``start``
+    and returns their row's keys and values, name -> [Hkv, >= stop, D]. A later ``lookup``
+    finds the chunks; the last one's prefill (the request's own) gives the logits."""
+    start = cache.lookup(prompt, count=False)
+    stop = min(start.length + budget, prompt.size - 1)
+    stop -= stop % cache.block_size
+    if stop > start.length:
+        cache.insert(prompt[:stop], prefill(start, stop))
+    return cache.cached_length(prompt)
