@@ -13,8 +13,17 @@ renamed things:
   config field that holds their head count (the Q rows use the query heads, K the KV heads);
 * ``added``: the GGUF prefixes to which llama.cpp's converter added a constant (Gemma's norm
   weights, stored as the multiplier 1 + w), subtracted again on import;
+* ``reshaped``: the GGUF prefixes whose values the converter rearranged (a fused QKV regrouped to
+  [q | k | v]), with the function that puts them back in the Hugging Face layout, given the HF
+  config; ``transposed``: the prefixes stored transposed (GPT-2's Conv1D weights);
+* ``alternatives``: tensor names whose presence changes the mapping (Falcon 40B's second norm),
+  with the entries of ``tensors`` they replace;
 * ``defaults`` / ``derived``: HF fields the file does not store, as constants or computed from
   the fields read (as llama.cpp's own loader fills them in).
+
+RoPE scaling is read for every architecture by the loader: from ``rope.scaling.*`` (linear, YaRN)
+and from the tensors ``rope_freqs`` (llama3) and ``rope_factors_long/short`` (LongRoPE), which are
+settings, not weights (``ROPE_TENSORS``).
 
 Only LLaMA's converter permutes Q/K: Qwen2/3, Gemma 1/2/3 and Phi-3 use llama.cpp's NeoX-style
 rotation, which already rotates the first half of the head against the second.
@@ -35,9 +44,13 @@ import numpy as np
 
 # GGUF architectures transformers reads that tfport's Hugging Face importer cannot map yet; an
 # entry in ARCHITECTURES (and support in tfport.models.hf) lifts the refusal.
-NOT_YET_SUPPORTED = ("qwen2moe", "qwen3moe", "gemma3n", "phi2", "starcoder2", "falcon",
-                     "gpt2", "bloom", "mamba", "nemotron", "t5", "t5encoder", "deci", "cohere",
-                     "command-r")
+NOT_YET_SUPPORTED = ("qwen2moe", "qwen3moe", "gemma3n", "phi2", "starcoder2", "mamba", "nemotron",
+                     "t5", "t5encoder", "deci", "cohere", "command-r")
+# Whole-file tensors that hold RoPE settings (read into the config by the loader), not weights:
+# llama3 scaling's divisor per frequency, LongRoPE's long and short factors.
+LLAMA3_TENSOR = "rope_freqs.weight"
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+ROPE_TENSORS = (LLAMA3_TENSOR, *LONGROPE_TENSORS)
 
 
 @dataclass(frozen=True)
@@ -55,10 +68,24 @@ class GGUFArchitecture:
     # (HF config read so far, GGUF tensor names) -> HF fields llama.cpp infers rather than stores
     derived: Callable[[dict[str, Any], frozenset[str]], dict[str, Any]] | None = None
     refused: dict[str, str] = field(default_factory=dict)  # metadata suffix -> why it is refused
+    # GGUF prefix -> (values as stored, HF config) -> values in the HF layout (same shape)
+    reshaped: dict[str, Callable[[np.ndarray, dict[str, Any]], np.ndarray]] = field(default_factory=dict)
+    transposed: tuple[str, ...] = ()  # GGUF prefixes stored as the transpose of the HF tensor
+    # GGUF tensor name whose presence switches the mapping -> the ``tensors`` entries it replaces
+    alternatives: dict[str, dict[str, str]] = field(default_factory=dict)
 
-    def hf_name(self, gguf_name: str) -> tuple[str, str] | None:
-        """``(HF tensor name, the matching GGUF prefix)``, or None if unmapped."""
-        for prefix, target in self.tensors.items():
+    def tensor_map(self, names: frozenset[str]) -> dict[str, str]:
+        """``tensors`` for a file holding the tensors ``names`` (see ``alternatives``)."""
+        mapping = dict(self.tensors)
+        for marker, replaced in self.alternatives.items():
+            if marker in names:
+                mapping.update(replaced)
+        return mapping
+
+    def hf_name(self, gguf_name: str, names: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+        """``(HF tensor name, the matching GGUF prefix)`` in a file holding ``names``, or None if
+        unmapped."""
+        for prefix, target in self.tensor_map(names).items():
             pattern = re.escape(prefix).replace(r"\{i\}", r"(?P<i>\d+)") + r"\.(?P<suffix>weight|bias)"
             match = re.fullmatch(pattern, gguf_name)
             if match:
@@ -99,14 +126,23 @@ QK_NORM_TENSORS = {"blk.{i}.attn_q_norm": f"{LLAMA_LAYER}.self_attn.q_norm",
                    "blk.{i}.attn_k_norm": f"{LLAMA_LAYER}.self_attn.k_norm"}
 MOE_REFUSED = {"expert_count": "mixture-of-experts layers have no tfport module"}
 
+def mistral_window(config: dict[str, Any], names: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """A ``llama`` file with a sliding window is a Mistral-style model: transformers' Llama has no
+    window, its Mistral one on every layer (or the layers ``layer_types`` names)."""
+    if config.get("sliding_window"):
+        return {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    return {}
+
+
 LLAMA = GGUFArchitecture(
     name="llama",
     model_type="llama",
     hf_class="LlamaForCausalLM",
-    config=LLAMA_CONFIG,
+    config={**LLAMA_CONFIG, "attention.sliding_window": "sliding_window"},
     tensors=LLAMA_TENSORS,
     permuted={"blk.{i}.attn_q": "num_attention_heads", "blk.{i}.attn_k": "num_key_value_heads"},
     defaults={"hidden_act": "silu"},
+    derived=mistral_window,
     refused={"expert_count": "mixture-of-experts layers (Mixtral-style) have no tfport module"},
 )
 
@@ -137,8 +173,6 @@ GEMMA_DEFAULTS = {"hidden_activation": "gelu_pytorch_tanh"}
 # The model (by layer count, as llama.cpp's loader tells them apart) whose
 # query_pre_attn_scalar is hidden / heads; every other Gemma 2/3 uses head_dim.
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
-GEMMA_REFUSED = {"attention.sliding_window_pattern": "a per-layer window pattern in the metadata is "
-                 "not mapped; tfport gives Gemma 2 / 3 their fixed patterns (1 global layer in 2 / 6)"}
 
 
 def gemma_query_scalar(config: dict[str, Any], names: frozenset[str] = frozenset()) -> dict[str, Any]:
@@ -156,12 +190,13 @@ def _gemma(name: str, model_type: str, hf_class: str, config: dict[str, str],
     return GGUFArchitecture(
         name=name, model_type=model_type, hf_class=hf_class, config={**LLAMA_CONFIG, **config},
         tensors=tensors, added={prefix: 1.0 for prefix in GEMMA_NORMS if prefix in tensors},
-        defaults={**GEMMA_DEFAULTS, **defaults}, derived=derived, refused=GEMMA_REFUSED)
+        defaults={**GEMMA_DEFAULTS, **defaults}, derived=derived)
 
 
 GEMMA = _gemma("gemma", "gemma", "GemmaForCausalLM", {}, LLAMA_TENSORS, {})
 # Gemma 2: soft-capping (llama.cpp's defaults 50 / 30 when absent), sliding windows on every
-# other layer (the HF importer's default pattern, as llama.cpp's).
+# other layer (the HF importer's default pattern, as llama.cpp's) unless
+# attention.sliding_window_pattern says otherwise (read by the loader for every architecture).
 GEMMA2 = _gemma("gemma2", "gemma2", "Gemma2ForCausalLM",
                 {"attention.sliding_window": "sliding_window",
                  "attn_logit_softcapping": "attn_logit_softcapping",
@@ -178,8 +213,8 @@ GEMMA3 = _gemma("gemma3", "gemma3_text", "Gemma3ForCausalLM",
                 {**GEMMA2_TENSORS, **QK_NORM_TENSORS}, {}, derived=gemma_query_scalar)
 
 # Phi-3: the converter keeps the fused qkv_proj (attn_qkv) and gate_up_proj (ffn_up) as they are;
-# the window applies to every layer. LongRoPE's factors (128k models) are tensors
-# (rope_factors_long/short), which the tensor mapping refuses by name.
+# the window applies to every layer; a window of 0 (Phi-4-mini's files) means none. LongRoPE's
+# factors (128k models) are the tensors rope_factors_long/short, read by the loader.
 PHI3 = GGUFArchitecture(
     name="phi3", model_type="phi3", hf_class="Phi3ForCausalLM",
     config={**LLAMA_CONFIG, "attention.sliding_window": "sliding_window"},
@@ -209,8 +244,126 @@ STABLELM = GGUFArchitecture(
     tensors=LLAMA_TENSORS, defaults={"hidden_act": "silu"}, derived=stablelm_layout,
 )
 
+# GPT-2: the converter transposes the Conv1D weights ([in, out] in HF) to [out, in], and writes
+# the tied head as its own copy of the token embeddings (output), which is kept as the head (a
+# quantised file may store it in another type than token_embd).
+GPT2_LAYER = "transformer.h.{i}"
+GPT2 = GGUFArchitecture(
+    name="gpt2", model_type="gpt2", hf_class="GPT2LMHeadModel",
+    config={"context_length": "n_positions", "block_count": "n_layer", "embedding_length": "n_embd",
+            "feed_forward_length": "n_inner", "attention.head_count": "n_head",
+            "attention.layer_norm_epsilon": "layer_norm_epsilon"},
+    tensors={"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+             "output_norm": "transformer.ln_f", "output": "lm_head",
+             "blk.{i}.attn_norm": f"{GPT2_LAYER}.ln_1", "blk.{i}.attn_qkv": f"{GPT2_LAYER}.attn.c_attn",
+             "blk.{i}.attn_output": f"{GPT2_LAYER}.attn.c_proj", "blk.{i}.ffn_norm": f"{GPT2_LAYER}.ln_2",
+             "blk.{i}.ffn_up": f"{GPT2_LAYER}.mlp.c_fc", "blk.{i}.ffn_down": f"{GPT2_LAYER}.mlp.c_proj"},
+    transposed=("blk.{i}.attn_qkv", "blk.{i}.attn_output", "blk.{i}.ffn_up", "blk.{i}.ffn_down"),
+    defaults={"activation_function": "gelu_new"},
+)
+
+
+def bloom_qkv(values: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """BLOOM's fused QKV rows back to per-head order: the converter stored [3, H, D] (all q, all
+    k, all v); BLOOM's query_key_value is [H, 3, D]."""
+    heads = int(config["n_head"])
+    per_head = values.reshape(3, heads, -1, *values.shape[1:])  # [3, H, D, (E)]
+    return per_head.swapaxes(0, 1).reshape(values.shape)      # [H, 3, D, (E)]
+
+
+# BLOOM: fused QKV regrouped by the converter; LayerNorm after the embeddings (token_embd_norm);
+# the head written as a copy of the embeddings, kept as the head.
+BLOOM_LAYER = "transformer.h.{i}"
+BLOOM = GGUFArchitecture(
+    name="bloom", model_type="bloom", hf_class="BloomForCausalLM",
+    config={"context_length": "seq_length", "block_count": "n_layer", "embedding_length": "hidden_size",
+            "attention.head_count": "n_head", "attention.layer_norm_epsilon": "layer_norm_epsilon"},
+    tensors={"token_embd": "transformer.word_embeddings",
+             "token_embd_norm": "transformer.word_embeddings_layernorm",
+             "output_norm": "transformer.ln_f", "output": "lm_head",
+             "blk.{i}.attn_norm": f"{BLOOM_LAYER}.input_layernorm",
+             "blk.{i}.attn_qkv": f"{BLOOM_LAYER}.self_attention.query_key_value",
+             "blk.{i}.attn_output": f"{BLOOM_LAYER}.self_attention.dense",
+             "blk.{i}.ffn_norm": f"{BLOOM_LAYER}.post_attention_layernorm",
+             "blk.{i}.ffn_up": f"{BLOOM_LAYER}.mlp.dense_h_to_4h",
+             "blk.{i}.ffn_down": f"{BLOOM_LAYER}.mlp.dense_4h_to_h"},
+    reshaped={"blk.{i}.attn_qkv": bloom_qkv},
+)
+
+
+def mpt_attention(config: dict[str, Any], names: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """MPT's ``attn_config`` from attention.max_alibi_bias (0: no ALiBi) and
+    attention.clamp_kqv, read into flat fields first."""
+    bias = config.get("alibi_bias_max", 8.0)
+    attn = {"alibi": bias > 0, "alibi_bias_max": bias, "clip_qkv": config.get("clip_qkv")}
+    return {"attn_config": attn}
+
+
+# MPT: names only (Wqkv is [q | k | v] on both sides); ALiBi's maximum bias in the metadata.
+# feed_forward_length is not read: transformers' MPT always has a 4x MLP.
+MPT_LAYER = "transformer.blocks.{i}"
+MPT = GGUFArchitecture(
+    name="mpt", model_type="mpt", hf_class="MptForCausalLM",
+    config={"context_length": "max_seq_len", "block_count": "n_layers", "embedding_length": "d_model",
+            "attention.head_count": "n_heads", "attention.layer_norm_epsilon": "layer_norm_epsilon",
+            "attention.max_alibi_bias": "alibi_bias_max", "attention.clamp_kqv": "clip_qkv"},
+    tensors={"token_embd": "transformer.wte", "output_norm": "transformer.norm_f", "output": "lm_head",
+             "blk.{i}.attn_norm": f"{MPT_LAYER}.norm_1", "blk.{i}.attn_qkv": f"{MPT_LAYER}.attn.Wqkv",
+             "blk.{i}.attn_output": f"{MPT_LAYER}.attn.out_proj", "blk.{i}.ffn_norm": f"{MPT_LAYER}.norm_2",
+             "blk.{i}.ffn_up": f"{MPT_LAYER}.ffn.up_proj", "blk.{i}.ffn_down": f"{MPT_LAYER}.ffn.down_proj"},
+    derived=mpt_attention,
+)
+
+
+def falcon_layout(config: dict[str, Any], names: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Falcon's attention layout, which llama.cpp tells by the KV head count and the tensors: one
+    KV head and one norm is Falcon 7B (multi-query, parallel); otherwise the new decoder
+    architecture (GQA; a second norm attn_norm_2 in 40B / 180B). Biases where the file has them."""
+    bias = "blk.0.attn_qkv.bias" in names
+    if config.get("num_kv_heads", 1) == 1 and "blk.0.attn_norm_2.weight" not in names:
+        return {"new_decoder_architecture": False, "multi_query": True, "parallel_attn": True,
+                "num_kv_heads": 1, "bias": bias}
+    return {"new_decoder_architecture": True, "bias": bias}
+
+
+def falcon_qkv(values: np.ndarray, config: dict[str, Any]) -> np.ndarray:
+    """The new decoder architecture's fused QKV rows back to Falcon's order: the converter
+    stored [all q | all k | all v] ([H + 2 Hkv, D]); Falcon groups them per KV head,
+    [Hkv, G + 2, D] = (G queries, key, value) per group. One KV head: the same order."""
+    heads, kv = int(config["num_attention_heads"]), int(config.get("num_kv_heads", 1))
+    if kv == 1:
+        return values
+    rest = values.shape[1:]
+    rows = values.reshape(heads + 2 * kv, -1, *rest)                  # [H + 2 Hkv, D, (E)]
+    q = rows[:heads].reshape(kv, heads // kv, *rows.shape[1:])        # [Hkv, G, D, (E)]
+    k = rows[heads:heads + kv].reshape(kv, 1, *rows.shape[1:])        # [Hkv, 1, D, (E)]
+    v = rows[heads + kv:].reshape(kv, 1, *rows.shape[1:])             # [Hkv, 1, D, (E)]
+    return np.concatenate([q, k, v], axis=1).reshape(values.shape)   # [Hkv, G + 2, D, (E)]
+
+
+FALCON_LAYER = "transformer.h.{i}"
+FALCON = GGUFArchitecture(
+    name="falcon", model_type="falcon", hf_class="FalconForCausalLM",
+    config={"context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+            "embedding_length": "hidden_size", "feed_forward_length": "ffn_hidden_size",
+            "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_kv_heads",
+            "attention.layer_norm_epsilon": "layer_norm_epsilon", "rope.freq_base": "rope_theta"},
+    tensors={"token_embd": "transformer.word_embeddings", "output_norm": "transformer.ln_f",
+             "output": "lm_head", "blk.{i}.attn_norm": f"{FALCON_LAYER}.input_layernorm",
+             "blk.{i}.attn_qkv": f"{FALCON_LAYER}.self_attention.query_key_value",
+             "blk.{i}.attn_output": f"{FALCON_LAYER}.self_attention.dense",
+             "blk.{i}.ffn_up": f"{FALCON_LAYER}.mlp.dense_h_to_4h",
+             "blk.{i}.ffn_down": f"{FALCON_LAYER}.mlp.dense_4h_to_h"},
+    # Falcon 40B / 180B: gguf-py names ln_attn attn_norm_2 and ln_mlp attn_norm
+    alternatives={"blk.0.attn_norm_2.weight": {"blk.{i}.attn_norm": f"{FALCON_LAYER}.ln_mlp",
+                                               "blk.{i}.attn_norm_2": f"{FALCON_LAYER}.ln_attn"}},
+    reshaped={"blk.{i}.attn_qkv": falcon_qkv},
+    derived=falcon_layout,
+)
+
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, STABLELM)}
+    arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, STABLELM,
+                                 GPT2, BLOOM, MPT, FALCON)}
 
 
 def architecture(name: str, origin: str) -> GGUFArchitecture:

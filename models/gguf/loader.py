@@ -1,5 +1,7 @@
-"""Import a GGUF checkpoint: its metadata as a Hugging Face config dict, its tensors under Hugging
-Face names (dequantised to float32, Q/K rows un-permuted), then the strict Hugging Face importer.
+"""Import a GGUF checkpoint: its metadata as a Hugging Face config dict (RoPE scaling from the
+metadata and the rope tensors, windows and window patterns), its tensors under Hugging Face names
+(dequantised to float32, the converter's permutations, regroupings and transposes undone), then
+the strict Hugging Face importer, whose refusals are restated with the file's metadata keys.
 
     checkpoint = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
     checkpoint.model            # tfport reference module (eval mode)
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +21,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .architectures import GGUFArchitecture, architecture, unpermute_rows
+from .architectures import (LLAMA3_TENSOR, LONGROPE_TENSORS, ROPE_TENSORS, GGUFArchitecture,
+                            architecture, unpermute_rows)
 from .reader import GGUFFile, Shape
 
 log = logging.getLogger(__name__)
@@ -61,10 +65,9 @@ def hf_config(file: GGUFFile, arch: GGUFArchitecture) -> dict[str, Any]:
         head_dim = config.get("head_dim", hidden // heads)
         if rotary != head_dim:  # the HF importer refuses partial rotary with the reason
             config["partial_rotary_factor"] = rotary / head_dim
-    kind = md.get(prefix + "rope.scaling.type")
-    if kind not in ROPE_SCALING_NONE:
-        config["rope_scaling"] = {"rope_type": kind, "factor": md.get(prefix + "rope.scaling.factor")}
     names = set(file.tensor_names())
+    config.update(rope_scaling(file, arch, config))
+    config.update(window_fields(file, arch, config))
     config["tie_word_embeddings"] = "output.weight" not in names
     config["attention_bias"] = "blk.0.attn_q.bias" in names
     config["mlp_bias"] = "blk.0.ffn_up.bias" in names
@@ -72,9 +75,188 @@ def hf_config(file: GGUFFile, arch: GGUFArchitecture) -> dict[str, Any]:
         if f"tokenizer.ggml.{key}" in md:
             config[name] = md[f"tokenizer.ggml.{key}"]
     if arch.derived is not None:
-        for name, value in arch.derived(config, frozenset(names)).items():
-            config.setdefault(name, value)
+        config.update(arch.derived(config, frozenset(names)))
     return config
+
+
+def rope_scaling(file: GGUFFile, arch: GGUFArchitecture, config: dict[str, Any]) -> dict[str, Any]:
+    """The HF config fields of the file's RoPE scaling (``{}`` without one), as llama.cpp's
+    converter writes each kind:
+
+    * LongRoPE (Phi-3.5, Phi-4-mini): the tensors rope_factors_long/short, rope.scaling.attn_factor
+      and rope.scaling.original_context_length;
+    * llama3 (Llama 3.1-3.3): only the tensor rope_freqs, the divisor of each frequency; the
+      parameters it implies are recovered and checked against it (``llama3_parameters``);
+    * linear and YaRN (Qwen2.5 long context): rope.scaling.type, .factor, .original_context_length,
+      .yarn_beta_fast / _slow and .yarn_attn_factor (transformers' attention_factor).
+    """
+    md, prefix, names = file.metadata, arch.name + ".", set(file.tensor_names())
+    kind_key = prefix + "rope.scaling.type"
+    kind = md.get(kind_key)
+
+    def required(suffix: str) -> Any:
+        if prefix + suffix not in md:
+            raise ValueError(f"{file.path.name}: {kind_key}={kind!r} needs {prefix}{suffix}, which "
+                             "the file does not have")
+        return md[prefix + suffix]
+
+    if names & set(LONGROPE_TENSORS) or kind == "longrope":
+        missing = [n for n in LONGROPE_TENSORS if n not in names]
+        if missing:
+            raise ValueError(f"{file.path.name}: LongRoPE needs the tensors {list(LONGROPE_TENSORS)}; "
+                             f"the file lacks {missing}")
+        kind = "longrope"
+        original = int(required("rope.scaling.original_context_length"))
+        long, short = (file.dequantize(n).tolist() for n in LONGROPE_TENSORS)
+        scaling = {"rope_type": "longrope", "original_max_position_embeddings": original,
+                   "long_factor": long, "short_factor": short}
+        if prefix + "rope.scaling.attn_factor" in md:
+            scaling["attention_factor"] = float(md[prefix + "rope.scaling.attn_factor"])
+        # transformers' Phi-3 reads the trained length from the top-level field
+        return {"rope_scaling": scaling, "original_max_position_embeddings": original}
+    if LLAMA3_TENSOR in names:
+        if kind not in ROPE_SCALING_NONE:
+            raise ValueError(f"{file.path.name}: {LLAMA3_TENSOR} (llama3 RoPE scaling) and "
+                             f"{kind_key}={kind!r} together: expected one of them")
+        head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+        rotary = int(md.get(prefix + "rope.dimension_count", head_dim))
+        factors = file.dequantize(LLAMA3_TENSOR).astype(np.float64)
+        params = llama3_parameters(factors, float(config.get("rope_theta", 10000.0)), rotary,
+                                   f"{file.path.name}: {LLAMA3_TENSOR}")
+        return {} if params is None else {"rope_scaling": params}
+    if kind in ROPE_SCALING_NONE:
+        return {}
+    factor = float(required("rope.scaling.factor"))
+    if kind == "linear":
+        return {"rope_scaling": {"rope_type": "linear", "factor": factor}}
+    if kind == "yarn":
+        for suffix, neutral in (("rope.scaling.yarn_ext_factor", 1.0), ("rope.scaling.yarn_log_multiplier", 0.0)):
+            value = md.get(prefix + suffix, neutral)
+            if value != neutral:
+                raise ValueError(f"{file.path.name}: {prefix}{suffix}={value!r} is not supported: "
+                                 f"tfport's YaRN is transformers' (expected {neutral} or absent)")
+        scaling = {"rope_type": "yarn", "factor": factor,
+                   "original_max_position_embeddings": int(required("rope.scaling.original_context_length"))}
+        for suffix, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                             ("yarn_attn_factor", "attention_factor")):
+            if prefix + "rope.scaling." + suffix in md:
+                scaling[name] = float(md[prefix + "rope.scaling." + suffix])
+        return {"rope_scaling": scaling}
+    raise ValueError(f"{file.path.name}: {kind_key}={kind!r} is not supported; tfport reads 'none', "
+                     "'linear', 'yarn', 'longrope' and llama3's rope_freqs.weight")
+
+
+# llama3 RoPE scaling: the converter's defaults, assumed where rope_freqs cannot tell them apart
+# (fewer than two frequencies in the interpolated band).
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_ORIGINAL_CONTEXT = 8192
+LLAMA3_RTOL = 1e-5  # rope_freqs is float32: the implied factors must agree to its precision
+
+
+def rope_wavelengths(theta: float, rotary: int) -> np.ndarray:
+    """2 pi / frequency of each rotated channel pair [rotary / 2], float64."""
+    return 2 * np.pi * theta ** (np.arange(0, rotary, 2) / rotary)
+
+
+def llama3_factors(theta: float, rotary: int, factor: float, low: float, high: float,
+                   original: float) -> np.ndarray:
+    """The divisor of each RoPE frequency [rotary / 2] that llama3 scaling implies, as llama.cpp's
+    converter computes rope_freqs (and transformers its inverse frequencies)."""
+    wavelength = rope_wavelengths(theta, rotary)
+    smooth = (original / wavelength - low) / (high - low)
+    band = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelength < original / high, 1.0, np.where(wavelength > original / low, factor, band))
+
+
+def llama3_parameters(factors: np.ndarray, theta: float, rotary: int, origin: str) -> dict[str, Any] | None:
+    """The llama3 scaling parameters that produce ``factors`` (rope_freqs [rotary / 2]), or None
+    when every factor is 1 (no scaling).
+
+    The factors depend on ``original / low_freq_factor`` and ``original / high_freq_factor`` only,
+    so low_freq_factor is taken as 1 (every Llama 3.x release's). The factor is the largest
+    divisor; each frequency in the interpolated band gives one linear equation in ``original``
+    and ``high_freq_factor``: solved by least squares from two or more, with the converter's
+    default high_freq_factor 4 from one, and both defaults (8192 trained positions) from none.
+    The parameters are then checked: the factors they imply must equal ``factors``.
+    """
+    if factors.shape != (rotary // 2,):
+        raise ValueError(f"{origin}: shape {list(factors.shape)}, expected [{rotary // 2}] (one "
+                         "divisor per rotary frequency)")
+    factor = float(factors.max())
+    if np.allclose(factors, 1.0, rtol=0, atol=LLAMA3_RTOL):
+        return None
+    wavelength = rope_wavelengths(theta, rotary)
+    band = (factors > 1 + LLAMA3_RTOL) & (factors < factor * (1 - LLAMA3_RTOL))
+    smooth = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
+    high, original = LLAMA3_HIGH_FREQ_FACTOR, float(LLAMA3_ORIGINAL_CONTEXT)
+    if band.sum() >= 2:  # original / w - smooth (high - 1) = 1 for each w in the band
+        system = np.stack([1 / wavelength[band], -smooth], axis=1)
+        (original, spread), *_ = np.linalg.lstsq(system, np.ones(band.sum()), rcond=None)
+        high = round(1 + float(spread), 6)
+    elif band.sum() == 1:
+        original = float(wavelength[band][0] * (1 + smooth[0] * (high - 1)))
+    params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+              "high_freq_factor": high, "original_max_position_embeddings": int(round(original))}
+    implied = llama3_factors(theta, rotary, factor, 1.0, high, params["original_max_position_embeddings"])
+    if not np.allclose(implied, factors, rtol=LLAMA3_RTOL, atol=0):
+        raise ValueError(f"{origin}: the divisors {np.round(factors, 5).tolist()} are not llama3 "
+                         f"RoPE scaling's: the closest parameters ({params}) imply "
+                         f"{np.round(implied, 5).tolist()}")
+    return params
+
+
+def window_fields(file: GGUFFile, arch: GGUFArchitecture, config: dict[str, Any]) -> dict[str, Any]:
+    """The window's HF fields: attention.sliding_window 0 means none (Phi-4-mini's files say
+    so); attention.sliding_window_pattern, a period n (layer i slides unless (i + 1) % n == 0, as
+    llama.cpp's set_swa_pattern) or one flag per layer (true: sliding), becomes ``layer_types``."""
+    if not config.get("sliding_window"):
+        return {"sliding_window": None} if "sliding_window" in config else {}
+    key = arch.name + ".attention.sliding_window_pattern"
+    pattern = file.metadata.get(key)
+    if pattern is None:
+        return {}
+    layers = int(config["num_hidden_layers"]) if "num_hidden_layers" in config else None
+    if isinstance(pattern, list):
+        if layers is not None and len(pattern) != layers:
+            raise ValueError(f"{file.path.name}: {key} has {len(pattern)} entries, expected one per "
+                             f"layer ({layers})")
+        sliding = [bool(flag) for flag in pattern]
+    elif isinstance(pattern, int) and pattern >= 0 and layers is not None:
+        sliding = [pattern == 0 or (i + 1) % pattern != 0 for i in range(layers)]
+    else:
+        raise ValueError(f"{file.path.name}: {key}={pattern!r}: expected a layer period or one "
+                         "flag per layer")
+    return {"layer_types": ["sliding_attention" if s else "full_attention" for s in sliding]}
+
+
+# HF config fields the loader fills from other metadata keys or tensors than arch.config says
+# ({arch}: the architecture's prefix), for the refusals of the Hugging Face importer.
+HF_FIELD_SOURCES = {
+    "rope_parameters": "{arch}.rope.scaling.* (or the tensors rope_freqs / rope_factors_long / short)",
+    "rope_type": "{arch}.rope.scaling.type", "partial_rotary_factor": "{arch}.rope.dimension_count",
+    "layer_types": "{arch}.attention.sliding_window_pattern",
+    "attn_config.alibi": "{arch}.attention.max_alibi_bias",
+    "attn_config.alibi_bias_max": "{arch}.attention.max_alibi_bias",
+    "attn_config.clip_qkv": "{arch}.attention.clamp_kqv",
+}
+_HF_REFUSAL = re.compile(r"config\.json: (?:no )?'?(?P<field>[A-Za-z_][\w.]*)")
+
+
+def gguf_error(err: ValueError, file: GGUFFile, arch: GGUFArchitecture) -> ValueError:
+    """A refusal of the Hugging Face importer, which speaks of config.json fields, restated for
+    the GGUF file: its name and the metadata key the field was read from."""
+    message = str(err)
+    match = _HF_REFUSAL.match(message)
+    if match is None:
+        return err
+    sources = {hf: f"{arch.name}.{suffix}" for suffix, hf in arch.config.items()}
+    sources.update({hf: key.format(arch=arch.name) for hf, key in HF_FIELD_SOURCES.items()})
+    detail = message.removeprefix("config.json: ")
+    key = sources.get(match["field"])
+    if key is None:
+        return ValueError(f"{file.path.name}: the Hugging Face config its metadata makes: {detail}")
+    return ValueError(f"{file.path.name}: metadata {key} (as the Hugging Face config field "
+                      f"{match['field']}): {detail}")
 
 
 class GGUFTensors:
@@ -83,11 +265,16 @@ class GGUFTensors:
 
     def __init__(self, file: GGUFFile, arch: GGUFArchitecture, config: dict[str, Any]):
         self.file = file
-        # HF name -> (GGUF name, heads to un-permute over or None, constant to subtract)
-        self._source: dict[str, tuple[str, int | None, float]] = {}
+        self.arch = arch
+        self.config = config
+        # HF name -> (GGUF name, the GGUF prefix it matched, heads to un-permute over or None)
+        self._source: dict[str, tuple[str, str, int | None]] = {}
+        names = frozenset(file.tensor_names())
         unmapped = []
         for name in file.tensor_names():
-            mapped = arch.hf_name(name)
+            if name in ROPE_TENSORS:  # RoPE settings, read into the config by hf_config
+                continue
+            mapped = arch.hf_name(name, names)
             if mapped is None:
                 unmapped.append(f"{name} {list(file.shape(name))}")
                 continue
@@ -98,10 +285,10 @@ class GGUFTensors:
                     raise ValueError(f"{file.path.name}: {name} needs {heads_field} to un-permute "
                                      "its rows, and the metadata does not give it")
                 heads = int(config[heads_field])
-            self._source[hf_name] = (name, heads, arch.added.get(prefix, 0.0))
+            self._source[hf_name] = (name, prefix, heads)
         if unmapped:
             raise ValueError(f"{file.path.name}: tensor(s) {unmapped[:12]} have no counterpart in "
-                             f"tfport's {arch.name!r} mapping (known: {sorted(arch.tensors)})")
+                             f"tfport's {arch.name!r} mapping (known: {sorted(arch.tensor_map(names))})")
 
     def keys(self) -> frozenset[str]:
         return frozenset(self._source)
@@ -114,15 +301,23 @@ class GGUFTensors:
         return f"{self.file.path.name}: {gguf_name} ({self.file.tensor_type(gguf_name)})"
 
     def shape(self, name: str) -> Shape:
-        return self.file.shape(self._source[name][0])
+        gguf_name, prefix, _ = self._source[name]
+        shape = self.file.shape(gguf_name)
+        return shape[::-1] if prefix in self.arch.transposed else shape
 
     def get(self, name: str) -> torch.Tensor:
-        gguf_name, heads, added = self._source[name]
+        """The HF tensor ``name``, float32: dequantised, then the converter's arithmetic undone
+        (Q/K row permutation, regrouped rows, transpose, added constant)."""
+        gguf_name, prefix, heads = self._source[name]
         values = self.file.dequantize(gguf_name)
         if heads is not None:
             values = unpermute_rows(values, heads)
-        if added:
-            values = values - np.float32(added)
+        if prefix in self.arch.reshaped:
+            values = self.arch.reshaped[prefix](values, self.config)
+        if prefix in self.arch.transposed:
+            values = np.ascontiguousarray(values.T)
+        if prefix in self.arch.added:
+            values = values - np.float32(self.arch.added[prefix])
         return torch.from_numpy(values)
 
 
@@ -152,7 +347,10 @@ def load_gguf(path: str | os.PathLike, tokenizer: bool = True) -> GGUFCheckpoint
     from tfport.models.hf import load_from_tensors
 
     file, arch, config, tensors = read_gguf(path)
-    model = load_from_tensors(config, tensors, str(file.path))
+    try:
+        model = load_from_tensors(config, tensors, str(file.path))
+    except ValueError as err:
+        raise gguf_error(err, file, arch) from None
     text = None
     if tokenizer and "tokenizer.ggml.model" in file.metadata:
         from .tokenizer import tokenizer_json

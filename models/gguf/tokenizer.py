@@ -2,12 +2,16 @@
 
 GGUF stores the vocabulary (``tokenizer.ggml.tokens``, with a type per token), BPE merges, scores,
 special token ids and BOS/EOS flags, but no tokenizer.json. Two kinds of ``tokenizer.ggml.model``
-are built, each the way transformers' GGUF tokenizer builds it, so ids are identical:
+are built, each the way transformers' GGUF tokenizer builds it, except for the text splitting:
 
 * ``gpt2``: byte-level BPE. Tokens are spelled in GPT-2's byte alphabet (every byte mapped to a
   printable character); a token written in plain UTF-8 instead is respelled byte by byte. Text is
-  split by a regex chosen by ``tokenizer.ggml.pre`` (GPT-2's own when the name is not in
-  ``PRE_TOKENIZER_SPLITS``) and mapped to the byte alphabet before the merges.
+  split by the regexes llama.cpp uses for the file's ``tokenizer.ggml.pre`` (``PRE_TOKENIZER_SPLITS``:
+  Llama 3's, Qwen2's, StarCoder's single digits ... differ from GPT-2's, which transformers' GGUF
+  tokenizer applies to every file), NFC-normalised first for Qwen2 as its Hugging Face tokenizer
+  does, and mapped to the byte alphabet before the merges. An unknown name is refused (another
+  split gives other ids than the model was trained on, silently); a file without the key gets
+  GPT-2's.
 * ``llama``: SentencePiece BPE. ``▁`` stands for a space and is prepended to the text (not after
   special tokens); characters outside the vocabulary fall back to ``<0xNN>`` byte tokens. Merges
   come from the file or, when it has none, from the vocabulary and the scores.
@@ -23,19 +27,59 @@ Imports only ``tokenizers``: no torch.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
 
-# tokenizer.ggml.pre -> the regex text is split with before byte-level BPE (llama.cpp's names).
-# Files whose name is not listed get GPT-2's regex (ByteLevel's own), as transformers does.
+# tokenizer.ggml.pre -> the regexes text is split with, one after the other, before byte-level BPE
+# (llama.cpp's llama-vocab.cpp: each regex splits every piece the previous ones left, the text
+# between matches staying a piece of its own, as tokenizers' Split "isolated" does).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-                        "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT}
+# Qwen2's: Llama 3's with single digits
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _cased_words(suffix: str, digits: str) -> str:
+    """o200k's split (Phi-4-mini's tokenizer.json) and Mistral's tekken: case-aware letter runs
+    (with English contractions as ``suffix``), ``digits``, punctuation, newlines, spaces."""
+    upper, lower = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+    lead = r"[^\r\n\p{L}\p{N}]?"
+    return (f"{lead}{upper}*{lower}+{suffix}|{lead}{upper}+{lower}*{suffix}|{digits}"
+            r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+_GPT4O_SPLIT = _cased_words(r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?", r"\p{N}{1,3}")
+_TEKKEN_SPLIT = _cased_words("", r"\p{N}")
+_PRE_TOKENIZERS = [  # (names, regexes)
+    (("gpt-2", "phi-2", "mpt", "olmo", "jais"), (_GPT2_SPLIT,)),
+    # llama.cpp's own default
+    (("default",), (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_SPLIT, r"\p{N}+", r"[0-9][0-9][0-9]")),
+    (("gpt-4o", "llama4"), (_GPT4O_SPLIT,)),
+    (("tekken",), (_TEKKEN_SPLIT,)),
+    (("bloom", "poro-chat", "gpt3-finnish"), (r" ?[^(\s|.,!?…。，、।۔،)]+",)),
+    (("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3"), (_LLAMA3_SPLIT,)),
+    (("qwen2", "stablelm2", "deepseek-r1-qwen"), (_QWEN2_SPLIT,)),
+    # StarCoder's family: every digit alone, then GPT-2's
+    (("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b"),
+     (r"\p{N}", _GPT2_SPLIT)),
+    (("falcon",), (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_SPLIT, r"[0-9][0-9][0-9]")),
+]
+PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    name: regexes for names, regexes in _PRE_TOKENIZERS for name in names}
+# Pre-tokenizers whose Hugging Face tokenizer normalises text to NFC first (Qwen2Tokenizer).
+NFC_PRE_TOKENIZERS = ("qwen2",)
+# Without tokenizer.ggml.pre (files older than the key): GPT-2's regex, as llama.cpp and
+# transformers read them.
+DEFAULT_PRE_TOKENIZER = "gpt-2"
 
 
 def _tokenizers():
@@ -66,7 +110,7 @@ def _meta(metadata: dict[str, Any], key: str, default: Any = None) -> Any:
     return metadata.get(f"tokenizer.ggml.{key}", default)
 
 
-def _byte_level(metadata: dict[str, Any]):
+def _byte_level(metadata: dict[str, Any], origin: str):
     tk = _tokenizers()
     alphabet = set(byte_alphabet().values())
     spell = byte_alphabet()
@@ -78,13 +122,19 @@ def _byte_level(metadata: dict[str, Any]):
     merges = [tuple(m.split(" ", 1)) for m in _meta(metadata, "merges", [])]
     tokenizer = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
                                            continuing_subword_prefix="", end_of_word_suffix=""))
-    split = PRE_TOKENIZER_SPLITS.get(_meta(metadata, "pre"))
-    if split is None:
-        tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tokenizer.pre_tokenizer = tk.pre_tokenizers.Sequence([
-            tk.pre_tokenizers.Split(tk.Regex(split), behavior="isolated"),
-            tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    pre = _meta(metadata, "pre")
+    if pre is None:
+        log.warning("%s: no tokenizer.ggml.pre; splitting text with GPT-2's regex", origin)
+        pre = DEFAULT_PRE_TOKENIZER
+    if pre not in PRE_TOKENIZER_SPLITS:
+        raise ValueError(f"{origin}: tokenizer.ggml.pre={pre!r} is not supported: its text splitting "
+                         "is not known to tfport, and another one would give other token ids than "
+                         f"the model was trained on; supported: {sorted(PRE_TOKENIZER_SPLITS)}")
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.Sequence([
+        *(tk.pre_tokenizers.Split(tk.Regex(split), behavior="isolated") for split in PRE_TOKENIZER_SPLITS[pre]),
+        tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre in NFC_PRE_TOKENIZERS:
+        tokenizer.normalizer = tk.normalizers.NFC()
     tokenizer.decoder = tk.decoders.ByteLevel()
     return tokenizer, alphabet
 
@@ -108,7 +158,7 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
     return [(left, right) for left, right, _ in candidates]
 
 
-def _sentencepiece(metadata: dict[str, Any]):
+def _sentencepiece(metadata: dict[str, Any], origin: str):
     tk = _tokenizers()
     tokens = metadata["tokenizer.ggml.tokens"]
     vocab: dict[str, int] = {}
@@ -119,7 +169,7 @@ def _sentencepiece(metadata: dict[str, Any]):
     else:
         scores = _meta(metadata, "scores")
         if scores is None:
-            raise ValueError("tokenizer.ggml.model='llama' without tokenizer.ggml.merges or "
+            raise ValueError(f"{origin}: tokenizer.ggml.model='llama' without tokenizer.ggml.merges or "
                              "tokenizer.ggml.scores: the merges cannot be recovered")
         merges = merges_from_scores(tokens, scores)
     tokenizer = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=True,
@@ -134,7 +184,7 @@ def _sentencepiece(metadata: dict[str, Any]):
     return tokenizer, None
 
 
-# tokenizer.ggml.model -> builder(metadata) -> (Tokenizer, alphabet a control token must be
+# tokenizer.ggml.model -> builder(metadata, origin) -> (Tokenizer, alphabet a control token must be
 # spelled in to be added, or None for any).
 TOKENIZER_MODELS: dict[str, Callable] = {"gpt2": _byte_level, "llama": _sentencepiece}
 
@@ -181,7 +231,7 @@ def build_tokenizer(metadata: dict[str, Any], origin: str = "gguf"):
                          f"{sorted(TOKENIZER_MODELS)} tokenizers")
     if not _meta(metadata, "tokens"):
         raise ValueError(f"{origin}: no tokenizer.ggml.tokens (the vocabulary)")
-    tokenizer, alphabet = TOKENIZER_MODELS[kind](metadata)
+    tokenizer, alphabet = TOKENIZER_MODELS[kind](metadata, origin)
     _add_special_tokens(tokenizer, metadata, alphabet)
     _post_processor(tokenizer, metadata, kind)
     return tokenizer

@@ -36,7 +36,7 @@ def _mpt_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     vocab_size = hf_field(hf, "vocab_size")
     return ModelConfig(
         family="decoder", vocab_size=vocab_size, d_model=d_model, n_heads=n_heads,
-        d_ff=int(hf_field(hf, "expansion_ratio", default=4) * d_model),
+        d_ff=4 * d_model,  # transformers' MPT ignores expansion_ratio: its MLP is always 4x
         n_decoder_layers=hf_field(hf, "n_layers"), norm="layernorm", norm_position="pre",
         norm_eps=float(hf_field(hf, "layer_norm_epsilon", default=1e-5)), activation="gelu",
         position="alibi", alibi_slopes="mpt", max_positions=hf_field(hf, "max_seq_len", default=2048),

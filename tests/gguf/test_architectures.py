@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from tfport.models.generate import generate
-from tfport.models.gguf import ARCHITECTURES, load_gguf
+from tfport.models.gguf import ARCHITECTURES
 from tfport.models.gguf.architectures import NOT_YET_SUPPORTED, gemma_query_scalar
 from tfport.models.positions import positions_from_mask
 
 from ..hf.cases import SMALL, WINDOW, HFCase, assert_close, batch
-from .from_hf import GGUFCase, write_from_hf
+from .from_hf import GGUFCase, written_once
 
 _SIZE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -50,7 +50,6 @@ CASES = {case.name: case for case in [
         _GEMMA, num_hidden_layers=6, rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 100000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), seed=45),
-        metadata={"rope.scaling.type": "linear", "rope.scaling.factor": 8.0},
         transformers_differs="transformers' GGUF loader drops gemma3.rope.scaling.*"),
     GGUFCase("phi3", "phi3", HFCase("phi3", "Phi3ForCausalLM", "Phi3Config", dict(
         _SIZE, sliding_window=None), seed=46)),
@@ -72,18 +71,14 @@ PROMPT = 9  # longer than WINDOW, so the sliding-window layers drop keys
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
     """``written(name)`` -> (Written, tfport module), once per module."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            tiny = write_from_hf(CASES[name], tmp_path_factory.mktemp(f"gguf-{name}"))
-            cache[name] = (tiny, load_gguf(tiny.path, tokenizer=False).model)
-        return cache[name]
-    return get
+    return written_once(CASES, tmp_path_factory)
 
 
 def test_every_architecture_has_a_case():
-    assert {case.arch for case in CASES.values()} == set(ARCHITECTURES) - {"llama"}  # test_tiny.py
+    from .test_downloaded import CASES as DOWNLOADED  # gpt2, bloom, mpt, falcon; RoPE scalings
+
+    cases = {case.arch for case in (*CASES.values(), *DOWNLOADED.values())}
+    assert cases == set(ARCHITECTURES)  # llama: test_tiny.py too
     assert not set(ARCHITECTURES) & set(NOT_YET_SUPPORTED)
 
 

@@ -179,8 +179,8 @@ def test_refuses_unsupported_tensor_type(tmp_path):
 
 
 def test_refuses_unmapped_tensor(tmp_path):
-    freqs = np.ones(32, dtype=np.float32)  # llama 3.1's RoPE scaling factors
-    tiny = write_tiny_llama(tmp_path / "freqs.gguf", encoder(0), "F32",
-                            extra_tensors={"rope_freqs.weight": ("F32", freqs)})
-    with pytest.raises(ValueError, match=r"rope_freqs\.weight \[32\].*no counterpart"):
+    norm = np.ones(64, dtype=np.float32)  # a Qwen3-style q norm, which LLaMA has not
+    tiny = write_tiny_llama(tmp_path / "qnorm.gguf", encoder(0), "F32",
+                            extra_tensors={"blk.0.attn_q_norm.weight": ("F32", norm)})
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_q_norm\.weight \[64\].*no counterpart"):
         read_gguf(tiny.path)
