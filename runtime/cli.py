@@ -68,7 +68,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="a prompt as text, needs the export's tokenizer.json (repeatable)")
     parser.add_argument("--provider", choices=PROVIDERS, default="cpu",
                         help="execution provider (default: cpu; auto tries CUDA)")
-    parser.add_argument("--threads", type=int, default=0,
+    parser.add_argument("--threads", type=ascii_int, default=0,
                         help="intra-op threads (default: one per usable CPU, spinning; "
                              "see tfport.runtime.threads)")
     _add_verify(parser)
@@ -163,18 +163,18 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                                 help="continue prompts with a decoder or seq2seq export",
                                 description="Greedy or sampled generation with ONNX Runtime.")
     _add_common(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=16)
+    gen.add_argument("--max-new-tokens", type=ascii_int, default=16)
     gen.add_argument("--temperature", type=float, default=None,
                      help="0 is greedy (default: the export's generation_config.json, else greedy)")
-    gen.add_argument("--top-k", type=int, default=None,
+    gen.add_argument("--top-k", type=ascii_int, default=None,
                      help="keep the k most likely (0: all; default: generation_config.json, else 0)")
     gen.add_argument("--top-p", type=float, default=None,
                      help="nucleus mass to keep (1: all; default: generation_config.json, else 1)")
-    gen.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    gen.add_argument("--seed", type=ascii_int, default=None, help="seed of the sampler")
     gen.add_argument("--stop", type=parse_stop_ids, default=None, metavar="ID[,ID]",
                      help="stop ids (default: every eos id of the export's generation_config.json, "
                           "else the config's eos_token_id)")
-    gen.add_argument("--forced-bos", type=int, default=None, metavar="ID",
+    gen.add_argument("--forced-bos", type=ascii_int, default=None, metavar="ID",
                      help="the first generated token of a seq2seq model, e.g. mBART-50's target "
                           "language code (default: the export's generation_config.json)")
     gen.add_argument("--stream", action="store_true", help="print tokens as they are generated")
@@ -195,15 +195,15 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     chat.add_argument("--max-new-tokens", type=positive_int, default=256, help="per reply (default 256)")
     chat.add_argument("--temperature", type=float, default=None,
                       help="0 is greedy (default: the export's generation_config.json, else greedy)")
-    chat.add_argument("--top-k", type=int, default=None,
+    chat.add_argument("--top-k", type=ascii_int, default=None,
                       help="keep the k most likely (0: all; default: generation_config.json, else 0)")
     chat.add_argument("--top-p", type=float, default=None,
                       help="nucleus mass to keep (1: all; default: generation_config.json, else 1)")
-    chat.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    chat.add_argument("--seed", type=ascii_int, default=None, help="seed of the sampler")
     _add_penalties(chat)
     chat.add_argument("--provider", choices=PROVIDERS, default="cpu",
                       help="execution provider (default: cpu; auto tries CUDA)")
-    chat.add_argument("--threads", type=int, default=0,
+    chat.add_argument("--threads", type=ascii_int, default=0,
                       help="intra-op threads (default: one per usable CPU, spinning; "
                              "see tfport.runtime.threads)")
     _add_verify(chat)
@@ -336,9 +336,17 @@ def _conversation(model: Model, messages: list[dict], options: dict) -> None:
         messages.append({"role": "assistant", "content": _reply(model, messages, options)})
 
 
+def ascii_int(text: str) -> int:
+    """An argparse type: an integer in ASCII digits (Python's ``int`` also reads the full-width
+    ``１６`` and other scripts' digits, which a command line should refuse, not reinterpret)."""
+    if not _ASCII_INT.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer (ASCII digits 0-9)")
+    return int(text)
+
+
 def positive_int(text: str) -> int:
     """An argparse type: an integer >= 1."""
-    value = int(text)
+    value = ascii_int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: expected a positive integer")
     return value

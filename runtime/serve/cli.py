@@ -17,6 +17,7 @@ import json
 import logging
 from pathlib import Path
 
+from ..cli import ascii_int
 from ..cli import positive_int as _positive
 from ..session import PROVIDERS
 
@@ -39,7 +40,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a request may take (default 600)")
     parser.add_argument("--provider", choices=PROVIDERS, default="cpu")
-    parser.add_argument("--threads", type=int, default=0,
+    parser.add_argument("--threads", type=ascii_int, default=0,
                         help="intra-op threads per model (default: ONNX Runtime's choice)")
     from .served import ServeOptions
     limits = ServeOptions()
@@ -70,11 +71,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-inexact", action="store_true",
                         help="speculate on quantised exports too (their tokens can differ from "
                              "plain decoding's)")
-    parser.add_argument("--prefix-cache-mb", type=int, default=limits.prefix_cache_mb, metavar="MB",
+    parser.add_argument("--prefix-cache-mb", type=ascii_int, default=limits.prefix_cache_mb, metavar="MB",
                         help="MiB of keys and values each decoder keeps for prompts that start "
                              "alike (automatic prefix caching; 0: off; default "
                              f"{limits.prefix_cache_mb})")
-    parser.add_argument("--prefill-chunk", type=int, default=limits.prefill_chunk, metavar="TOKENS",
+    parser.add_argument("--prefill-chunk", type=ascii_int, default=limits.prefill_chunk, metavar="TOKENS",
                         help="while rows decode, prefill a longer prompt this many tokens per step "
                              "(chunked prefill; needs the prefix cache; 0: whole; default "
                              f"{limits.prefill_chunk})")
@@ -123,7 +124,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                             "(RAY_ADDRESS) or starts a local one")
     serve.add_argument("--replicas", type=_positive, default=None, metavar="N",
                        help="Ray Serve replicas, a fixed count (with --ray; default 1)")
-    serve.add_argument("--min-replicas", type=int, default=None, metavar="N",
+    serve.add_argument("--min-replicas", type=ascii_int, default=None, metavar="N",
                        help="with --ray and --max-replicas: Serve's autoscaler keeps N to M "
                             "replicas, adding one while each holds more than --max-rows requests "
                             "(0: none while idle)")
@@ -239,8 +240,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _port(text: str) -> int:
     try:
-        port = int(text)
-    except ValueError:
+        port = ascii_int(text)
+    except argparse.ArgumentTypeError:
         port = -1
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port={text!r}: expected an integer in [0, 65535]")
@@ -250,8 +251,11 @@ def _port(text: str) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from .bench import BenchConfig, format_table, run_bench_serve
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
-    levels = [int(c) for c in args.concurrency.split(",") if c]
-    if not levels or min(levels) < 1:
+    parts = [c.strip() for c in args.concurrency.split(",") if c.strip()]
+    if not parts or not all(c.isascii() and c.isdigit() for c in parts):
+        raise ValueError(f"--concurrency={args.concurrency!r}: expected positive integers such as 1,4,16")
+    levels = [int(c) for c in parts]
+    if min(levels) < 1:
         raise ValueError(f"--concurrency={args.concurrency!r}: expected positive integers")
     config = BenchConfig(concurrency=levels, requests=args.requests, new_tokens=args.new_tokens,
                          prompt_len=args.prompt_len, time_limit=args.time_limit)

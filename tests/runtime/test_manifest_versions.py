@@ -118,3 +118,16 @@ def test_the_command_line_refuses_full_width_ids(capsys):
     with pytest.raises(SystemExit):
         build_parser("generate").parse_args(["generate", "DIR", "--ids", "\uff11,\uff12"])
     assert "ASCII digits" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["generate", "DIR", "--ids", "1", "--max-new-tokens", "１６"],
+                                  ["serve", "DIR", "--port", "８０００"],
+                                  ["serve", "DIR", "--max-rows", "１６"]])
+def test_cli_numbers_are_ascii_digits(argv, capsys):
+    """Python's int() reads full-width digits; every numeric CLI option refuses them instead."""
+    from tfport.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser(argv[0]).parse_args(argv)
+    err = capsys.readouterr().err
+    assert "ASCII digits" in err or "expected an integer in [0, 65535]" in err, err
