@@ -19,6 +19,7 @@ from torch import nn
 from tfport.config import ModelConfig
 from tfport.models.attention import Attention
 from tfport.models.layers import Block, FeedForward, RMSNorm
+from tfport.models.moe import MixtureOfExperts
 from tfport.models.stack import Embeddings, Stack
 
 from .graph import GraphBuilder, to_numpy
@@ -158,6 +159,15 @@ def feed_forward(g: GraphBuilder, x: str, module: FeedForward, kind: str, name: 
     return linear(g, hidden, module.down, f"{name}.down")
 
 
+def ffn_sublayer(g: GraphBuilder, target: Target, x: str, module: nn.Module, kind: str, name: str) -> str:
+    """A block's FFN x [..., E] -> [..., E]: a feed-forward, or a mixture of them as the target
+    lowers it (``Target.mixture_of_experts``, given this module's FFN and linear emitters)."""
+    if isinstance(module, MixtureOfExperts):
+        return target.mixture_of_experts(g, x, module, lambda h, m, n: feed_forward(g, h, m, kind, n),
+                                         lambda h, m, n: linear(g, h, m, n), name)
+    return feed_forward(g, x, module, kind, name)
+
+
 def head_norm(g: GraphBuilder, x: str, module: nn.Module, n: int, head_dim: int, name: str) -> str:
     """Per-head RMSNorm over D of x [B, S, N*D] (Qwen3 / Gemma 3 q and k norms) -> [B, S, N*D]."""
     shaped = g.op("Reshape", x, g.const([0, 0, n, head_dim], name="heads_shape"), name=f"{name}.reshape")
@@ -229,7 +239,7 @@ def block(g: GraphBuilder, stream: Residual, module: Block, config: ModelConfig,
         attn_in = g.tap(f"{name}.attn_norm", norm(g, x, module.attn_norm, f"{name}.attn_norm"))
         ffn_in = g.tap(f"{name}.ffn_norm", norm(g, x, module.ffn_norm, f"{name}.ffn_norm"))
         x = g.op("Add", x, attend(attn_in), name=f"{name}.attn_residual")
-        ffn = g.tap(f"{name}.ffn", feed_forward(g, ffn_in, module.ffn, config.activation, f"{name}.ffn"))
+        ffn = g.tap(f"{name}.ffn", ffn_sublayer(g, target, ffn_in, module.ffn, config.activation, f"{name}.ffn"))
         return Residual(x, ffn, f"{name}.ffn_residual", (name,)), present
     stream = residual(stream, module.attn_norm, attend, "attn")
     if module.cross_attn is not None:
@@ -237,7 +247,7 @@ def block(g: GraphBuilder, stream: Residual, module: Block, config: ModelConfig,
                           lambda h: cross_attention(g, h, module.cross_attn, memory, ctx, f"{name}.cross_attn"),
                           "cross")
     stream = residual(stream, module.ffn_norm, lambda h: g.tap(
-        f"{name}.ffn", feed_forward(g, h, module.ffn, config.activation, f"{name}.ffn")), "ffn")
+        f"{name}.ffn", ffn_sublayer(g, target, h, module.ffn, config.activation, f"{name}.ffn")), "ffn")
     if stream.delta is None:
         return Residual(g.tap(name, stream.x)), present
     return Residual(stream.x, stream.delta, stream.add_name, (name,)), present

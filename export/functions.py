@@ -318,9 +318,39 @@ def RMSNorm(x, weight, epsilon: float):
     return op.Mul(op.CastLike(normed, x), weight)
 
 
+@script(tfport, default_opset=op)
+def SoftmaxTopKRouting(logits, top_k, normalize: int):
+    """Mixture-of-experts routing weights float32 [B, S, N]: softmax over the N experts, the top
+    k kept (divided by their sum when ``normalize`` is 1), zero elsewhere (Mixtral, Qwen2/3-MoE).
+
+    PyTorch: ``tfport.models.moe.routing_weights(logits, k, "softmax_topk", normalize)``.
+    logits [B, S, N] (any float dtype; float32 from here); top_k int64 [1] = k.
+    """
+    probs = op.Softmax(op.Cast(logits, to=FLOAT.dtype), axis=-1)
+    top, index = op.TopK(probs, top_k, axis=-1)  # [B, S, k]
+    total = op.ReduceSum(top, op.Constant(value_ints=[-1]), keepdims=1)  # [B, S, 1]
+    flag = op.Cast(op.Constant(value_int=normalize), to=BOOL.dtype)
+    top = op.Div(top, op.Where(flag, total, op.Constant(value_float=1.0)))
+    return op.ScatterElements(op.Expand(op.Constant(value_float=0.0), op.Shape(probs)), index, top, axis=-1)
+
+
+@script(tfport, default_opset=op)
+def TopKSoftmaxRouting(logits, top_k):
+    """Mixture-of-experts routing weights float32 [B, S, N]: the top k logits, softmax over
+    those k, zero elsewhere (gpt-oss).
+
+    PyTorch: ``tfport.models.moe.routing_weights(logits, k, "topk_softmax", normalize)``.
+    logits [B, S, N]; top_k int64 [1] = k.
+    """
+    logits = op.Cast(logits, to=FLOAT.dtype)
+    top, index = op.TopK(logits, top_k, axis=-1)  # [B, S, k]
+    weights = op.Softmax(top, axis=-1)
+    return op.ScatterElements(op.Expand(op.Constant(value_float=0.0), op.Shape(logits)), index, weights, axis=-1)
+
+
 FUNCTIONS = (AttentionBias, AlibiBias, RelativePositionBias, RotaryEmbedding, InterleavedRotaryEmbedding,
              GroupedScores, GroupedContext, ScaledDotProductAttention, SoftcapScaledDotProductAttention, GroupQueryAttention, SoftcapGroupQueryAttention, RMSNorm,
-             DisentangledIndex, DisentangledScores, DisentangledBias)
+             DisentangledIndex, DisentangledScores, DisentangledBias, SoftmaxTopKRouting, TopKSoftmaxRouting)
 
 
 def function_protos(opset: int, bodies: Mapping[str, OnnxFunction]) -> list[onnx.FunctionProto]:

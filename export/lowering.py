@@ -19,6 +19,7 @@ from torch import nn
 from tfport.config import ModelConfig
 
 from .graph import GraphBuilder
+from .moe import Emitter
 
 
 def heads(g: GraphBuilder, x: str, n: int, head_dim: int, name: str) -> str:
@@ -92,6 +93,9 @@ class Target(Protocol):
                      sum_name: str) -> tuple[str, str]: ...
 
     def last_positions(self, g: GraphBuilder, states: str, inputs: dict[str, str]) -> str: ...
+
+    def mixture_of_experts(self, g: GraphBuilder, x: str, module: nn.Module, ffn: Emitter, linear: Emitter,
+                           name: str) -> str: ...
 
     def project_quantized(self, g: GraphBuilder, x: str, weight, name: str, bias=None) -> str: ...
     def gather_quantized(self, g: GraphBuilder, table, ids: str, name: str) -> str: ...

@@ -23,14 +23,16 @@ ACTIVATIONS = {
 
 
 class FeedForward(nn.Module):
-    """act(x W_up) W_down, or (act(x W_gate) * x W_up) W_down when gated (SwiGLU, GEGLU)."""
+    """act(x W_up) W_down, or (act(x W_gate) * x W_up) W_down when gated (SwiGLU, GEGLU); hidden
+    width ``d_ff`` (default ``config.d_ff``; a mixture of experts' experts have their own)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, d_ff: int | None = None):
         super().__init__()
+        d_ff = config.d_ff if d_ff is None else d_ff
         self.act = ACTIVATIONS[config.activation]
-        self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.mlp_bias) if config.gated_ffn else None
-        self.up = nn.Linear(config.d_model, config.d_ff, bias=config.mlp_bias)
-        self.down = nn.Linear(config.d_ff, config.d_model, bias=config.mlp_bias)
+        self.gate = nn.Linear(config.d_model, d_ff, bias=config.mlp_bias) if config.gated_ffn else None
+        self.up = nn.Linear(config.d_model, d_ff, bias=config.mlp_bias)
+        self.down = nn.Linear(d_ff, config.d_model, bias=config.mlp_bias)
         self.dropout = nn.Dropout(config.dropout.ffn)  # on the hidden activations, train() only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,10 +47,12 @@ class Block(nn.Module):
     (pre-norm only, Gemma 2/3) the output is normalised too: ``x + post_norm(f(norm(x)))``
     (``attn_post_norm``, ``ffn_post_norm``). With ``parallel_residual`` both sublayers read the
     block's input: ``x + attn(attn_norm(x)) + ffn(ffn_norm(x))``. The ``first`` block of a stack
-    has an identity ``attn_norm`` when ``config.first_attn_norm`` is false (ModernBERT).
+    has an identity ``attn_norm`` when ``config.first_attn_norm`` is false (ModernBERT). ``ffn``
+    replaces the feed-forward (a mixture of experts: ``models.moe.MixtureOfExperts``).
     """
 
-    def __init__(self, config: ModelConfig, cross: bool = False, first: bool = False):
+    def __init__(self, config: ModelConfig, cross: bool = False, first: bool = False,
+                 ffn: nn.Module | None = None):
         super().__init__()
         self.pre = config.norm_position == "pre"
         self.dropout = nn.Dropout(config.dropout.residual)  # sublayer outputs, train() only
@@ -56,7 +60,7 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.cross_norm = make_norm(config) if cross else None
         self.cross_attn = Attention(config, cross=True) if cross else None
-        self.ffn_norm, self.ffn = make_norm(config), FeedForward(config)
+        self.ffn_norm, self.ffn = make_norm(config), FeedForward(config) if ffn is None else ffn
         self.parallel = config.parallel_residual
         self.attn_post_norm = self.ffn_post_norm = None
         if config.post_sublayer_norm:

@@ -11,6 +11,7 @@ from .cache import KVCache
 from .attention import Tap
 from .layers import Block, make_norm
 from .masks import attention_bias
+from .moe import MixtureOfExperts
 from .positions import POSITION_SCHEMES, positions_from_mask
 
 
@@ -52,7 +53,9 @@ class Stack(nn.Module):
         self.config, self.causal = config, causal
         self.scheme = POSITION_SCHEMES[config.position]
         self.embed = Embeddings(config, tokens, token_types)
-        self.layers = nn.ModuleList(Block(config, cross=cross, first=i == 0) for i in range(n_layers))
+        self.layers = nn.ModuleList(
+            Block(config, cross=cross, first=i == 0, ffn=MixtureOfExperts(config) if config.moe.covers(i) else None)
+            for i in range(n_layers))
         self.norm = make_norm(config) if config.final_norm else None
         self.scheme.init_stack(self, config)
         self.bias = Tap()  # the attention bias every layer adds (masks, ALiBi, relative)

@@ -4,8 +4,8 @@ The same frozen dataclass is read by the PyTorch reference modules, the ONNX exp
 torch-free runtime, so it imports nothing but the standard library. The architecture's backbone
 (sizes, norm, activation, position scheme, token ids ...) is flat; each concept with several
 settings is a small frozen part of its own: ``rope`` (RopeConfig), ``window`` (WindowConfig),
-``relative`` and ``disentangled`` (the relative position schemes), ``classifier``
-(ClassifierConfig) and ``dropout`` (DropoutConfig). Each part validates its own fields on
+``relative`` and ``disentangled`` (the relative position schemes), ``moe`` (MoeConfig: mixture-of-
+experts layers), ``classifier`` (ClassifierConfig) and ``dropout`` (DropoutConfig). Each part validates its own fields on
 construction, ``ModelConfig`` the combinations that need more than one part; a bad value raises
 ``ValueError`` naming the field by its full path (``config.rope.scaling_factor=0.5: expected
 ...``), the value and what was expected. It round-trips through JSON (``to_json`` /
@@ -26,6 +26,7 @@ from .config_checks import Checks, is_int, is_number, reject
 from .config_dropout import DropoutConfig
 from .config_heads import ClassifierConfig
 from .config_json import config_from_dict, parts
+from .config_moe import MoeConfig
 from .config_relative import DisentangledConfig, RelativeConfig
 from .config_rope import RopeConfig
 from .config_window import WindowConfig
@@ -60,6 +61,7 @@ class ModelConfig:
     ``x + attn(attn_norm(x)) + ffn(ffn_norm(x))`` (GPT-NeoX, GPT-J, Falcon).
     ``first_attn_norm`` false leaves layer 0 of a pre-norm stack without its attention norm (the
     sublayer reads the embeddings as they are: ModernBERT, whose embeddings end with a norm).
+    ``moe`` (MoeConfig) replaces the FFN of some decoder layers by a mixture of experts.
 
     ``attention_out_bias`` (null = ``attention_bias``) lets the output projection differ from
     q/k/v (Qwen2: biased q/k/v, unbiased output). ``qk_norm`` applies a per-head RMSNorm [D] to
@@ -94,6 +96,7 @@ class ModelConfig:
     window: WindowConfig = field(default_factory=WindowConfig)
     relative: RelativeConfig = field(default_factory=RelativeConfig)
     disentangled: DisentangledConfig = field(default_factory=DisentangledConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     attention_bias: bool = True
     mlp_bias: bool = True
     attention_scale: float | None = None
@@ -264,6 +267,11 @@ class ModelConfig:
         if self.qk_norm and self.norm != "rmsnorm":
             check.fail("qk_norm", f"false unless norm='rmsnorm' (the q/k norms are per-head RMSNorms; "
                        f"norm={self.norm!r})")
+        moe = self.moe
+        if moe.n_experts and self.family != "decoder":
+            reject("moe.n_experts", moe.n_experts, f"0 unless family='decoder' (family={self.family!r})")
+        if moe.layers is not None and any(not 0 <= i < self.n_decoder_layers for i in moe.layers):
+            reject("moe.layers", moe.layers, f"distinct layer indices in [0, {self.n_decoder_layers})")
         if self.family != "encoder" and (self.pooler or self.mlm_head):
             check.fail("pooler" if self.pooler else "mlm_head", "false unless family='encoder'")
         if self.family != "encoder" and self.type_vocab_size:

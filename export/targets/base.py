@@ -21,6 +21,7 @@ from tfport.dtypes import ONNX_DTYPES
 
 from ..graph import GraphBuilder, to_numpy
 from ..lowering import StackInputs, heads, split_qkv
+from ..moe import Emitter, mixture_of_experts
 from ..positions import POSITION_EMITTERS
 from ..blocks import BlockQuantized
 from ..quantized_graph import int_initializer, offset_product
@@ -206,6 +207,13 @@ class PortableTarget:
         x + delta [B, S, E]); here an ``Add`` and ``ai.tfport.RMSNorm``."""
         summed = g.op("Add", x, delta, name=sum_name)
         return g.fn("RMSNorm", summed, weight, epsilon=epsilon, name=name), summed
+
+    def mixture_of_experts(self, g: GraphBuilder, x: str, module: nn.Module, ffn: Emitter, linear: Emitter,
+                           name: str) -> str:
+        """A mixture-of-experts FFN x [B, S, E] -> [B, S, E] (``export.moe``): every expert on
+        every token, weighted by the dense routing weights; ``ffn`` and ``linear`` emit an
+        expert and the router as the block's own FFN and projections."""
+        return mixture_of_experts(g, x, module, ffn, linear, name)
 
     def last_positions(self, g: GraphBuilder, states: str, inputs: dict[str, str]) -> str:
         """states [B, S, E] -> [B, 1, E] at the position the next token is picked from

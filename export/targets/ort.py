@@ -14,6 +14,7 @@ from tfport.dtypes import COMPUTE_DTYPES, ONNX_DTYPES
 
 from ..functions import tfport
 from ..lowering import StackInputs
+from ..moe import fused_mixture_of_experts
 from ..blocks import pack_nibbles
 from ..quantized_graph import byte_initializer, offset_product
 from .base import PortableTarget
@@ -103,6 +104,11 @@ class OrtTarget(PortableTarget):
             ctx.rotary = tuple(g.op("Where", longer, lt, st, name=f"{name}.longrope_{i}")
                                for i, (st, lt) in enumerate(zip(ctx.rotary, long)))
         return ctx
+
+    def mixture_of_experts(self, g, x, module, ffn, linear, name):
+        """The routed experts as ``com.microsoft.MoE`` (top k experts per token) where it computes
+        them exactly (``export.moe.fusable``), the dense form elsewhere."""
+        return fused_mixture_of_experts(g, x, module, ffn, linear, name)
 
     def attend_qkv(self, g, qkv, module, ctx, past, name):
         """The packed projection [B, S, (H + 2 Hkv) * D] straight into the kernel as its query,

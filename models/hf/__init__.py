@@ -36,6 +36,7 @@ from .gptj import GPTJ
 from .llama import LLAMA
 from .loader import TensorSource
 from .marian import MARIAN
+from .mixtral import MIXTRAL
 from .modernbert import MODERNBERT
 from .mpt import MPT
 from .mt5 import MT5
@@ -43,6 +44,7 @@ from .neox import NEOX
 from .opt import OPT
 from .phi3 import PHI3
 from .qwen import QWEN
+from .qwen2_moe import QWEN_MOE
 from .stablelm import STABLELM
 from .roberta import ROBERTA
 from .rules import Architecture, Rule, Transform, concat_rows, params
@@ -55,6 +57,7 @@ ARCHITECTURES.update({t: arch for arch in (ROBERTA, DISTILBERT, MT5) for t in ar
 ARCHITECTURES.update({t: DEBERTA for t in DEBERTA.model_types})  # DeBERTa-v3
 ARCHITECTURES.update({t: MODERNBERT for t in MODERNBERT.model_types})
 ARCHITECTURES.update({t: arch for arch in (BART, MARIAN) for t in arch.model_types})  # BART, mBART, Marian
+ARCHITECTURES.update({t: arch for arch in (MIXTRAL, QWEN_MOE) for t in arch.model_types})  # mixtures of experts
 
 
 def _architecture(hf: dict) -> Architecture:

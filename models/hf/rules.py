@@ -84,7 +84,8 @@ PER_HEAD_QKV = Transform("regroup rows [H, 3, D] -> [3, H, D]", lambda shape, c:
 # ------------------------------------------------------------------------------ mapping tables
 @dataclass(frozen=True)
 class Rule:
-    """tfport tensor ``target`` (``{i}`` = layer index) is ``transform`` of HF ``sources``."""
+    """tfport tensor ``target`` (``{i}`` = layer index, ``{e}`` = expert index) is ``transform``
+    of HF ``sources``."""
 
     target: str
     sources: tuple[str, ...]
@@ -96,7 +97,8 @@ class Rule:
 
     @functools.cached_property
     def pattern(self) -> re.Pattern:
-        return re.compile(re.escape(self.target).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+        pattern = re.escape(self.target).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+        return re.compile(pattern + "$")
 
 
 def params(target: str, sources: str | tuple[str, ...], weight: Transform = COPY,
