@@ -8,7 +8,11 @@ Prometheus metrics, on FastAPI.
 | --- | --- |
 | ``POST /v1/completions`` | prompt (text, texts, ids, id lists) -> text; ``n``, ``stream`` (SSE) |
 | ``POST /v1/chat/completions`` | messages rendered with the export's chat template -> message |
-| ``POST /v1/embeddings`` | encoder exports: vectors as ``tfport embed`` gives them |
+| ``POST /v1/completions`` (encoder-decoder) | translation / summarisation: ``seq2seq``, no continuous batching |
+| ``POST /v1/embeddings`` | encoder exports: vectors as ``tfport embed`` gives them, batched across requests (``batcher``) |
+| ``POST /v1/rerank`` | cross-encoders: documents by relevance to a query, best first (``scoring``) |
+| ``POST /v1/score`` | cross-encoders: a score per text pair (vLLM's shape) |
+| ``POST /v1/classify`` | classifiers: each text's label and probabilities (vLLM's shape) |
 | ``GET /v1/models`` | the served models (id = directory name; ``family``, ``chat_template``) |
 | ``GET /health`` | 200 while every scheduler runs, else 503 |
 | ``GET /metrics`` | Prometheus text: requests, queue depth, tokens/s, time to first token |
@@ -58,8 +62,10 @@ from .guards import AllowedHosts, ApiKey, BodyLimit
 from .memory import TrimMemory
 from .metrics import CONTENT_TYPE_LATEST, MetricsMiddleware, ServeMetrics
 from .page import mount_page
-from .protocol import ApiError, ChatRequest, CompletionRequest, EmbeddingRequest, quote
+from .protocol import (ApiError, ChatRequest, ClassifyRequest, CompletionRequest, EmbeddingRequest, RerankRequest,
+                       ScoreRequest, check_text, quote)
 from .responses import Completion, embedding_response
+from .scoring import classify_response, require_head, rerank_response, score_response
 from .served import ServedModel, ServeOptions
 
 logger = logging.getLogger(__name__)
@@ -216,7 +222,7 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
     @app.post("/v1/completions", responses=openapi.COMPLETIONS)
     async def completions(body: CompletionRequest, request: Request):
         served = state().get(body.model)
-        served.require("decoder", "/v1/completions")
+        served.require(("decoder", "encoder-decoder"), "/v1/completions")
         prompts, max_tokens, stop_ids = await offload(served.completion_inputs, body)
         handles = served.submit(prompts, body, max_tokens, stop_ids, asyncio.get_running_loop())
         return await Completion(served, body, handles, prompts, chat=False).respond(request)
@@ -233,6 +239,30 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
     async def embeddings(body: EmbeddingRequest):
         served = state().get(body.model)
         served.require("encoder", "/v1/embeddings")
-        return await offload(embedding_response, served, body)
+        check_text(body, "")
+        encoded = await offload(served.embedding_inputs, body.input)
+        vectors = await served.batcher.embed(encoded)  # with the requests that arrive with it
+        tokens = sum(len(row) for row in encoded.ids)
+        return await offload(embedding_response, served, body, vectors, tokens)
+
+    @app.post("/v1/rerank", responses=openapi.RERANK)
+    @app.post("/rerank", responses=openapi.RERANK, include_in_schema=False)  # llama-server's aliases
+    @app.post("/v1/reranking", responses=openapi.RERANK, include_in_schema=False)
+    async def rerank(body: RerankRequest):
+        served = state().get(body.model)
+        require_head(served, "/v1/rerank")
+        return await offload(rerank_response, served, body)
+
+    @app.post("/v1/score", responses=openapi.SCORE)
+    async def score(body: ScoreRequest):
+        served = state().get(body.model)
+        require_head(served, "/v1/score")
+        return await offload(score_response, served, body)
+
+    @app.post("/v1/classify", responses=openapi.CLASSIFY)
+    async def classify(body: ClassifyRequest):
+        served = state().get(body.model)
+        require_head(served, "/v1/classify", one_label=False)
+        return await offload(classify_response, served, body)
 
     return app

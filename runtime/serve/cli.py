@@ -49,7 +49,14 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                              f"(default {limits.max_body_bytes:,}: 4 MiB)")
     parser.add_argument("--max-embedding-inputs", type=_positive, default=limits.max_inputs,
                         dest="max_inputs", metavar="N",
-                        help=f"inputs per /v1/embeddings request (default {limits.max_inputs:,})")
+                        help=f"inputs per /v1/embeddings or /v1/classify request, documents per "
+                             f"/v1/rerank, pairs per /v1/score (default {limits.max_inputs:,})")
+    parser.add_argument("--embedding-batch-ms", type=float, default=limits.embedding_batch_ms, metavar="MS",
+                        help="an idle encoder's first embedding request waits this long for others "
+                             f"to embed with it (0-1000; default {limits.embedding_batch_ms:g})")
+    parser.add_argument("--embedding-batch-tokens", type=_positive, default=limits.embedding_batch_tokens,
+                        metavar="N", help="tokens embedded together at most, over the requests of "
+                                          f"one batch (default {limits.embedding_batch_tokens:,})")
     parser.add_argument("--max-messages", type=_positive, default=limits.max_messages, metavar="N",
                         help=f"messages per chat request (default {limits.max_messages:,})")
     parser.add_argument("--max-prompt-chars", type=_positive, default=limits.max_prompt_chars,
@@ -91,7 +98,9 @@ def _options(args: argparse.Namespace):
                         max_prompt_tokens=args.max_prompt_tokens,
                         max_request_tokens=args.max_request_tokens, speculative=args.speculative,
                         draft_tokens=args.draft_tokens, speculative_inexact=args.speculative_inexact,
-                        prefix_cache_mb=args.prefix_cache_mb, prefill_chunk=args.prefill_chunk or None)
+                        prefix_cache_mb=args.prefix_cache_mb, prefill_chunk=args.prefill_chunk or None,
+                        embedding_batch_ms=args.embedding_batch_ms,
+                        embedding_batch_tokens=args.embedding_batch_tokens)
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -102,7 +111,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server with continuous batching",
         description="Serve exports over HTTP: /v1/completions, /v1/chat/completions, "
-                    "/v1/embeddings, /v1/models, /health, /metrics.")
+                    "/v1/embeddings, /v1/rerank, /v1/score, /v1/classify, /v1/models, /health, /metrics.")
     _add_options(serve)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1; another address needs --api-key "

@@ -99,6 +99,56 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: Optional[RerankDocument] = None  # with return_documents
+
+
+class RerankResponse(BaseModel):
+    id: str
+    object: str
+    model: str
+    results: list[RerankResult]
+    usage: EmbeddingUsage
+
+
+class Score(BaseModel):
+    index: int
+    object: str
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    data: list[Score]
+    usage: EmbeddingUsage
+
+
+class ClassifiedText(BaseModel):
+    index: int
+    object: str
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassifyResponse(BaseModel):
+    id: str
+    object: str
+    created: int
+    model: str
+    data: list[ClassifiedText]
+    usage: EmbeddingUsage
+
+
 class ModelCard(BaseModel):
     id: str
     object: str
@@ -139,6 +189,9 @@ CHAT_COMPLETIONS = _answer(ChatCompletionResponse, "the reply; with stream: serv
                                                    "ending with 'data: [DONE]'", *GENERATION_ERRORS,
                            stream=True)
 EMBEDDINGS = _answer(EmbeddingResponse, "one embedding per input", 404, 413)
+RERANK = _answer(RerankResponse, "the documents by relevance, best first", 404, 413)
+SCORE = _answer(ScoreResponse, "one score per text pair", 404, 413)
+CLASSIFY = _answer(ClassifyResponse, "each text's label and probabilities", 404, 413)
 MODELS = _answer(ModelList, "the served models")
 HEALTH = {200: {"model": Health, "description": "every model's scheduler runs"},
           503: {"model": Union[Health, ErrorBody],

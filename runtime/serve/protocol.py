@@ -296,3 +296,35 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None
+
+
+class RerankRequest(BaseModel):
+    """/v1/rerank: the Jina / Cohere shape llama-server takes."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    query: str
+    documents: list[str] = Field(min_length=1)
+    top_n: Optional[StrictInt] = Field(default=None, ge=1)
+    return_documents: bool = False
+
+
+class ScoreRequest(BaseModel):
+    """/v1/score: vLLM's shape; ``text_1`` is scored against each ``text_2`` (one text against
+    several, or lists of the same length, pair by pair)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+
+
+class ClassifyRequest(BaseModel):
+    """/v1/classify: vLLM's shape."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: Union[str, list[str]]

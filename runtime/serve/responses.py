@@ -25,12 +25,13 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..chat import chat_format
 from ..tools import ToolCallParser, parse_reply
-from .protocol import ApiError, DecodingRequest, EmbeddingRequest, check_text, quote
+from .protocol import ApiError, DecodingRequest, EmbeddingRequest, quote
 from .handles import Failed, Finished, Handle, Token
 from .logprobs import Scored, chat_logprobs, completion_logprobs
 from .served import ServedModel
@@ -332,11 +333,11 @@ def sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-def embedding_response(served: ServedModel, body: EmbeddingRequest) -> JSONResponse:
-    """The answer to /v1/embeddings: each vector as floats or base64 of little-endian float32.
-    Embeds and writes the JSON: call it in a worker thread."""
-    check_text(body, "")
-    vectors, tokens = served.embed(body.input)
+def embedding_response(served: ServedModel, body: EmbeddingRequest, vectors: np.ndarray,
+                       tokens: int) -> JSONResponse:
+    """The answer to /v1/embeddings: each of ``vectors`` float32 [B, E] (from ``tokens`` input
+    tokens) as floats or base64 of little-endian float32. Writes the JSON: call it in a worker
+    thread."""
     if body.dimensions is not None and body.dimensions != vectors.shape[1]:
         raise ApiError(400, f"dimensions={quote(body.dimensions)}: this model's embeddings have "
                             f"{vectors.shape[1]}", "dimensions")

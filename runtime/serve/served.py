@@ -1,20 +1,20 @@
 """The models one server holds, and how an API request becomes library calls.
 
 A ``ServedModel`` is one export directory: its ``Model``, its continuous-batching ``Scheduler``
-(decoders) and the conversions from request fields to the library's arguments. What the model
-computes is decided by the library alone, as for ``tfport generate`` / ``chat`` / ``embed``:
-sampling defaults by ``Model.sampling`` (request > generation_config.json > greedy), stop ids by
+(decoders), ``seq2seq.Seq2SeqScheduler`` (encoder-decoders) or embedding ``batcher`` (encoders),
+and the conversions from request fields to the library's arguments. What the model computes is
+decided by the library alone, as for ``tfport generate`` / ``chat`` / ``embed``: sampling
+defaults by ``Model.sampling`` (request > generation_config.json > greedy), stop ids by
 ``Model.stop_ids``, chat prompts and end-of-turn ids by ``tfport.runtime.chat``, forced tokens by
-the scheduler (``Model.forced_tokens``), embeddings by ``Model.embed_text`` for texts (the
-export's truncation, lower-casing, pooling and normalisation) and ``Model.embed`` for token ids
-(the export's pooling and normalisation).
+the scheduler (``Model.forced_tokens``), embeddings by ``Model.embed_encoded`` of the inputs as
+``Model.encode_texts`` encodes texts (the export's truncation, lower-casing, pooling and
+normalisation) or of token ids as sent (the export's pooling and normalisation).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +30,15 @@ from ..defaults import OPENAI
 from ..model import Model
 from ..sampling import SamplingParams, TokenLogprob, check_bias_ids, token_logprobs
 from ..session import SessionSettings
+from ..texts import EncodedTexts
 from ..tokenizer import TextStream, TextTokenizer
 from ..tools import ToolRequest
+from .batcher import MAX_TOKENS, WINDOW_S, EmbeddingBatcher
 from .exposure import check_origins
 from .protocol import ApiError, ChatRequest, CompletionRequest, DecodingRequest, check_text, quote
 from .handles import GenerationRequest, Handle, QueueFull
 from .scheduler import Scheduler, SchedulerLimits, Stopped
+from .seq2seq import Seq2SeqScheduler, refuse_for_seq2seq
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MiB = 1 << 20
@@ -73,7 +76,10 @@ class ServeOptions:
     caching, ``decoding.prefix``; 0: off). ``prefill_chunk``: while rows decode, a longer prompt
     is prefilled this many tokens per step, between decode steps (with the prefix cache, which
     holds the chunks; None: whole). ``ui``: serve the chat page at
-    ``/`` (``static/``; ``--no-ui``: off, its routes not mounted).
+    ``/`` (``static/``; ``--no-ui``: off, its routes not mounted). ``embedding_batch_ms``: an
+    idle encoder's first embedding request waits this long for others to embed with it, up to
+    ``embedding_batch_tokens`` tokens per batch (``batcher``; 0 ms: no wait, requests that
+    arrive during a batch still form the next one).
 
     Connections (``connections``; uvicorn only, not Ray): a request head must arrive within
     ``header_timeout`` seconds and its body within ``body_timeout``; an idle kept-alive connection
@@ -105,6 +111,8 @@ class ServeOptions:
     prefix_cache_mb: int = DEFAULT_MB  # automatic prefix caching per decoder (0: off)
     prefill_chunk: int | None = 256  # tokens of a long prompt prefilled per step while rows decode
     ui: bool = True
+    embedding_batch_ms: float = 1000 * WINDOW_S
+    embedding_batch_tokens: int = MAX_TOKENS
     header_timeout: float = 10.0
     body_timeout: float = 60.0  # a 4 MiB body at 0.5 Mbit/s
     keep_alive_timeout: float = 5.0  # uvicorn's default
@@ -116,7 +124,8 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "max_body_bytes", "max_inputs", "max_messages", "draft_tokens",
-                     "max_prompt_chars", "max_prompt_tokens", "max_request_tokens"):
+                     "max_prompt_chars", "max_prompt_tokens", "max_request_tokens",
+                     "embedding_batch_tokens"):
             value = getattr(self, name)
             if value is None and name == "max_prompt_tokens":
                 continue
@@ -126,6 +135,9 @@ class ServeOptions:
                      "shutdown_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected a positive number of seconds")
+        if not 0 <= self.embedding_batch_ms <= 1000:
+            raise ValueError(f"embedding_batch_ms={self.embedding_batch_ms!r}: expected milliseconds "
+                             "in [0, 1000]")
         limit = self.limit_concurrency
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"limit_concurrency={limit!r}: expected a positive integer, or None "
@@ -155,12 +167,17 @@ class ServedModel:
         self.model = model
         self.options = options
         self.family = model.config.family
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler | Seq2SeqScheduler | None = None
+        if self.family == "encoder-decoder" and "decoder" in model.runners:  # not a classifier
+            self.scheduler = Seq2SeqScheduler(model, options.limits, observer)
         if self.family == "decoder":
             model.prefix_cache = PrefixCache.from_mb(options.prefix_cache_mb)  # the library's too
             self.scheduler = Scheduler(model, options.limits, observer, self._speculation(),
                                        model.prefix_cache)
-        self._embed_lock = threading.Lock()
+        self.batcher: EmbeddingBatcher | None = None
+        if self.family == "encoder":
+            self.batcher = EmbeddingBatcher(functools.partial(model.embed_encoded, progress=False),
+                                            options.embedding_batch_ms / 1000, options.embedding_batch_tokens)
 
     def _speculation(self) -> Speculation | None:
         """The scheduler's speculation from the options (a draft export opened once, with the
@@ -196,9 +213,6 @@ class ServedModel:
              observer_for=None) -> "ServedModel":
         settings = SessionSettings(provider=options.provider, intra_op_threads=options.threads)
         model = Model.load(directory, settings=settings)
-        if model.config.family == "encoder-decoder":
-            raise ValueError(f"{directory}: encoder-decoder exports are not served (the scheduler "
-                             "batches decoder-only rows; embeddings need an encoder)")
         name = name or Path(directory).resolve().name
         return cls(name, model, options, observer_for(name) if observer_for else None)
 
@@ -218,11 +232,16 @@ class ServedModel:
         return {"family": self.family, "running": self.scheduler.running,
                 "waiting": self.scheduler.waiting, "alive": self.scheduler.alive}
 
-    def require(self, family: str, endpoint: str) -> None:
-        if self.family != family:
-            kind = {"decoder": "a decoder", "encoder": "an encoder"}[family]
-            raise ApiError(400, f"model {self.name!r} is a {self.family} export; {endpoint} needs "
-                                f"{kind} export", "model")
+    def require(self, families: str | tuple[str, ...], endpoint: str) -> None:
+        """``ApiError`` 400 naming ``model`` unless this export is of one of ``families``
+        (encoder-decoder generation: one with a decoder graph, not a classifier)."""
+        families = (families,) if isinstance(families, str) else families
+        generates = self.family != "encoder-decoder" or self.scheduler is not None
+        if self.family not in families or not generates:
+            kind = " or ".join(f"{'an' if f[0] == 'e' else 'a'} {f}" for f in families)
+            what = f"{self.family} classifier" if not generates else self.family
+            raise ApiError(400, f"model {self.name!r} is {'an' if what[0] == 'e' else 'a'} {what} "
+                                f"export; {endpoint} needs {kind} export", "model")
 
     # --------------------------------------------------------------------------------- limits
     @property
@@ -370,7 +389,8 @@ class ServedModel:
         cap, context = self.options.max_tokens, self.scheduler.max_length
         self.limit_prompt_tokens(prompts, prompt_param)
         longest = max(len(p) for p in prompts)
-        room = context - longest + 1  # the last token is not fed back
+        # the last token is not fed back; an encoder-decoder's prompt is its encoder's
+        room = context if self.family == "encoder-decoder" else context - longest + 1
         if requested is None and default is None:
             return min(cap, room)
         tokens = min(default, cap) if requested is None else requested
@@ -378,9 +398,10 @@ class ServedModel:
             raise ApiError(400, f"{param}={quote(tokens)}: more than this server's limit of {cap} "
                                 "per request (--max-tokens)", param)
         if tokens > room:
-            raise ApiError(400, f"{param}={tokens}: a prompt of {longest} tokens leaves room for "
-                                f"{room} in this server's context of {context}; lower {param} to "
-                                f"at most {room}", param)
+            why = (f"the decoder's context on this server is {context} tokens"
+                   if self.family == "encoder-decoder" else
+                   f"a prompt of {longest} tokens leaves room for {room} in this server's context of {context}")
+            raise ApiError(400, f"{param}={tokens}: {why}; lower {param} to at most {room}", param)
         return tokens
 
     def completion_inputs(self, body: CompletionRequest
@@ -390,6 +411,8 @@ class ServedModel:
         self.limit_chars(text_lengths(body.prompt, "prompt"), "prompt")
         check_text(body, "")
         body.refuse_unsupported()
+        if self.family == "encoder-decoder":
+            refuse_for_seq2seq(body)
         self.constraint(body)  # compiled here, off the event loop; submit finds it cached
         if body.echo and body.logprobs is not None and not self.scheduler.batch.all_logits:
             raise ApiError(400, "echo with logprobs: the prompt's log-probabilities need every "
@@ -481,11 +504,11 @@ class ServedModel:
             raise ApiError(400, f"{param}: {err}", param) from None
 
     # ----------------------------------------------------------------------------- embeddings
-    def embed(self, inputs: Inputs) -> tuple[np.ndarray, int]:
-        """Sentence embeddings float32 [B, E] of an embedding ``input`` and the tokens it took:
-        texts as ``Model.embed_text`` embeds them, token ids as ``Model.embed`` does, both with
-        the export's settings (``tfport embed``). Runs in a worker thread; one batch at a time
-        per model."""
+    def embedding_inputs(self, inputs: Inputs) -> EncodedTexts:
+        """An embedding ``input`` checked and tokenised: texts as ``Model.embed_text`` encodes
+        them (the export's truncation and lower-casing), token ids as sent (segment 0). Tokenises:
+        call it in a worker thread; ``batcher.embed`` then embeds the rows with the export's
+        pooling and normalisation (``tfport embed``)."""
         count = 1 if isinstance(inputs, str) or all(isinstance(t, int) for t in inputs) else len(inputs)
         if count > self.options.max_inputs:
             raise ApiError(400, f"input: {count:,} inputs, more than this server's limit of "
@@ -493,18 +516,17 @@ class ServedModel:
                            "input")
         self.limit_chars(text_lengths(inputs, "input"), "input")
         texts = [inputs] if isinstance(inputs, str) else inputs
-        with self._embed_lock:
-            try:
-                if texts and all(isinstance(t, str) for t in texts):
-                    self._tokenizer("input")
-                    encoded = self.model.encode_texts(texts, method="embeddings")
-                    tokens = self._limit_inputs(encoded.ids)
-                    return self.model.embed_encoded(encoded, progress=False), tokens
+        try:
+            if texts and all(isinstance(t, str) for t in texts):
+                self._tokenizer("input")
+                encoded = self.model.encode_texts(texts, method="embeddings")
+            else:
                 rows = self.prompts(inputs, "input")
-                tokens = self._limit_inputs(rows)
-                return self.model.embed(rows), tokens
-            except (ValueError, TypeError) as err:
-                raise ApiError(400, f"input: {err}", "input") from None
+                encoded = EncodedTexts(rows, [[0] * len(row) for row in rows], [False] * len(rows))
+        except (ValueError, TypeError) as err:
+            raise ApiError(400, f"input: {err}", "input") from None
+        self._limit_inputs(encoded.ids)
+        return encoded
 
     def _limit_inputs(self, rows: Sequence[Sequence[int]]) -> int:
         """The tokens of tokenised embedding inputs, within ``--max-prompt-tokens`` each and

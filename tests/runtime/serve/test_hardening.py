@@ -188,7 +188,7 @@ def test_a_500_shows_a_request_id_and_logs_the_exception(server, monkeypatch, ca
     def broken(inputs):
         raise RuntimeError("secret detail of a bug (test)")
 
-    monkeypatch.setattr(state.models["enc"], "embed", broken)
+    monkeypatch.setattr(state.models["enc"], "embedding_inputs", broken)
     response = httpx.post(url + "/v1/embeddings", json={"model": "enc", "input": "w5"}, timeout=60)
     assert response.status_code == 500, response.text
     error = response.json()["error"]

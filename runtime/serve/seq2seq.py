@@ -1,0 +1,208 @@
+"""Encoder-decoder exports (translation, summarisation) on /v1/completions: a scheduler with the
+decoder ``Scheduler``'s interface (``submit`` -> ``Handle``s, ``waiting`` / ``running`` /
+``alive``, ``start`` / ``stop``), so the server's responses (stops, ``n``, streaming, logprobs,
+usage) are the decoders' own.
+
+There is no continuous batching: each sequence runs ``Model.stream`` alone (one row: the encoder
+once, then the decoder with cross attention, the export's forced tokens and stop ids) in one of
+``max_rows`` worker threads, so its tokens are ``Model.generate``'s for that prompt, seed and
+sampling. Up to ``max_queue`` sequences wait for a worker (then ``QueueFull``: 429). Between
+tokens a worker ends a sequence that was cancelled (its client went away) or ran past its
+timeout.
+
+    scheduler = Seq2SeqScheduler(model, SchedulerLimits(max_rows=4)).start()
+    handle, = scheduler.submit([GenerationRequest(prompt=[5, 9, 2], max_tokens=16)])
+    tokens, reason = handle.result()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from ..sampling import Logprobs, check_bias_ids
+from .handles import Failed, Finished, GenerationRequest, Handle, NullObserver, Observer, QueueFull, Token
+from .protocol import ApiError, CompletionRequest
+from .scheduler import SchedulerLimits, Stopped
+
+logger = logging.getLogger(__name__)
+
+
+def refuse_for_seq2seq(body: CompletionRequest) -> None:
+    """``ApiError`` 400 naming the field of a completion request an encoder-decoder export cannot
+    serve: ``echo`` (its prompt is the encoder's input, not the start of the output) and a
+    ``response_format`` other than text (structured output is decoder-only here)."""
+    if body.echo:
+        raise ApiError(400, "echo: an encoder-decoder export's prompt is its encoder's input, not "
+                            "the start of its output; send echo: false", "echo")
+    if body.constraint():
+        raise ApiError(400, "response_format: structured output is served for decoder-only "
+                            "exports; an encoder-decoder export takes {\"type\": \"text\"} only",
+                       "response_format")
+
+
+class Seq2SeqScheduler:
+    """Encoder-decoder generation for the server (see the module docstring): ``max_rows``
+    sequences at once, each ``Model.stream`` with one row."""
+
+    prefix = None  # no prefix cache (``metrics.ServeMetrics.watch`` reads it)
+    speculation = None
+
+    def __init__(self, model, limits: SchedulerLimits = SchedulerLimits(),
+                 observer: Observer | None = None):
+        if model.config.family != "encoder-decoder":
+            raise ValueError(f"Seq2SeqScheduler: family {model.config.family!r}; expected an "
+                             "encoder-decoder export (decoders: Scheduler)")
+        model.runner("decoder", "serve")  # a classifier-only export has none: an error now
+        self.model = model
+        self.limits = limits
+        self.max_length = min(limits.max_length or model.config.max_positions, model.config.max_positions)
+        self.observer = observer or NullObserver()
+        self._waiting: collections.deque[Handle] = collections.deque()
+        self._running: set[Handle] = set()
+        self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+
+    def check(self, request: GenerationRequest) -> None:
+        """``ValueError`` naming the field for a request this scheduler cannot run."""
+        vocab, limit = self.model.config.vocab_size, self.max_length
+        if len(request.prompt) == 0:
+            raise ValueError("prompt: expected at least one token")
+        bad = [int(t) for t in request.prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:8]} outside [0, {vocab}) (the model's vocab_size)")
+        if len(request.prompt) > self.model.config.max_positions:
+            raise ValueError(f"prompt: {len(request.prompt)} tokens, more than the encoder's "
+                             f"{self.model.config.max_positions} positions")
+        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) \
+                or not 1 <= request.max_tokens <= limit:
+            raise ValueError(f"max_tokens={request.max_tokens!r}: expected an integer in [1, {limit}] "
+                             "(the decoder's context on this server)")
+        if request.processors:
+            raise ValueError("response_format: structured output is served for decoder-only exports")
+        check_bias_ids(request.params, vocab)
+
+    def submit(self, requests: Sequence[GenerationRequest],
+               loop: asyncio.AbstractEventLoop | None = None) -> list[Handle]:
+        """Queue requests -> handles, all or none: ``QueueFull`` when the queue has no room for
+        all of them, ``ValueError`` for a request ``check`` refuses, ``Stopped`` once stopped."""
+        requests = list(requests)
+        for request in requests:
+            self.check(request)
+        handles = [Handle(r) if loop is None else Handle(r).attach(loop) for r in requests]
+        with self._cond:
+            if self._stopping:
+                raise Stopped("the server is stopping and takes no more requests")
+            if len(self._waiting) + len(handles) > self.limits.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue="
+                                f"{self.limits.max_queue}); retry later")
+            self._waiting.extend(handles)
+            self._cond.notify_all()
+        return handles
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def alive(self) -> bool:
+        """Whether every worker thread runs (started and not stopped or dead)."""
+        return bool(self._threads) and all(thread.is_alive() for thread in self._threads)
+
+    def start(self) -> "Seq2SeqScheduler":
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._work, name=f"tfport-seq2seq-{i}", daemon=True)
+                             for i in range(self.limits.max_rows)]
+            for thread in self._threads:
+                thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after each running sequence's current token; waiting and running requests are
+        cancelled."""
+        with self._cond:
+            self._stopping = True
+            handles = [*self._waiting, *self._running]
+            self._waiting.clear()
+            self._cond.notify_all()
+        for handle in handles:
+            handle.cancel()
+            handle.deliver(Finished("cancelled"))
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                handle = self._waiting.popleft()
+                self._running.add(handle)
+            try:
+                event = self._generate(handle)
+            except Exception as err:  # this request only; the worker carries on
+                logger.exception("seq2seq generation failed")
+                event = Failed(err)
+            finally:
+                with self._cond:
+                    self._running.discard(handle)
+            handle.deliver(event)
+            self.observer.finished(event.reason if isinstance(event, Finished) else "error",
+                                   time.monotonic() - handle.submitted)
+
+    def _generate(self, handle: Handle) -> Finished:
+        """Deliver the sequence's tokens as ``Model.stream`` makes them -> how it ended."""
+        request = handle.request
+        reason = self._stop_reason(handle)
+        if reason:
+            return Finished(reason)
+        params = request.params
+        logprobs = None if request.logprobs is None else Logprobs(top=request.logprobs)
+        steps = self.model.stream(
+            [list(request.prompt)], max_new_tokens=request.max_tokens, stop_token_ids=request.stop_ids,
+            seed=request.seed, logprobs=logprobs,
+            **{f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
+        # A token's log-probability is recorded when the next step is asked for: with logprobs
+        # each token is delivered one step late (at the next step, or at the end).
+        start, count, token, held = time.perf_counter(), 0, None, None
+        for tokens in steps:
+            if held is not None:
+                handle.deliver(Token(held, logprobs.rows[0][count - 1]))
+            token = int(tokens[0])
+            if count == 0:
+                self.observer.first_token(time.monotonic() - handle.submitted)
+            else:
+                self.observer.step(1, 1, time.perf_counter() - start)
+            if logprobs is None:
+                handle.deliver(Token(token))
+            else:
+                held = token
+            count, start = count + 1, time.perf_counter()
+            reason = self._stop_reason(handle)
+            if reason:
+                steps.close()
+                return Finished(reason)
+        if held is not None:
+            handle.deliver(Token(held, logprobs.rows[0][count - 1]))
+        return Finished("stop" if token in request.stop_ids else "length")
+
+    @staticmethod
+    def _stop_reason(handle: Handle) -> str | None:
+        if handle.cancelled:
+            return "cancelled"
+        if handle.deadline is not None and time.monotonic() >= handle.deadline:
+            return "timeout"
+        return None
