@@ -25,7 +25,8 @@ import reprlib
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Discriminator, FailFast, Field, StrictInt, Tag
+from typing_extensions import TypeAliasType
 
 from ..decoding.grammar import constraint_arguments
 
@@ -81,11 +82,40 @@ def check_text(value: Any, param: str) -> None:
             check_text(item, f"{param}.{key}")
 
 
+def _prompt_form(value: Any) -> str | None:
+    """Which form of ``Prompt`` a value is, read from its first item (None: none)."""
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else ""
+    return "texts" if isinstance(first, str) else "id_lists" if isinstance(first, list) else "ids"
+
+
+# A prompt (completions) or an input (embeddings): a text, texts, token ids or token-id lists.
+# The first item picks the form, and pydantic checks that form only, stopping at its first wrong
+# item: a plain union is checked form by form with an error per item, which took 5 s on the
+# event loop for 100k strings and one int (a 1 MB body).
+_Texts = TypeAliasType("Texts", Annotated[list[str], FailFast()])
+_Ids = TypeAliasType("TokenIds", Annotated[list[StrictInt], FailFast()])
+_IdLists = TypeAliasType("TokenIdLists", Annotated[list[_Ids], FailFast()])
+PROMPT_FORMS = ("text", "texts", "ids", "id_lists")
+Prompt = Annotated[
+    Union[Annotated[str, Tag("text")], Annotated[_Texts, Tag("texts")], Annotated[_Ids, Tag("ids")],
+          Annotated[_IdLists, Tag("id_lists")]],
+    Discriminator(_prompt_form, custom_error_type="prompt_type",
+                  custom_error_message="expected a string, a list of strings, a list of token ids "
+                                       "or a list of token-id lists")]
+
+
 def field_path(loc: tuple | list) -> str:
-    """A pydantic error location as the client wrote the field: ``messages[0].content``."""
-    path = ""
+    """A pydantic error location as the client wrote the field: ``messages[0].content``
+    (a ``Prompt``'s form name left out: ``prompt[3]``)."""
+    path, previous = "", None
     for part in loc:
-        if part == "body" and not path:
+        skip = (part == "body" and not path) or (previous in ("prompt", "input") and part in PROMPT_FORMS)
+        previous = part
+        if skip:
             continue
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path
@@ -216,7 +246,7 @@ class DecodingRequest(BaseModel):
 
 
 class CompletionRequest(DecodingRequest):
-    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    prompt: Prompt
     echo: bool = False
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=5)
     suffix: Optional[str] = None
@@ -292,7 +322,7 @@ class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    input: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
+    input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None

@@ -180,7 +180,7 @@ def test_embeddings_equal_the_runtime(server, client, serve_exports):
     ({"model": "dec-ort"}, "prompt"),
     ({"model": "enc", "prompt": "w5"}, "model"),
     ({"model": "dec-ort", "prompt": [1] * 70}, "prompt"),  # longer than the context of 64
-    ({"model": "dec-ort", "prompt": [True, False]}, "prompt"),  # booleans are not token ids
+    ({"model": "dec-ort", "prompt": [True, False]}, "prompt[0]"),  # booleans are not token ids
     ({"model": "dec-ort", "prompt": "w5", "max_tokens": True}, "max_tokens"),
     ({"model": "dec-ort", "prompt": "w5", "stop_token_ids": [2.0]}, "stop_token_ids[0]"),
     ({"model": "dec-ort", "prompt": "w5", "top_logprobs": 21}, "top_logprobs"),  # 0-20

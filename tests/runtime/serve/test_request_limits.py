@@ -241,3 +241,27 @@ def test_memory_goes_back_near_its_baseline_after_a_big_request(server):
     while (held := rss_mib() - baseline) > 0.2 * grown and time.monotonic() < deadline:
         time.sleep(0.05)
     assert held <= 0.2 * grown, f"{held:.0f} of {grown:.0f} MiB still held"
+
+
+# -------------------------------------------------------------------------- prompt forms
+@pytest.mark.parametrize("path,field,value,param", [
+    ("/v1/completions", "prompt", ["w5"] * 100_000 + [7], "prompt[100000]"),
+    ("/v1/embeddings", "input", ["w5", 7] * 50_000, "input[1]"),
+    ("/v1/completions", "prompt", [[5, 6]] * 50_000 + [["w5"]], "prompt[50000][0]"),
+])
+def test_a_list_mixing_forms_is_refused_at_its_first_stray_item(server, path, field, value, param):
+    """A prompt/input's first item picks its form and the first stray item is the one error:
+    a plain union checked every form with an error per item (200,000 errors, seconds of the
+    event loop, for this 100k-item body)."""
+    from pydantic import ValidationError
+
+    from tfport.runtime.serve.protocol import CompletionRequest, EmbeddingRequest
+
+    model = ENC if field == "input" else DEC
+    request = EmbeddingRequest if field == "input" else CompletionRequest
+    with pytest.raises(ValidationError) as caught:
+        request.model_validate({"model": model, field: value})
+    assert caught.value.error_count() == 1, caught.value.error_count()
+    response = post(server[0], path, {"model": model, field: value})
+    assert response.status_code == 400, response.text[:300]
+    assert response.json()["error"]["param"] == param, response.json()
