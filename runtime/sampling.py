@@ -239,8 +239,9 @@ def penalise(logits: np.ndarray, params: SamplingParams, prompt_ids: np.ndarray,
     counts = np.bincount(np.asarray(generated, dtype=np.int64), minlength=vocab)  # [V]
     if params.repetition_penalty != 1:
         seen = np.union1d(prompt_ids, np.flatnonzero(counts))
-        x[seen] = np.where(x[seen] > 0, x[seen] / params.repetition_penalty,
-                           x[seen] * params.repetition_penalty)
+        with np.errstate(divide="ignore", over="ignore"):  # an extreme r gives +-inf, clipped when picking
+            x[seen] = np.where(x[seen] > 0, x[seen] / params.repetition_penalty,
+                               x[seen] * params.repetition_penalty)
     if params.frequency_penalty or params.presence_penalty:
         x -= (params.frequency_penalty * counts + params.presence_penalty * (counts > 0)).astype(np.float32)
     return x

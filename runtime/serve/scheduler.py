@@ -207,8 +207,10 @@ class Scheduler:
             handles = [*self._waiting, *(live.handle for live in self._live)]
             self._waiting.clear()
             self._live = []  # the counts (/health, the gauges) read 0 once stopped
+        now = time.monotonic()
         for handle in handles:
             handle.deliver(Finished("cancelled"))
+            self.observer.finished("cancelled", now - handle.submitted)  # counted like any ending
 
     # ------------------------------------------------------------------------------ the loop
     def _loop(self) -> None:

@@ -257,3 +257,18 @@ def test_cli_repetition_penalty_and_min_p(loaded, capsys):
                  "--min-p", "0.5"])  # min_p leaves greedy picks alone
     assert code == 0
     assert capsys.readouterr().out.strip() == ",".join(map(str, expected))
+
+
+def test_an_extreme_repetition_penalty_saturates_without_nan_or_warning():
+    """r = 1e-300 (0 in float32, which the API's r > 0 allows): seen positive logits become +inf
+    and are picked among evenly, the rest get no mass; no NaN and no numpy warning."""
+    import warnings
+
+    from tfport.runtime.sampling import distribution
+
+    params = SamplingParams(temperature=1.0, repetition_penalty=1e-300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        x = penalise(np.array([1.0, 2.0, -1.0, 0.5], dtype=np.float32), params, np.array([0, 1, 2]), [])
+        p = distribution(x[None], params)[0]
+    np.testing.assert_allclose(p, [0.5, 0.5, 0.0, 0.0])

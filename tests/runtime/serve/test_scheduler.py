@@ -12,6 +12,7 @@ import pytest
 from tfport.runtime import load_model
 from tfport.runtime.decoding import DECODINGS
 from tfport.runtime.sampling import SamplingParams
+from tfport.runtime.serve.handles import NullObserver
 from tfport.runtime.serve.scheduler import (Failed, Finished, GenerationRequest, QueueFull,
                                             Scheduler, SchedulerLimits, Token)
 
@@ -205,9 +206,16 @@ def test_the_exports_forced_tokens_are_forced_as_generate_forces_them(model, sch
 def test_stop_cancels_and_forgets_waiting_and_running_requests(model):
     """After stop, every request got Finished('cancelled') and the counts read 0 (they kept the
     cancelled handles before)."""
-    scheduler = Scheduler(model, SchedulerLimits(max_rows=2, max_queue=16))  # never started
+    endings: list[str] = []
+
+    class Endings(NullObserver):
+        def finished(self, reason, seconds):
+            endings.append(reason)
+
+    scheduler = Scheduler(model, SchedulerLimits(max_rows=2, max_queue=16), observer=Endings())  # never started
     handles = scheduler.submit([GenerationRequest(p, 8) for p in prompts(5, seed=4)])
     assert scheduler.waiting == 5
     scheduler.stop()
     assert (scheduler.waiting, scheduler.running) == (0, 0)
     assert all(h.result() == ([], "cancelled") for h in handles)
+    assert endings == ["cancelled"] * 5  # tfport_sequences_finished counts them (it missed them before)
