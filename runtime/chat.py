@@ -43,8 +43,8 @@ from tfport.contract import CHAT_TEMPLATE_FILE
 
 from .decoding.grammar import KINDS
 from .tokenizer import TextStream, TextTokenizer
-from .tools import (CallDelta, ChatReply, ToolCallParser, ToolFormat, ToolRequest, parse_reply,
-                    template_message, tool_request)
+from .tool_parser import ToolCallParser, parse_reply
+from .tools import CallDelta, ChatReply, ToolFormat, ToolRequest, template_message, tool_request
 
 if TYPE_CHECKING:
     from .model import Model
@@ -222,7 +222,7 @@ def chat_stream(model: "Model", messages: Messages, *, tools: Any = None, tool_c
     ``grammar``.
 
     With ``tools`` (and ``tool_choice`` other than "none") the reply is parsed as it comes:
-    content as str pieces, calls as ``tools.CallDelta`` items (see ``tools.ToolCallParser``).
+    content as str pieces, calls as ``tools.CallDelta`` items (see ``tool_parser.ToolCallParser``).
     ``tool_choice`` "required" or ``{"type": "function", "function": {"name": ...}}`` forces a
     call by grammar, so it takes no other constraint; ``parallel_tool_calls=False`` allows one."""
     texts, tool_format = _reply_texts(model, messages, tools, tool_choice, parallel_tool_calls,
@@ -234,7 +234,7 @@ def chat(model: "Model", messages: Messages, *, tools: Any = None, tool_choice: 
          parallel_tool_calls: bool = True, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
          **generate_kwargs: Any) -> str | ChatReply:
     """The assistant's reply to ``messages`` as one str (see ``chat_stream``); with ``tools``,
-    a ``ChatReply`` with the calls parsed (``tools.parse_reply``)."""
+    a ``ChatReply`` with the calls parsed (``tool_parser.parse_reply``)."""
     texts, tool_format = _reply_texts(model, messages, tools, tool_choice, parallel_tool_calls,
                                       max_new_tokens, generate_kwargs)
     text = "".join(texts)

@@ -30,7 +30,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..chat import chat_format
-from ..tools import ToolCallParser, parse_reply
+from ..tool_parser import ToolCallParser, parse_reply
 from .protocol import ApiError, DecodingRequest, EmbeddingRequest, quote
 from .handles import Failed, Finished, Handle, Token
 from .logprobs import Scored, chat_logprobs, completion_logprobs

@@ -13,8 +13,8 @@ import pytest
 
 from tfport.runtime.chat import ChatFormat
 from tfport.runtime.tokenizer import TextTokenizer
-from tfport.runtime.tools import (FORMATS, HERMES, LLAMA3_JSON, MISTRAL, ToolCallParser, detect_format,
-                                  parse_reply)
+from tfport.runtime.tool_parser import ToolCallParser, parse_reply
+from tfport.runtime.tools import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, detect_format
 
 from .tool_cases import TEMPLATES, TOOLS, WEATHER, tool_exports, write_byte_tokenizer
 
