@@ -66,7 +66,8 @@ from .protocol import (ApiError, ChatRequest, ClassifyRequest, CompletionRequest
                        ScoreRequest, check_text, quote)
 from .responses import Completion, embedding_response
 from .scoring import classify_response, require_head, rerank_response, score_response
-from .served import ServedModel, ServeOptions
+from .options import ServeOptions
+from .served import ServedModel
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provider", choices=PROVIDERS, default="cpu")
     parser.add_argument("--threads", type=ascii_int, default=0,
                         help="intra-op threads per model (default: ONNX Runtime's choice)")
-    from .served import ServeOptions
+    from .options import ServeOptions
     limits = ServeOptions()
     parser.add_argument("--max-body-bytes", type=_positive, default=limits.max_body_bytes, metavar="BYTES",
                         help="largest request body; larger ones get 413 before they are read "
@@ -89,7 +89,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace):
-    from .served import ServeOptions
+    from .options import ServeOptions
     return ServeOptions(max_rows=args.max_rows, max_queue=args.max_queue,
                         max_tokens=args.max_tokens, timeout=args.timeout,
                         max_length=args.max_length, provider=args.provider, threads=args.threads,
@@ -168,7 +168,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 def _add_network_options(serve: argparse.ArgumentParser) -> None:
     """Connections, browsers, endpoints and shutdown (``connections``, ``exposure``, ``lifecycle``)."""
-    from .served import ServeOptions
+    from .options import ServeOptions
     default = ServeOptions()
     serve.add_argument("--header-timeout", type=float, default=default.header_timeout, metavar="S",
                        help="seconds a connection may take to send a request's head; then it is "

@@ -27,7 +27,7 @@ import logging
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .served import ServeOptions
+from .options import ServeOptions
 
 logger = logging.getLogger(__name__)
 

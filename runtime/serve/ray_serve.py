@@ -28,7 +28,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .served import ServeOptions
+from .options import ServeOptions
 
 logger = logging.getLogger(__name__)
 

@@ -54,7 +54,7 @@ def running_server(directories, idle: bool = False, **options):
     import uvicorn
 
     from tfport.runtime.serve.app import ServerState, create_app
-    from tfport.runtime.serve.served import ServeOptions
+    from tfport.runtime.serve.options import ServeOptions
 
     state = ServerState.load([str(d) for d in directories], ServeOptions(threads=1, **options))
     if idle:

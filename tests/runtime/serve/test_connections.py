@@ -247,7 +247,7 @@ def test_docs_and_metrics_can_be_switched_off(guarded, server, path, option):
 @pytest.mark.parametrize("origin", ["http://app.example/", "http://app.example/path", "app.example",
                                     "ftp://app.example", "http://App.example", ""])
 def test_a_cors_origin_is_one_a_browser_sends(origin):
-    from tfport.runtime.serve.served import ServeOptions
+    from tfport.runtime.serve.options import ServeOptions
 
     with pytest.raises(ValueError, match="cors origin"):
         ServeOptions(cors_origins=(origin,))
@@ -258,7 +258,7 @@ def test_a_cors_origin_is_one_a_browser_sends(origin):
                                           ("keep_alive_timeout", float("nan")), ("shutdown_timeout", 0),
                                           ("limit_concurrency", 0), ("limit_concurrency", True)])
 def test_connection_options_are_checked(field, value):
-    from tfport.runtime.serve.served import ServeOptions
+    from tfport.runtime.serve.options import ServeOptions
 
     with pytest.raises(ValueError, match=f"^{field}="):
         ServeOptions(**{field: value})

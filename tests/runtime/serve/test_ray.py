@@ -57,7 +57,7 @@ in_private_network = pytest.mark.skipif(
                                            "target_ongoing_requests": 16}}),
 ])
 def test_replica_options_become_serve_deployment_options(given, expected):
-    from tfport.runtime.serve.served import ServeOptions
+    from tfport.runtime.serve.options import ServeOptions
     assert Replicas.from_options(*given).deployment_options(ServeOptions(max_rows=16)) == expected
 
 
@@ -156,7 +156,7 @@ def ray_server(serve_exports):
     import ray
 
     from tfport.runtime.serve.ray_serve import deploy
-    from tfport.runtime.serve.served import ServeOptions
+    from tfport.runtime.serve.options import ServeOptions
 
     patch = pytest.MonkeyPatch()
     patch.delenv("RAY_ADDRESS", raising=False)  # a local instance, never a cluster from the env
@@ -273,7 +273,7 @@ def test_min_and_max_replicas_reach_serves_autoscaler(ray_server, serve_exports)
     from ray.serve.schema import ServeInstanceDetails
 
     from tfport.runtime.serve.ray_serve import build_deployment
-    from tfport.runtime.serve.served import ServeOptions
+    from tfport.runtime.serve.options import ServeOptions
 
     options = ServeOptions(threads=1, max_rows=4)
     # From zero: no replica starts (a request would start one), so the test stays short.

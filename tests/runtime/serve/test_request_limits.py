@@ -195,7 +195,7 @@ def test_limits_come_from_the_command_line(option, value, default):
 @pytest.mark.parametrize("name, value", [("max_prompt_chars", 0), ("max_prompt_tokens", -1),
                                          ("max_request_tokens", True), ("max_prompt_chars", None)])
 def test_limit_options_are_checked(name, value):
-    from tfport.runtime.serve.served import ServeOptions
+    from tfport.runtime.serve.options import ServeOptions
 
     with pytest.raises(ValueError, match=f"{name}={value!r}: expected a positive integer"):
         ServeOptions(**{name: value})

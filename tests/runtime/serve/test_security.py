@@ -49,7 +49,7 @@ def test_every_request_but_health_needs_the_key(serve_exports, monkeypatch):
 
 
 def test_the_key_is_not_in_the_options_repr():
-    from tfport.runtime.serve.served import ServeOptions
+    from tfport.runtime.serve.options import ServeOptions
 
     assert KEY not in repr(ServeOptions(api_key=KEY))
     with pytest.raises(ValueError, match="api_key"):
