@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from .blocks import BlockQuantized, concat_rows
 from .gptq import DAMP, gptq_rows
-from .hessians import BUILTIN, Calibration, collect_hessians, token_sequences
+from .hessians import AUTO, BUILTIN, NONE, Calibration, collect_hessians, token_sequences
 from .quantize import QuantScheme, token_table_paths
 from .row_index import RowIndex
 
@@ -62,15 +62,18 @@ class PrecomputedQuantization:
 
 def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray] | None,
               scale_dtype: str = "float32", head_bits: int | None = None, damp: float = DAMP,
-              progress: bool = False, record: dict | None = None) -> PrecomputedQuantization:
+              progress: bool = False, record: dict | None = None,
+              hessians: dict | None = None) -> PrecomputedQuantization:
     """Quantise every weight matrix of ``model`` with ``scheme``'s block layout: GPTQ on each
     ``nn.Linear`` with the Hessian of its inputs on ``sequences`` (token id arrays [S]; None:
     round-to-nearest everywhere), the token tables (when ``scheme.embeddings``) with
     round-to-nearest, and the LM head and token table with ``head_bits`` (None: the scheme's bits).
-    ``record`` is added to the manifest's quantisation entry."""
+    ``record`` is added to the manifest's quantisation entry. ``hessians`` (``collect_hessians``'
+    result) replaces ``sequences`` when several layouts are calibrated on the same text."""
     if head_bits is not None and head_bits not in HEAD_BITS:
         raise ValueError(f"head_bits={head_bits!r}: expected None or one of {list(HEAD_BITS)}")
-    hessians = collect_hessians(model, sequences, progress) if sequences else {}
+    if hessians is None:
+        hessians = collect_hessians(model, sequences, progress) if sequences else {}
     tables = [model.get_parameter(path) for path in token_table_paths(model)]
     head = getattr(model, "lm_head", None)
     heads = {id(p) for p in tables} | ({id(head.weight)} if isinstance(head, nn.Linear) else set())
@@ -117,6 +120,26 @@ def fingerprint(index: RowIndex) -> str:
 
 
 # --------------------------------------------------------------------------- export options
+def resolve_calibration(scheme, calibration: str | Calibration | None, tokenizer) -> str | Calibration | None:
+    """What ``ExportOptions.calibration`` asks for ``scheme``: "auto" (the default) is GPTQ on the
+    built-in text for int4 when ``tokenizer`` is known (round-to-nearest loses 4-5x more
+    perplexity: docs/quantisation.md), round-to-nearest for int8 (within 0.1% already), and
+    round-to-nearest with a warning for int4 without a tokenizer; "none" or None is
+    round-to-nearest; anything else is returned for ``calibrated_scheme``."""
+    if calibration is None or calibration == NONE:
+        return None
+    if calibration != AUTO:
+        return calibration
+    if not isinstance(scheme, QuantScheme) or scheme.bits != 4:
+        return None
+    if tokenizer is None:
+        log.warning("quantize='int4' without a tokenizer: round-to-nearest codes (about 40%% more "
+                    "perplexity than float32 on SmolLM2, against 8%% with GPTQ); pass the tokenizer "
+                    "(tfport export --tokenizer) to calibrate, or calibration='none' to choose this")
+        return None
+    return BUILTIN
+
+
 def calibrated_scheme(model: nn.Module, scheme, calibration: str | Calibration | None, tokenizer,
                       scale_dtype: str = "float32", head_bits: int | None = None,
                       progress: bool | None = None) -> PrecomputedQuantization:

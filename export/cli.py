@@ -8,7 +8,7 @@ import logging
 from tfport.contract import DTYPES, KV_DTYPES, LOGITS
 
 from .calibrate import HEAD_BITS
-from .hessians import BUILTIN, DEFAULT_TOKENS, Calibration
+from .hessians import AUTO, BUILTIN, DEFAULT_TOKENS, NONE, Calibration
 from .exporter import export_checkpoint_or_preset
 from .options import MAX_OPSET, MIN_OPSET, ExportOptions
 from .quantize import BITS as QUANTIZE_FORMATS
@@ -19,17 +19,18 @@ log = logging.getLogger(__name__)
 
 
 def run_export(args: argparse.Namespace) -> int:
-    calibration = None
-    if args.calibration is not None:
-        calibration = Calibration(args.calibration, args.calibration_tokens or DEFAULT_TOKENS)
+    calibration = args.calibration
+    if calibration not in (AUTO, NONE):
+        calibration = Calibration(calibration, args.calibration_tokens or DEFAULT_TOKENS)
     elif args.calibration_tokens is not None:
         raise ValueError(f"--calibration-tokens={args.calibration_tokens}: applies with --calibration "
-                         f"({BUILTIN} or a text file)")
+                         f"{BUILTIN} or a text file")
     options = ExportOptions(
         dtype=args.dtype, opset=args.opset, target=args.target, validate=not args.no_validate,
         tokenizer=args.tokenizer, overwrite=args.force, show_progress=None if not args.progress else True,
         quantize=args.quantize, block_size=args.block_size, symmetric=args.symmetric, logits=args.logits,
-        kv_dtype=args.kv_dtype, calibration=calibration, head_bits=args.head_bits)
+        kv_dtype=args.kv_dtype, calibration=calibration, head_bits=args.head_bits, max_loss=args.max_loss,
+        loss_text=args.loss_text)
     manifest = export_checkpoint_or_preset(args.source, args.out, options, seed=args.seed)
     graphs = ", ".join(g.file for g in manifest.graphs.values())
     cache = f", KV cache {manifest.kv_dtype}" if manifest.kv_dtype != manifest.dtype and "decoder" in manifest.graphs else ""
@@ -51,7 +52,12 @@ def describe_quantization(quantization: dict) -> str:
     method = "GPTQ" if quantization.get("method") == "gptq" else "round-to-nearest"
     head = f", head int{quantization['head_bits']}" if "head_bits" in quantization else ""
     symmetric = "symmetric" if quantization["symmetric"] else "with zero points"
-    return f"{quantization['format']} in blocks of {quantization['block_size']}, {symmetric} ({method}{head})"
+    text = f"{quantization['format']} in blocks of {quantization['block_size']}, {symmetric} ({method}{head})"
+    budget = quantization.get("budget")
+    if budget:
+        text += f", the fastest of {len(budget['candidates'])} layouts within --max-loss {budget['max_loss']:.1%} " \
+                f"({budget['metric']} {budget['loss']:.1%})"
+    return text
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -79,22 +85,30 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action="store_true", help="always show the progress bar")
     p.add_argument("--quantize", choices=[*QUANTIZE_FORMATS, "keep"], default=None,
                    help="weight-only blockwise quantisation of every weight product, the token table "
-                        "and a tied head (round-to-nearest; the target lowers it: DequantizeLinear + "
+                        "and a tied head (codes chosen as --calibration says; the target lowers it: DequantizeLinear + "
                         "MatMul for portable/onnx23, MatMulNBits for ort); keep: a .gguf source's own "
                         "Q4_0/Q4_1/Q8_0 blocks, not re-quantised")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None,
                    help="values per scale along each weight row of --quantize int4/int8 (default 32)")
-    p.add_argument("--calibration", metavar="TEXT",
-                   help=f"choose int4/int8 codes with GPTQ on the model's activations over a text "
-                        f"({BUILTIN}: the text shipped in export/data/calibration.txt, or a UTF-8 text "
-                        f"file; needs the source's tokenizer) instead of round-to-nearest (the default); "
-                        f"same graph layout")
+    p.add_argument("--calibration", metavar="TEXT", default=AUTO,
+                   help=f"how int4/int8 codes are chosen: {AUTO} (default): GPTQ on the built-in text for "
+                        f"int4 when the source has a tokenizer, else round-to-nearest; {NONE}: "
+                        f"round-to-nearest (no calibration pass; less accurate); {BUILTIN} or a UTF-8 "
+                        f"text file: GPTQ on the model's activations over that text (needs the "
+                        f"tokenizer); same graph layout either way")
     p.add_argument("--calibration-tokens", type=int, metavar="N",
                    help=f"tokens of the calibration text to read (default {DEFAULT_TOKENS}, or all of a "
                         f"shorter text)")
     p.add_argument("--head-bits", type=int, choices=HEAD_BITS,
                    help="bits of the LM head and token table (mixed precision: 8 keeps them int8 while "
                         "the other products are int4; default: as --quantize)")
+    p.add_argument("--max-loss", metavar="LOSS",
+                   help="choose the fastest --quantize layout (block size, head at 8 bits) whose loss "
+                        "stays within LOSS (e.g. 10%%: perplexity increase of a decoder, 1 - minimum "
+                        "cosine of an encoder), measuring each candidate's speed and loss here; "
+                        "--block-size / --head-bits fix those fields")
+    p.add_argument("--loss-text", metavar="FILE",
+                   help="text the --max-loss loss is measured on (default: the calibration text)")
     p.add_argument("--logits", choices=LOGITS, default="all",
                    help="decoder logits for every position (all, default) or only the one the next "
                         "token is picked from (last: [B, 1, V]; a prefill skips the head for the rest)")

@@ -175,18 +175,32 @@ def head_norm(g: GraphBuilder, x: str, module: nn.Module, n: int, head_dim: int,
     return g.op("Reshape", normed, g.const([0, 0, -1], name="merge_heads"), name=f"{name}.merge")
 
 
+def _clipped(g: GraphBuilder, x: str, module: Attention, name: str) -> str:
+    """x clamped to [-c, c] for ``module.qkv_clip`` c (OLMoE's ``clip_qkv``), else x: elementwise,
+    so the packed q|k|v product is clamped whole where no norm reads it first."""
+    if module.qkv_clip is None:
+        return x
+    c = module.qkv_clip
+    return g.op("Clip", x, g.const(-c, g.dtype, "qkv_clip_min"), g.const(c, g.dtype, "qkv_clip_max"),
+                name=f"{name}.clip")
+
+
 def self_attention(g: GraphBuilder, x: str, module: Attention, ctx: StackInputs,
                    past: tuple[str, str] | None, name: str) -> tuple[str, tuple[str, str] | None]:
-    """Fused QKV projection (q/k norms), then rotary + attention as the target lowers them
-    -> (output [B, S, E], present (k, v) or None)."""
+    """Fused QKV projection (q/k norms, per head or over all heads; the q/k/v clamp), then
+    rotary + attention as the target lowers them -> (output [B, S, E], present (k, v) or None)."""
     h, hkv, d = module.n_heads, module.kv_heads, module.head_dim
     qkv = linear(g, x, module.qkv, f"{name}.qkv")  # [B, S, (H + 2 Hkv) D]
     if module.q_norm is None:  # the target splits the packed product, or reads it whole
-        out, present = ctx.target.attend_qkv(g, qkv, module, ctx, past, name)
+        out, present = ctx.target.attend_qkv(g, _clipped(g, qkv, module, f"{name}.qkv"), module, ctx, past, name)
     else:
         q, k, v = split_qkv(g, qkv, module, name)  # [B, S, N*D] each
-        q = head_norm(g, q, module.q_norm, h, d, f"{name}.q_norm")
-        k = head_norm(g, k, module.k_norm, hkv, d, f"{name}.k_norm")
+        if module.qk_norm_per_head:
+            q = head_norm(g, q, module.q_norm, h, d, f"{name}.q_norm")
+            k = head_norm(g, k, module.k_norm, hkv, d, f"{name}.k_norm")
+        else:  # OLMoE: one norm over all heads' channels
+            q, k = norm(g, q, module.q_norm, f"{name}.q_norm"), norm(g, k, module.k_norm, f"{name}.k_norm")
+        q, k, v = (_clipped(g, t, module, f"{name}.{part}") for t, part in zip((q, k, v), "qkv"))
         out, present = ctx.target.attend(g, q, k, v, module, ctx, past, name)
     g.tap(f"{name}.context", out)
     return g.tap(name, linear(g, out, module.out, f"{name}.out")), present
@@ -223,6 +237,9 @@ def block(g: GraphBuilder, stream: Residual, module: Block, config: ModelConfig,
             post = getattr(module, f"{part}_post_norm", None)
             if post is not None:  # Gemma 2/3: the sublayer's output is normalised too
                 out = g.tap(f"{name}.{part}_post_norm", norm(g, out, post, f"{name}.{part}_post_norm"))
+            if module.residual_scale != 1.0:  # Granite's residual_multiplier, in the model dtype
+                out = g.op("Mul", out, g.const(module.residual_scale, g.dtype, "residual_scale"),
+                           name=f"{name}.{part}_scale")
             return Residual(x, out, f"{name}.{part}_residual")
         x = settle(g, stream)
         out, _ = normed(g, target, Residual(x, f(x), f"{name}.{part}_residual"), norm_module,

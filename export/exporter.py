@@ -20,12 +20,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tfport.config import ModelConfig
-from tfport.contract import CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, Manifest
+from tfport.contract import CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE
 from tfport.files import atomic_directory
 from tfport.integrity import graph_metadata, record_files
+from tfport.manifest import Manifest
 
-from .calibrate import calibrated_scheme
+from .calibrate import calibrated_scheme, resolve_calibration
 from .graphs import BUILDERS
+from .hessians import Calibration
 from .options import ExportOptions, ExportPlan, plan_export
 from .quantize import fake_quantize
 
@@ -51,7 +53,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
     product, the token table and a tied head as blockwise round-to-nearest codes (``block_size``
     values per scale, zero points unless ``symmetric``), lowered by the target
     (``project_quantized``); validation then compares against the module with its weights
-    replaced by the dequantised values (``quantize.fake_quantize``). ``calibration`` ("builtin",
+    replaced by the dequantised values (``quantize.fake_quantize``). ``calibration`` ("auto", the
+    default: GPTQ on the built-in text for int4 when ``tokenizer`` is given; "none"; "builtin",
     a text file's path or an ``export.calibrate.Calibration``; needs ``tokenizer``) chooses the
     codes with GPTQ on the module's activations over that text instead (same layout);
     ``head_bits`` (8 or 4) quantises the LM head and token table with that many bits.
@@ -70,8 +73,16 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
     config: ModelConfig = model.config
     plan = plan_export(options, config, out_dir)
     scheme = plan.scheme
-    if options.calibration is not None or options.head_bits is not None:  # GPTQ, mixed precision
-        scheme = calibrated_scheme(model, scheme, options.calibration, options.tokenizer, options.dtype,
+    calibration = resolve_calibration(scheme, options.calibration, options.tokenizer)
+    if options.max_loss is not None:  # the fastest layout within the budget, measured
+        from .budget import choose_layout, parse_loss
+
+        scheme = choose_layout(model, scheme, parse_loss(options.max_loss), options.tokenizer,
+                               Calibration(calibration) if isinstance(calibration, str) else calibration,
+                               options.loss_text, options.block_size, options.head_bits, plan.target,
+                               options.dtype)
+    elif calibration is not None or options.head_bits is not None:  # GPTQ, mixed precision
+        scheme = calibrated_scheme(model, scheme, calibration, options.tokenizer, options.dtype,
                                    options.head_bits, options.show_progress)
     manifest = Manifest(config=config, dtype=options.dtype, opset=plan.opset, target=plan.target.name,
                         layout=plan.target.layout,

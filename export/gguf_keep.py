@@ -30,6 +30,10 @@ sub-block is one block of the export's layout, with scale ``d sc`` (exact in flo
 
 Q2_K and Q3_K are not kept (they fall back like F32).
 
+A mixture's experts, stacked [N, rows, K] per layer and projection (``ffn_*_exps``), are indexed
+as N * rows rows, so each expert's products keep their blocks; its router (``ffn_gate_inp``),
+which llama.cpp's files hold in F32, is re-quantised with the fallback like any F32 matrix.
+
 The importer (``tfport.models.gguf``) dequantises these blocks to float32 for the reference
 module; ``KeptQuantization`` finds each weight row of that module among the file's rows (by its
 exact float32 bytes, which survives the importer's row concatenations and Q/K un-permutation) and
@@ -197,9 +201,11 @@ class KeptQuantization:
         self.kinds: dict[str, str] = {}
         for name in file.tensor_names():
             kind = file.tensor_type(name)
-            if kind not in KEPT_TYPES or len(file.shape(name)) != 2:
+            if kind not in KEPT_TYPES or len(file.shape(name)) not in (2, 3):
                 continue
-            blocks = decode_blocks(kind, file.blocks(name))
+            # a stack of experts [N, rows, K] (ffn_*_exps) holds N * rows rows of K
+            rows = int(np.prod(file.shape(name)[:-1]))
+            blocks = decode_blocks(kind, file.blocks(name).reshape(rows, -1))
             self.index.add(gguf_values(blocks), blocks)
             self.kinds[name] = kind
         # distinct weight products seen so far (sha1 of their float32 bytes) -> kept or not: a

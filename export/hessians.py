@@ -27,6 +27,8 @@ from tqdm.auto import tqdm
 log = logging.getLogger(__name__)
 
 BUILTIN = "builtin"
+AUTO = "auto"  # the default: GPTQ on the built-in text for int4 when the tokenizer is known
+NONE = "none"  # round-to-nearest
 BUILTIN_TEXT = Path(__file__).resolve().parent / "data" / "calibration.txt"
 DEFAULT_TOKENS = 4096  # calibration tokens (the built-in text has about 3,200 in SmolLM2's tokenizer)
 MIN_TOKENS = 16

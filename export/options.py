@@ -20,7 +20,7 @@ from tfport.embedding import EmbeddingSettings
 from tfport.files import check_output_dir
 from tfport.generation import GenerationDefaults
 
-from .hessians import Calibration
+from .hessians import AUTO, Calibration
 from .quantize import QuantScheme, resolve_scheme
 from .targets import DEFAULT_TARGET, Target, get_target
 
@@ -42,10 +42,14 @@ class ExportOptions:
     ``external_data_threshold``: weight bytes past which a graph keeps them in ``.onnx.data``.
     ``show_progress``: None shows the bar for large models. ``quantize``: None, "int4", "int8"
     or a ``QuantScheme`` (or a GGUF ``KeptQuantization``), with ``block_size`` and ``symmetric``
-    for the named formats; ``calibration`` ("builtin", a text file or a ``Calibration``: GPTQ)
+    for the named formats; ``calibration`` ("auto": GPTQ on the built-in text for int4 when
+    ``tokenizer`` is given, else round-to-nearest; "none": round-to-nearest; "builtin", a text
+    file or a ``Calibration``: GPTQ)
     and ``head_bits`` (8 or 4) re-choose an int4/int8 quantisation's codes. ``logits``: "all" or
     "last" (``tfport.contract.LOGITS``). ``kv_dtype``: the KV cache's dtype (None: float16 for
-    float16 exports, else float32).
+    float16 exports, else float32). ``max_loss`` (a fraction or "10%") picks the fastest int4 /
+    int8 layout whose measured loss on ``loss_text`` (default: the calibration text) is within it
+    (``export.budget``); ``block_size`` / ``head_bits`` then fix those fields of the search.
     """
 
     dtype: str = "float32"
@@ -64,8 +68,10 @@ class ExportOptions:
     symmetric: bool | None = None
     logits: str = "all"
     kv_dtype: str | None = None
-    calibration: str | Calibration | None = None
+    calibration: str | Calibration | None = AUTO
     head_bits: int | None = None
+    max_loss: float | str | None = None
+    loss_text: str | os.PathLike | None = None
 
     def replace(self, **changes) -> "ExportOptions":
         return dataclasses.replace(self, **changes)
@@ -112,6 +118,7 @@ def plan_export(options: ExportOptions, config: ModelConfig, out_dir: str | os.P
 
             check_keep_dtype(dtype)
         target.check_quantized(scheme, opset)
+    _check_budget(options, scheme)
     out_dir = check_output_dir(out_dir, "out_dir", options.overwrite)
     embedding = options.embedding
     if embedding is not None and (config.family != "encoder" or not isinstance(embedding, EmbeddingSettings)):
@@ -138,6 +145,23 @@ def _check_model_options(config: ModelConfig, dtype: str, opset: int, target: Ta
         raise ValueError(f"opset={opset!r}: expected an integer in [{MIN_OPSET}, {MAX_OPSET}] "
                          f"(the function library needs opset 18 or newer)")
     target.check(config, dtype, opset)
+
+
+def _check_budget(options: ExportOptions, scheme: QuantScheme | None) -> None:
+    """``max_loss`` / ``loss_text``: a loss budget applies to an int4 or int8 quantisation."""
+    if options.max_loss is None:
+        if options.loss_text is not None:
+            raise ValueError(f"loss_text={str(options.loss_text)!r}: applies with max_loss")
+        return
+    from .budget import parse_loss
+
+    parse_loss(options.max_loss)
+    if not isinstance(scheme, QuantScheme):
+        got = "no quantisation" if scheme is None else f"quantize={scheme.name!r}"
+        raise ValueError(f"max_loss={options.max_loss!r}: chooses the layout of quantize='int4' or "
+                         f"'int8', got {got}")
+    if options.loss_text is not None and not Path(options.loss_text).is_file():
+        raise ValueError(f"loss_text={str(options.loss_text)!r}: no such file (expected a UTF-8 text)")
 
 
 def _check_tokenizer(path: Path) -> None:

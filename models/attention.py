@@ -77,9 +77,13 @@ class Attention(nn.Module):
             self.qkv = nn.Linear(config.d_model, q_dim + 2 * kv_dim, bias=bias)
         self.out = nn.Linear(q_dim, config.d_model, bias=config.out_bias)
         self.q_norm = self.k_norm = None
+        # q/k norms per head [D], or over all heads' channels [H*D] / [Hkv*D] (OLMoE)
+        self.qk_norm_per_head = config.qk_norm_span == "head"
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_weight_offset)
-            self.k_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_weight_offset)
+            q_width, k_width = (self.head_dim,) * 2 if self.qk_norm_per_head else (q_dim, kv_dim)
+            self.q_norm = RMSNorm(q_width, config.norm_eps, config.norm_weight_offset)
+            self.k_norm = RMSNorm(k_width, config.norm_eps, config.norm_weight_offset)
+        self.qkv_clip = config.qkv_clip  # q, k, v clamped to [-c, c] after the norms (OLMoE)
         self.rotary_q, self.rotary_k, self.context = Tap(), Tap(), Tap()
         # The new keys and values [B, Hkv, S, D] as they enter the cache (self-attention): a hook
         # can round them to a cache dtype (the parity reference of --kv-dtype exports).
@@ -113,10 +117,14 @@ class Attention(nn.Module):
             k, v = memory
         else:
             q_dim, kv_dim = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
-            q, k, v = self.qkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
-            q, k, v = self._heads(q, self.n_heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
-            if self.q_norm is not None:
+            q, k, v = self.qkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)  # [B, S, N*D] each
+            if self.q_norm is not None and not self.qk_norm_per_head:
                 q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = self._heads(q, self.n_heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
+            if self.q_norm is not None and self.qk_norm_per_head:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.qkv_clip is not None:
+                q, k, v = (t.clamp(-self.qkv_clip, self.qkv_clip) for t in (q, k, v))
             if rope is not None:
                 q = self.rotary_q(apply_rope(q, *rope, self.interleaved))
                 k = self.rotary_k(apply_rope(k, *rope, self.interleaved))

@@ -45,7 +45,8 @@ class Block(nn.Module):
 
     Pre-norm: ``x + f(norm(x))``; post-norm: ``norm(x + f(x))``. With ``post_sublayer_norm``
     (pre-norm only, Gemma 2/3) the output is normalised too: ``x + post_norm(f(norm(x)))``
-    (``attn_post_norm``, ``ffn_post_norm``). With ``parallel_residual`` both sublayers read the
+    (``attn_post_norm``, ``ffn_post_norm``); with ``residual_scale`` r it is scaled before the add:
+    ``x + r * f(norm(x))`` (Granite). With ``parallel_residual`` both sublayers read the
     block's input: ``x + attn(attn_norm(x)) + ffn(ffn_norm(x))``. The ``first`` block of a stack
     has an identity ``attn_norm`` when ``config.first_attn_norm`` is false (ModernBERT). ``ffn``
     replaces the feed-forward (a mixture of experts: ``models.moe.MixtureOfExperts``).
@@ -62,6 +63,7 @@ class Block(nn.Module):
         self.cross_attn = Attention(config, cross=True) if cross else None
         self.ffn_norm, self.ffn = make_norm(config), FeedForward(config) if ffn is None else ffn
         self.parallel = config.parallel_residual
+        self.residual_scale = config.residual_scale  # each sublayer's output, pre-norm blocks only
         self.attn_post_norm = self.ffn_post_norm = None
         if config.post_sublayer_norm:
             self.attn_post_norm, self.ffn_post_norm = make_norm(config), make_norm(config)
@@ -73,6 +75,8 @@ class Block(nn.Module):
             out = self.dropout(out)
             if post is not None:
                 out = post(out)
+            if self.residual_scale != 1.0:  # Granite's residual_multiplier
+                out = out * self.residual_scale
             return x + out, extra
         out, extra = f(x)
         out = self.dropout(out)

@@ -1,6 +1,6 @@
-"""Mixture-of-experts feed-forward (Mixtral, Qwen2/3-MoE): a router picks ``top_k`` of
-``n_experts`` FFNs per token and sums their outputs weighted by its routing weights; Qwen2-MoE adds
-a shared expert every token goes through, behind a sigmoid gate.
+"""Mixture-of-experts feed-forward (Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE): a router picks
+``top_k`` of ``n_experts`` FFNs per token and sums their outputs weighted by its routing weights;
+Qwen2-MoE adds a shared expert every token goes through, behind a sigmoid gate.
 
 Every expert is evaluated on every token and weighted by the dense routing weights [B, S, N]
 (zero for the experts a token does not use): exactly what a sparse dispatch computes (an expert's

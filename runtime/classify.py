@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
-from .texts import BATCH_SIZE, batches
+from .texts import BATCH_SIZE, EncodedTexts, batches
 
 if TYPE_CHECKING:
     from .model import Model
@@ -109,7 +109,15 @@ def classify(model: Model, texts: str | Sequence[str], pairs: str | Sequence[str
             texts = [texts] * len(pairs)
         elif isinstance(pairs, str) and not isinstance(texts, str):
             pairs = [pairs] * len(texts)
-    encoded = model.encode_texts(texts, pairs, method="classify")
+    return classify_encoded(model, model.encode_texts(texts, pairs, method="classify"),
+                            batch_size=batch_size, progress=progress)
+
+
+def classify_encoded(model: Model, encoded: EncodedTexts, *, batch_size: int = BATCH_SIZE,
+                     progress: bool | None = None) -> Classification:
+    """``classify`` of rows already encoded by ``Model.encode_texts`` (whose ``ids`` also give
+    the token counts); logits [B, n_labels]."""
+    _check_head(model)
     logits = np.zeros((len(encoded.ids), model.config.classifier.n_labels), np.float32)
     types = model.config.type_vocab_size > 0
     for rows in batches(len(encoded.ids), [len(i) for i in encoded.ids], batch_size, progress, "classify"):

@@ -23,7 +23,8 @@ from pathlib import Path
 from tfport.integrity import VERIFY_MODES
 
 from .decoding.speculative import Speculation, SpeculationStats
-from .model import Model, cut_at_stop, load_model
+from .model import Model, load_model
+from .text_methods import cut_at_stop
 from .encoding import POOLINGS
 from .session import PROVIDERS
 from .tokenizer import TextStream
@@ -112,7 +113,8 @@ def _speculation(args: argparse.Namespace, model: Model) -> dict:
 def _add_penalties(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
                         help="divide the positive logits of tokens already in the prompt or output "
-                             "by R, multiply the negative ones (transformers; 1: off, the default)")
+                             "by R, multiply the negative ones (transformers; 1: off; default: the export's "
+                             "generation_config.json, else 1)")
     parser.add_argument("--min-p", type=float, default=None, metavar="P",
                         help="when sampling, drop tokens less likely than P times the most likely "
                              "(0: off, the default)")

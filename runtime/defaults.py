@@ -22,7 +22,8 @@ from .sampling import Penalties, SamplingParams, make_rng
 # greedy (as transformers' generate); the OpenAI API's documented default is temperature 1.
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
 OPENAI = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-# Options of ``SamplingParams`` no generation_config.json sets: off unless a request asks.
+# Options of ``SamplingParams`` a request may set: off unless it asks, but for
+# ``repetition_penalty``, which defaults to the export's generation_config.json.
 REQUEST_OPTIONS = frozenset({"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                              "logit_bias"})
 
@@ -50,11 +51,14 @@ class RequestDefaults:
                top_p: float | None = None, *, unsaid: dict = GREEDY, **options: Any) -> SamplingParams:
         """The ``SamplingParams`` a request decodes with: ``sampling``'s three, and ``options``
         (``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-        ``logit_bias``) where not None, else off. ``ValueError`` naming a bad one."""
+        ``logit_bias``) where not None, else off (``repetition_penalty``: the export's
+        generation_config.json, else off). ``ValueError`` naming a bad one."""
         unknown = sorted(set(options) - REQUEST_OPTIONS)
         if unknown:
             raise TypeError(f"unexpected sampling option(s) {unknown}: expected {sorted(REQUEST_OPTIONS)}")
         given = {k: v for k, v in options.items() if v is not None}
+        if self.generation is not None:
+            given.setdefault("repetition_penalty", self.generation.repetition_penalty)
         if "logit_bias" in given:
             given["logit_bias"] = dict(given["logit_bias"])
         return SamplingParams(**self.sampling(temperature, top_k, top_p, unsaid=unsaid), **given)

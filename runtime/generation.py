@@ -39,10 +39,10 @@ def sample_loop(logits: np.ndarray, advance: Callable[[np.ndarray, int], np.ndar
             raise RuntimeError(f"rows {sorted(errors)}: {next(iter(errors.values()))}")
         done = np.array([state.finish is not None for state in states])
         token = np.where(done, pad_token_id, picked)
-        yield token
         for state, t, ended, row in zip(states, token.tolist(), done, logits):
-            if not ended:
+            if not ended:  # pushed before the yield: the step's logprobs come with its tokens
                 state.push(t, row)
+        yield token
         if all(state.finish is not None for state in states):
             return
         logits = advance(token, step)

@@ -11,7 +11,6 @@ each row of a batch gets its unbatched result.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -23,14 +22,14 @@ import numpy as np
 from tqdm import tqdm
 
 from tfport.config import ModelConfig
-from tfport.contract import MANIFEST_FILE, TOKENIZER_FILE, Manifest
+from tfport.contract import TOKENIZER_FILE
 from tfport.generation import GenerationDefaults
-from tfport.integrity import VERIFY_MODES, check_graph_metadata, verify_files
+from tfport.manifest import Manifest
 
 from .binding import GraphRunner
 from .decoding import LayoutDecoding, decoding_for
 from .decoding.engine import SequenceState
-from .decoding.grammar import KINDS, compile_constraint, constraint_arguments
+from .decoding.grammar import KINDS, compile_constraint
 from .decoding.prefix import DEFAULT_MB, PrefixCache
 from .decoding.speculative import Speculation, SpeculationStats, speculate
 from .defaults import RequestDefaults, sequence_states
@@ -38,9 +37,10 @@ from .encoding import EncoderMethods
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .sampling import Logprobs
-from .session import SessionSettings, graph_metadata, open_session
+from .opening import open_export
+from .session import SessionSettings
+from .text_methods import TextMethods
 from .tokenizer import TextTokenizer
-from .tools import CallDelta, ChatReply
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 StepCallback = Callable[[int, np.ndarray], None]
 
 
-class Model(EncoderMethods):
+class Model(EncoderMethods, TextMethods):
     """The graphs of one export directory as ONNX Runtime sessions (see ``load_model``).
 
     ``prefix_cache``: a decoder's ``PrefixCache`` (``decoding.prefix``, 256 MiB): a single
@@ -86,44 +86,11 @@ class Model(EncoderMethods):
         Raises ``ValueError`` for a directory that is not an export, a file that does not match
         the manifest or a graph that cannot be loaded, ``RuntimeError`` if ``cuda`` is not usable.
         """
-        if not isinstance(model_dir, (str, os.PathLike)) or isinstance(os.fspath(model_dir), bytes):
-            raise TypeError(f"model_dir: expected a path, got {type(model_dir).__name__} (pass a "
-                            "str or os.PathLike)")
-        if not isinstance(verify, str) or verify not in VERIFY_MODES:
-            raise ValueError(f"verify={verify!r}: expected one of {list(VERIFY_MODES)}")
         if settings is not None and not isinstance(settings, SessionSettings):
             raise TypeError(f"settings: expected a SessionSettings or None, got "
                             f"{type(settings).__name__}")
         settings = settings if settings is not None else SessionSettings(provider=provider)
-        directory = Path(model_dir)
-        try:
-            manifest = Manifest.read(directory)  # ValueError naming model_dir when not an export
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"model_dir={str(directory)!r}: {MANIFEST_FILE} is incomplete or "
-                             f"malformed ({type(err).__name__}: {err}); re-export it") from None
-        if manifest.files is None:
-            if verify != "none":
-                raise ValueError(f"model_dir={str(directory)!r}: written by an older tfport (manifest "
-                                 f"format 2), which records no file hashes or settings fingerprints, "
-                                 f"so verify={verify!r} cannot check it; re-export it, or load it "
-                                 "unverified with verify='none' (--verify none)")
-            logger.warning("model_dir=%r: written by an older tfport (manifest format 2), which "
-                           "records no file hashes or settings fingerprints: nothing is verified; "
-                           "re-export to get the checks", str(directory))
-        else:
-            verify_files(directory, manifest.files, verify)
-        runners = {}
-        for name, spec in manifest.graphs.items():
-            session = open_session(directory / spec.file, spec, settings)
-            if manifest.files is not None:
-                check_graph_metadata(graph_metadata(session, spec.file), manifest.settings,
-                                     spec.file, f"model_dir={str(directory)!r}")
-            runners[name] = GraphRunner(session, spec, settings.device_id)
-            if settings.provider == "auto":  # the other graphs follow the first one's device
-                chosen = "cuda" if runners[name].device == "cuda" else "cpu"
-                settings = dataclasses.replace(settings, provider=chosen)
-        for device in {r.device for r in runners.values()} & set(manifest.device_refusals):
-            raise ValueError(f"model_dir={str(directory)!r}: {manifest.device_refusals[device]}")
+        directory, manifest, runners, settings = open_export(model_dir, settings, verify)
         return cls(directory, manifest, runners, settings)
 
     def __repr__(self) -> str:
@@ -328,7 +295,8 @@ class Model(EncoderMethods):
 
         Penalties, as OpenAI / transformers / vLLM define them (``tfport.runtime.sampling``):
         ``logit_bias`` {token id: bias in [-100, 100]} added to the logits,
-        ``repetition_penalty`` (> 0, 1 off) on every token of the prompt and the output,
+        ``repetition_penalty`` (> 0, 1 off; default: generation_config.json's, else 1) on every
+        token of the prompt and the output,
         ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]) on the output's token counts;
         they change greedy picks too. ``min_p`` (in [0, 1]) drops tokens less likely than
         ``min_p`` times the most likely one when sampling. ``logprobs`` (a ``Logprobs``)
@@ -364,18 +332,6 @@ class Model(EncoderMethods):
                 bar.update(1)
         return np.stack(tokens, axis=1)
 
-    def generate_text(self, prompts: str | Sequence[str], **kwargs: Any) -> str | list[str]:
-        """Generate from text prompt(s) -> the continuation text(s) (one per prompt).
-
-        Keyword arguments are those of ``generate``; text stops before the first stop token.
-        """
-        tokenizer = self.text_tokenizer("prompts")
-        single = isinstance(prompts, str)
-        tokens = self.generate(tokenizer.encode_batch(prompts, "prompts"), **kwargs)
-        stops = self.stop_ids(kwargs.get("stop_token_ids"))
-        texts = [tokenizer.decode(cut_at_stop(row, stops)) for row in tokens]
-        return texts[0] if single else texts
-
     def _cross_attention(self, ids: np.ndarray, mask: np.ndarray) -> dict:
         """Run encoder.onnx once -> the decoder's static inputs: ``encoder_attention_mask``
         [B, Senc] and ``past_key_values.{i}.encoder.key|value`` [B, Hkv, Senc, D] (OrtValues
@@ -386,50 +342,6 @@ class Model(EncoderMethods):
         static: dict = {"encoder_attention_mask": mask}
         static.update({"past_key_values." + n[len("present."):]: outputs[n] for n in names})
         return static
-
-    def chat(self, messages: Sequence[dict], **kwargs: Any) -> str | ChatReply:
-        """The assistant's reply to ``messages`` (``[{"role": "user", "content": "..."}, ...]``),
-        rendered with the export's chat template and stopped at its end-of-turn token.
-
-        Keyword arguments: ``max_new_tokens`` (default 256), ``temperature``, ``top_k``,
-        ``top_p``, ``seed``, ``stop_token_ids``, ``json_schema`` / ``regex`` / ``grammar`` (see
-        ``generate``); see ``tfport.runtime.chat``. ``response_format`` is OpenAI's:
-        ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``,
-        ``{"type": "json_object"}`` or ``{"type": "text"}`` (``decoding.grammar.constraint_arguments``).
-
-        Tools (``tfport.runtime.tools``): ``tools`` (OpenAI's function tools), ``tool_choice``
-        ("auto", "none", "required" or ``{"type": "function", "function": {"name": ...}}``),
-        ``parallel_tool_calls``; with ``tools`` the reply is a ``ChatReply`` (``content``,
-        ``tool_calls``).
-        """
-        from .chat import chat
-        return chat(self, messages, **_response_format(kwargs))
-
-    def chat_stream(self, messages: Sequence[dict], **kwargs: Any) -> Iterator[str | CallDelta]:
-        """``chat``, streamed: one text piece per generated token (see ``tfport.runtime.chat``);
-        with ``tools``, calls come as ``tools.CallDelta`` items."""
-        from .chat import chat_stream
-        return chat_stream(self, messages, **_response_format(kwargs))
-
-
-def _response_format(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``chat`` keyword arguments with ``response_format`` turned into ``json_schema`` / ``regex``
-    / ``grammar`` (``constraint_arguments``); ``ValueError`` when a constraint is given twice."""
-    kwargs = dict(kwargs)
-    constraint = constraint_arguments(kwargs.pop("response_format", None))
-    given = [name for name in KINDS if kwargs.get(name) is not None]
-    if constraint and given:
-        raise ValueError(f"response_format, {', '.join(given)}: give the output's constraint once")
-    return {**kwargs, **constraint}
-
-def cut_at_stop(tokens: Sequence[int], stop_token_ids: Sequence[int]) -> list[int]:
-    """Tokens before the first stop id."""
-    out = []
-    for token in tokens:
-        if int(token) in stop_token_ids:
-            break
-        out.append(int(token))
-    return out
 
 
 def load_model(model_dir: str | Path, provider: str = "cpu", *, intra_op_threads: int = 0,

@@ -38,6 +38,7 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "disentangled", "none")
 ENCODER_ONLY_POSITIONS = ("disentangled",)  # no causal or cached form
 ALIBI_SLOPES = ("press", "mpt")
+QK_NORM_SPANS = ("head", "all_heads")
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,17 @@ class ModelConfig:
 
     ``attention_out_bias`` (null = ``attention_bias``) lets the output projection differ from
     q/k/v (Qwen2: biased q/k/v, unbiased output). ``qk_norm`` applies a per-head RMSNorm [D] to
-    queries and keys before RoPE (Qwen3, Gemma 3). ``attn_logit_softcap`` c replaces scaled scores
+    queries and keys before RoPE (Qwen3, Gemma 3), or with ``qk_norm_span="all_heads"`` one
+    RMSNorm over all heads' channels (queries [H*D], keys [Hkv*D]: OLMo 2, OLMoE). ``qkv_clip`` c
+    clamps queries, keys and values to [-c, c] after those norms, before RoPE (OLMoE's
+    ``clip_qkv``). ``attn_logit_softcap`` c replaces scaled scores
     s by c * tanh(s / c) before the bias is added; ``final_logit_softcap`` does the same to the
     logits (Gemma 2). ``norm_weight_offset`` is added to every norm weight (Gemma's ``1 + w``);
     ``embedding_scale`` multiplies the token embeddings (Gemma: sqrt(d_model), rounded to the
     model dtype); ``post_sublayer_norm`` normalises each sublayer's output before the residual
-    add (Gemma 2/3: ``x + norm2(f(norm1(x)))``). ``classifier`` (ClassifierConfig) adds a
+    add (Gemma 2/3: ``x + norm2(f(norm1(x)))``); ``residual_scale`` r multiplies each sublayer's
+    output before the residual add of a pre-norm block (Granite: ``x + r * f(norm(x))``).
+    ``classifier`` (ClassifierConfig) adds a
     sequence classification head to an encoder or encoder-decoder; ``dropout`` (DropoutConfig)
     holds the training-time dropout probabilities.
     """
@@ -102,10 +108,13 @@ class ModelConfig:
     attention_scale: float | None = None
     attention_out_bias: bool | None = None
     qk_norm: bool = False
+    qk_norm_span: str = "head"
+    qkv_clip: float | None = None
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
     norm_weight_offset: float = 0.0
     embedding_scale: float = 1.0
+    residual_scale: float = 1.0
     post_sublayer_norm: bool = False
     first_attn_norm: bool = True
     parallel_residual: bool = False
@@ -226,6 +235,7 @@ class ModelConfig:
         check.choice("activation", ACTIVATIONS)
         check.choice("position", POSITIONS)
         check.choice("alibi_slopes", ALIBI_SLOPES)
+        check.choice("qk_norm_span", QK_NORM_SPANS)
         for name, part in parts(type(self)).items():
             if not isinstance(getattr(self, name), part):
                 check.fail(name, f"a {part.__name__}")
@@ -234,8 +244,11 @@ class ModelConfig:
         check.booleans("gated_ffn", "attention_bias", "mlp_bias", "tie_embeddings", "embedding_norm",
                        "pooler", "mlm_head", "qk_norm", "post_sublayer_norm", "parallel_residual",
                        "lm_head_bias", "first_attn_norm")
-        check.positive_numbers("norm_eps", "lm_head_scale", "embedding_scale")
-        check.positive_numbers("attn_logit_softcap", "final_logit_softcap", optional=True)
+        check.positive_numbers("norm_eps", "lm_head_scale", "embedding_scale", "residual_scale")
+        if self.residual_scale != 1.0 and (self.norm_position != "pre" or self.parallel_residual):
+            check.fail("residual_scale", "1.0 unless a pre-norm block without parallel_residual (Granite's "
+                       "residual_multiplier)")
+        check.positive_numbers("attn_logit_softcap", "final_logit_softcap", "qkv_clip", optional=True)
         if not is_number(self.norm_weight_offset):
             check.fail("norm_weight_offset", "a finite number")
         if self.attention_out_bias is not None and not isinstance(self.attention_out_bias, bool):
@@ -267,6 +280,8 @@ class ModelConfig:
         if self.qk_norm and self.norm != "rmsnorm":
             check.fail("qk_norm", f"false unless norm='rmsnorm' (the q/k norms are per-head RMSNorms; "
                        f"norm={self.norm!r})")
+        if self.qk_norm_span != "head" and not self.qk_norm:
+            check.fail("qk_norm_span", "'head' unless qk_norm is true (it says what the q/k norms span)")
         moe = self.moe
         if moe.n_experts and self.family != "decoder":
             reject("moe.n_experts", moe.n_experts, f"0 unless family='decoder' (family={self.family!r})")

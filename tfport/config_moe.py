@@ -11,8 +11,8 @@ from .config_checks import Part, is_int
 # How the router's logits [N] become the weights of the top-k experts:
 # "softmax_topk": softmax over all N experts, keep the k largest (Mixtral, Qwen2/3-MoE, OLMoE), and
 #                 divide them by their sum when ``normalize`` (Mixtral always does; Qwen's
-#                 ``norm_topk_prob``);
-# "topk_softmax": keep the k largest logits, softmax over those k (gpt-oss).
+#                 ``norm_topk_prob``, also OLMoE's);
+# "topk_softmax": keep the k largest logits, softmax over those k (Granite-MoE, gpt-oss).
 ROUTINGS = ("softmax_topk", "topk_softmax")
 
 

@@ -20,13 +20,14 @@ from .files import read_json_object
 GENERATION_CONFIG_FILE = "generation_config.json"
 
 # transformers' GenerationConfig defaults for what a file leaves out.
-HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+HF_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0}
 
 
 @dataclass(frozen=True)
 class GenerationDefaults:
     """``eos_token_ids``: every id that ends a row (stop ids); ``do_sample`` false is greedy,
-    true samples with ``temperature``, ``top_k`` (0: all) and ``top_p``.
+    true samples with ``temperature``, ``top_k`` (0: all) and ``top_p``. ``repetition_penalty``
+    (> 0, 1 off) applies greedy or sampled, as transformers applies it.
 
     Forced tokens, as transformers' ForcedBOS / ForcedEOS logits processors apply them:
     ``forced_bos_token_id`` is the first generated token when the decoder input is one token (a
@@ -41,6 +42,7 @@ class GenerationDefaults:
     temperature: float = 1.0
     top_k: int = 50
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
     forced_bos_token_id: int | None = None
     forced_eos_token_ids: tuple[int, ...] = ()
 
@@ -61,6 +63,9 @@ class GenerationDefaults:
             raise ValueError(f"generation.top_k={self.top_k!r}: expected an integer >= 0")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"generation.top_p={self.top_p!r}: expected a number in (0, 1]")
+        penalty = self.repetition_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < float("inf"):
+            raise ValueError(f"generation.repetition_penalty={penalty!r}: expected a finite number > 0 (1 is off)")
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -95,6 +100,7 @@ class GenerationDefaults:
             return None
         return cls(eos_token_ids=ids, do_sample=bool(fields["do_sample"]), temperature=float(fields["temperature"]),
                    top_k=int(fields["top_k"]), top_p=float(fields["top_p"]),
+                   repetition_penalty=float(fields["repetition_penalty"]),
                    forced_bos_token_id=forced["forced_bos_token_id"][0] if forced["forced_bos_token_id"] else None,
                    forced_eos_token_ids=tuple(forced["forced_eos_token_id"]))
 
@@ -116,8 +122,8 @@ class GenerationDefaults:
         if not path.is_file():
             return None
         data = read_json_object(path)
-        known = {"eos_token_id", "do_sample", "temperature", "top_k", "top_p", "forced_bos_token_id",
-                 "forced_eos_token_id"}
+        known = {"eos_token_id", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+                 "forced_bos_token_id", "forced_eos_token_id"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"{path}: unknown field(s) {unknown}; known fields are {sorted(known)}")

@@ -44,7 +44,13 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.rows or args.rows_exports:
+        from .rows import run_rows_cli
+
+        return run_rows_cli(args)
     settings = settings_from_args(args)
+    if args.pareto or args.layouts or args.text:
+        return _run_pareto(args, settings)
     if args.speculative or args.export:
         return _run_speculative(args, settings)
     if args.source or args.quantize or args.genai or args.llama_cpp or args.thread_sweep:
@@ -78,6 +84,31 @@ def _run_compare(args: argparse.Namespace, settings) -> int:
                          tuple(args.genai or ()), tuple(args.llama_cpp or ()), args.thread_sweep,
                          args.peer_threads or ())
     print(format_compare(result))
+    if args.json:
+        write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _run_pareto(args: argparse.Namespace, settings) -> int:
+    """``--pareto``: tokens/s against perplexity for tfport's layouts and the peers."""
+    import json
+
+    from tfport.files import write_text_atomic
+
+    from .pareto import DEFAULT_LAYOUTS, format_pareto, run_pareto, write_svg
+
+    if not args.pareto:
+        raise ValueError("--layouts and --text apply with --pareto")
+    if not args.source:
+        raise ValueError("--pareto needs --source (a model with a tokenizer: HF directory or .gguf)")
+    settings = dataclasses.replace(settings, batches=(1,), contexts=args.contexts or (16,),
+                                   new_tokens=args.new_tokens or 64, targets=args.targets or ("ort",))
+    result = run_pareto(settings, args.source, args.layouts or DEFAULT_LAYOUTS, tuple(args.genai or ()),
+                        tuple(args.llama_cpp or ()), args.text)
+    print(format_pareto(result))
+    if args.plot:
+        print(f"wrote {write_svg(result, args.plot)}")
     if args.json:
         write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
@@ -159,7 +190,24 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     spec.add_argument("--speculative", type=_name_list, metavar="lookup[,DRAFT_DIR...]",
                       help="drafters to time against plain decoding")
     spec.add_argument("--export", metavar="DIR", help="the decoder export (with a chat template) to time")
-    p.add_argument("--plot", help="plot step time vs context here (needs matplotlib)")
+    rows = p.add_argument_group("products by row count (issue 24; --batch sets the rows, --threads, "
+                                "--repeats, --contexts, --new-tokens, --settle-ms, --seed, --json apply)")
+    rows.add_argument("--rows", action="store_true",
+                      help="time each weight-product candidate (float, MatMulNBits levels, int8 GEMM) "
+                           "on SmolLM2's shapes by rows")
+    rows.add_argument("--rows-exports", type=_name_list, metavar="DIR[,DIR...]",
+                      help="time these exports' decode steps by rows (batch 1, 2, 4, 8, 16)")
+    pareto = p.add_argument_group(
+        "accuracy vs speed (--pareto --source SRC; --genai / --llama-cpp add the peers' points)")
+    pareto.add_argument("--pareto", action="store_true",
+                        help="decode tokens/s and held-out perplexity for tfport's quantised layouts "
+                             "and the peers' files of the same weights, one run; --plot writes an SVG")
+    pareto.add_argument("--layouts", type=_name_list,
+                        help="tfport layouts: default, int8, {rtn|gptq}{block}[-h8] (default "
+                             "default,rtn32,gptq32-h8,gptq64,gptq128,int8)")
+    pareto.add_argument("--text", help="held-out text for the perplexity (default export/data/perplexity.txt)")
+    p.add_argument("--plot", help="plot step time vs context here (needs matplotlib); with --pareto, "
+                                  "an SVG of tokens/s against perplexity increase")
     p.set_defaults(func=run_bench)
 
 

@@ -67,6 +67,18 @@ class GenaiPeer:
             times.append(time.perf_counter() - start)
         return RunTiming(prefill * 1e3, [t * 1e3 for t in times], np.array([tokens]))
 
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        """The engine's logits [S, V] for one sequence ``ids`` [S] (one prefill)."""
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(ids) + 1)
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(np.asarray(ids, dtype=np.int32)[None])
+        logits = np.asarray(generator.get_output("logits"), dtype=np.float32)  # [1, S, V]
+        if logits.shape[:2] != (1, len(ids)):
+            raise RuntimeError(f"onnxruntime-genai returned logits of shape {logits.shape} for "
+                               f"{len(ids)} tokens (expected every position's)")
+        return logits[0]
+
 
 class LlamaCppPeer:
     """A GGUF file under llama.cpp (llama-cpp-python), greedy, ``threads`` for decode and batch."""
@@ -76,8 +88,22 @@ class LlamaCppPeer:
     def __init__(self, gguf: str | Path, threads: int, context: int = 2048):
         from llama_cpp import Llama
 
-        self.llm = Llama(str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context,
+        self.gguf, self.threads = str(gguf), threads
+        self.llm = Llama(self.gguf, n_threads=threads, n_threads_batch=threads, n_ctx=context,
                          n_batch=512, verbose=False, logits_all=False)
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        """llama.cpp's logits [S, V] for one sequence ``ids`` [S] (a context that keeps every
+        position's logits, opened for this and closed after)."""
+        from llama_cpp import Llama
+
+        llm = Llama(self.gguf, n_threads=self.threads, n_threads_batch=self.threads, n_ctx=len(ids) + 8,
+                    n_batch=512, verbose=False, logits_all=True)
+        try:
+            llm.eval([int(i) for i in ids])
+            return np.array(llm.scores[:len(ids)], dtype=np.float32)
+        finally:
+            llm.close()
 
     def _argmax(self) -> int:
         """Greedy token from the last evaluated position's logits (llama.cpp's own buffer: with

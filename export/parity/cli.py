@@ -10,8 +10,9 @@ import argparse
 import json
 from pathlib import Path
 
-from tfport.contract import TOKENIZER_FILE, Manifest
+from tfport.contract import TOKENIZER_FILE
 from tfport.files import write_text_atomic
+from tfport.manifest import Manifest
 
 from ..quantize import fake_quantize
 from ..source import load_source
@@ -68,9 +69,9 @@ def print_accuracy(model_dir, model, tokenizer) -> None:
         quantized = float("nan")
     prompts = [tok.encode(t).ids for t in ACCURACY_PROMPTS]
     expected = np.stack([generate(model, torch.tensor([p]), max_new_tokens=32)[0].numpy() for p in prompts])
-    # greedy and unforced whatever the export's generation_config.json says, as the reference
+    # greedy, unpenalised and unforced whatever the export's generation_config.json says, as the reference
     got = runtime.generate(prompts, max_new_tokens=32, stop_token_ids=(), temperature=0.0,
-                           forced_bos_token_id=(), forced_eos_token_id=())
+                           repetition_penalty=1.0, forced_bos_token_id=(), forced_eos_token_id=())
     print(HEADER)
     print(AccuracyRow("unquantised (PyTorch)", reference, 1.0, None).describe())
     print(AccuracyRow(f"export ({model_dir})"[:28], quantized, quantized / reference,

@@ -17,8 +17,8 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
-from tfport.contract import Manifest
 from tfport.dtypes import COMPUTE_DTYPES
+from tfport.manifest import Manifest
 from tfport.models.masks import MASK_VALUE
 
 from ..quantized_graph import EXACT_SESSION_CONFIG, EXTERNAL_DATA_FOLDER, exact_graph

@@ -19,14 +19,20 @@ renamed things:
 * ``alternatives``: tensor names whose presence changes the mapping (Falcon 40B's second norm),
   with the entries of ``tensors`` they replace;
 * ``defaults`` / ``derived``: HF fields the file does not store, as constants or computed from
-  the fields read (as llama.cpp's own loader fills them in).
+  the fields read (as llama.cpp's own loader fills them in);
+* ``row_vectors``: the GGUF prefixes of HF [1, E] weights that a file may store as [E] (ggml
+  ignores trailing dimensions of 1; Qwen2-MoE's shared-expert gate).
+
+Mixture-of-experts layers: the converter stacks the experts' [out, in] projections into one
+tensor [N, out, in] per layer (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``); an HF
+prefix with ``{e}`` in ``tensors`` names each expert's slice, one HF tensor per expert.
 
 RoPE scaling is read for every architecture by the loader: from ``rope.scaling.*`` (linear, YaRN)
 and from the tensors ``rope_freqs`` (llama3) and ``rope_factors_long/short`` (LongRoPE), which are
 settings, not weights (``ROPE_TENSORS``).
 
-Only LLaMA's converter permutes Q/K: Qwen2/3, Gemma 1/2/3 and Phi-3 use llama.cpp's NeoX-style
-rotation, which already rotates the first half of the head against the second.
+Only LLaMA's converter permutes Q/K: Qwen2/3, Gemma 1/2/3, Phi-2/3 and StarCoder2 use llama.cpp's
+NeoX-style rotation, which already rotates the first half of the head against the second.
 
 llama.cpp's converter stores Q and K rows of each head as interleaved (even, odd) pairs, the
 layout of its rotary kernel; Hugging Face LLaMA rotates the first half of the head against the
@@ -44,7 +50,7 @@ import numpy as np
 
 # GGUF architectures transformers reads that tfport's Hugging Face importer cannot map yet; an
 # entry in ARCHITECTURES (and support in tfport.models.hf) lifts the refusal.
-NOT_YET_SUPPORTED = ("qwen2moe", "qwen3moe", "gemma3n", "phi2", "starcoder2", "mamba", "nemotron",
+NOT_YET_SUPPORTED = ("gemma3n", "mamba", "nemotron",
                      "t5", "t5encoder", "deci", "cohere", "command-r")
 # Whole-file tensors that hold RoPE settings (read into the config by the loader), not weights:
 # llama3 scaling's divisor per frequency, LongRoPE's long and short factors.
@@ -73,6 +79,7 @@ class GGUFArchitecture:
     transposed: tuple[str, ...] = ()  # GGUF prefixes stored as the transpose of the HF tensor
     # GGUF tensor name whose presence switches the mapping -> the ``tensors`` entries it replaces
     alternatives: dict[str, dict[str, str]] = field(default_factory=dict)
+    row_vectors: tuple[str, ...] = ()  # GGUF prefixes of HF [1, E] weights a file may store as [E]
 
     def tensor_map(self, names: frozenset[str]) -> dict[str, str]:
         """``tensors`` for a file holding the tensors ``names`` (see ``alternatives``)."""
@@ -84,13 +91,13 @@ class GGUFArchitecture:
 
     def hf_name(self, gguf_name: str, names: frozenset[str] = frozenset()) -> tuple[str, str] | None:
         """``(HF tensor name, the matching GGUF prefix)`` in a file holding ``names``, or None if
-        unmapped."""
+        unmapped. A stack of experts keeps ``{e}`` in the HF name, for the loader to fill in."""
         for prefix, target in self.tensor_map(names).items():
             pattern = re.escape(prefix).replace(r"\{i\}", r"(?P<i>\d+)") + r"\.(?P<suffix>weight|bias)"
             match = re.fullmatch(pattern, gguf_name)
             if match:
                 groups = match.groupdict()
-                return target.format(i=groups.get("i")) + "." + groups["suffix"], prefix
+                return target.format(i=groups.get("i"), e="{e}") + "." + groups["suffix"], prefix
         return None
 
 
@@ -124,26 +131,53 @@ LLAMA_TENSORS = {
 }
 QK_NORM_TENSORS = {"blk.{i}.attn_q_norm": f"{LLAMA_LAYER}.self_attn.q_norm",
                    "blk.{i}.attn_k_norm": f"{LLAMA_LAYER}.self_attn.k_norm"}
-MOE_REFUSED = {"expert_count": "mixture-of-experts layers have no tfport module"}
+# Mixtures of experts: the router ffn_gate_inp [N, E] and the stacked experts (see the module doc).
+MOE_CONFIG = {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+              "expert_feed_forward_length": "moe_intermediate_size"}
+MIXTRAL_LAYER = f"{LLAMA_LAYER}.block_sparse_moe"
+MIXTRAL_TENSORS = {"blk.{i}.ffn_gate_inp": f"{MIXTRAL_LAYER}.gate",
+                   "blk.{i}.ffn_gate_exps": f"{MIXTRAL_LAYER}.experts.{{e}}.w1",
+                   "blk.{i}.ffn_up_exps": f"{MIXTRAL_LAYER}.experts.{{e}}.w3",
+                   "blk.{i}.ffn_down_exps": f"{MIXTRAL_LAYER}.experts.{{e}}.w2"}
+QWEN_MOE_TENSORS = {"blk.{i}.ffn_gate_inp": f"{LLAMA_LAYER}.mlp.gate",
+                    "blk.{i}.ffn_gate_exps": f"{LLAMA_LAYER}.mlp.experts.{{e}}.gate_proj",
+                    "blk.{i}.ffn_up_exps": f"{LLAMA_LAYER}.mlp.experts.{{e}}.up_proj",
+                    "blk.{i}.ffn_down_exps": f"{LLAMA_LAYER}.mlp.experts.{{e}}.down_proj"}
+# Qwen2-MoE's shared expert, scaled by sigmoid(ffn_gate_inp_shexp x)
+QWEN2_MOE_SHARED = {"blk.{i}.ffn_gate_inp_shexp": f"{LLAMA_LAYER}.mlp.shared_expert_gate",
+                    "blk.{i}.ffn_gate_shexp": f"{LLAMA_LAYER}.mlp.shared_expert.gate_proj",
+                    "blk.{i}.ffn_up_shexp": f"{LLAMA_LAYER}.mlp.shared_expert.up_proj",
+                    "blk.{i}.ffn_down_shexp": f"{LLAMA_LAYER}.mlp.shared_expert.down_proj"}
+# A dense architecture's metadata with experts: llama.cpp writes MoE models under their own
+# architecture names, so such a file is not one it makes.
+MOE_REFUSED = {"expert_count": "a file of this dense architecture with experts is not a layout "
+                               "llama.cpp writes (its MoE files are 'qwen2moe' / 'qwen3moe')"}
 
-def mistral_window(config: dict[str, Any], names: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """A ``llama`` file with a sliding window is a Mistral-style model: transformers' Llama has no
-    window, its Mistral one on every layer (or the layers ``layer_types`` names)."""
+
+def llama_variant(config: dict[str, Any], names: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """What a ``llama`` file is: with experts (``expert_count``), Mixtral (transformers' Mixtral
+    has the window, if any, on every layer); with a sliding window, Mistral (transformers' Llama
+    has no window, its Mistral one on every layer or the layers ``layer_types`` names)."""
+    if config.get("num_local_experts"):
+        return {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}
     if config.get("sliding_window"):
         return {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}
     return {}
 
 
+# LLaMA, Mistral and Mixtral: llama.cpp's converter writes all three as "llama". Mixtral's
+# feed_forward_length is each expert's width (its intermediate_size); routing: softmax over the
+# experts, top expert_used_count, renormalised (llama.cpp's and transformers' Mixtral).
 LLAMA = GGUFArchitecture(
     name="llama",
     model_type="llama",
     hf_class="LlamaForCausalLM",
-    config={**LLAMA_CONFIG, "attention.sliding_window": "sliding_window"},
-    tensors=LLAMA_TENSORS,
+    config={**LLAMA_CONFIG, "attention.sliding_window": "sliding_window",
+            "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+    tensors={**LLAMA_TENSORS, **MIXTRAL_TENSORS},
     permuted={"blk.{i}.attn_q": "num_attention_heads", "blk.{i}.attn_k": "num_key_value_heads"},
     defaults={"hidden_act": "silu"},
-    derived=mistral_window,
-    refused={"expert_count": "mixture-of-experts layers (Mixtral-style) have no tfport module"},
+    derived=llama_variant,
 )
 
 # Qwen2/2.5: biases on q/k/v (the HF importer always expects them); no sliding window in the
@@ -158,6 +192,42 @@ QWEN3 = GGUFArchitecture(
     name="qwen3", model_type="qwen3", hf_class="Qwen3ForCausalLM", config=LLAMA_CONFIG,
     tensors={**LLAMA_TENSORS, **QK_NORM_TENSORS}, defaults={"hidden_act": "silu"},
     refused=MOE_REFUSED)
+
+
+def qwen2_moe_bias(config: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    """Qwen2-MoE's q/k/v biases (``qkv_bias``), which GGUF says by the tensors present."""
+    return {"qkv_bias": "blk.0.attn_q.bias" in names}
+
+
+# Qwen1.5-MoE / Qwen2-MoE: every layer a mixture (llama.cpp's qwen2moe has no dense layers),
+# experts of width expert_feed_forward_length, a sigmoid-gated shared expert of width
+# expert_shared_feed_forward_length; top-k weights not renormalised (llama.cpp's qwen2moe, as
+# the released configs' norm_topk_prob false).
+QWEN2MOE = GGUFArchitecture(
+    name="qwen2moe", model_type="qwen2_moe", hf_class="Qwen2MoeForCausalLM",
+    config={**LLAMA_CONFIG, **MOE_CONFIG,
+            "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    tensors={**LLAMA_TENSORS, **QWEN_MOE_TENSORS, **QWEN2_MOE_SHARED},
+    defaults={"hidden_act": "silu", "norm_topk_prob": False}, derived=qwen2_moe_bias,
+    row_vectors=("blk.{i}.ffn_gate_inp_shexp",))
+
+# Qwen3-MoE: Qwen3's attention (q/k norms, attention.key_length), every layer a mixture, top-k
+# weights renormalised (llama.cpp's qwen3moe; the converter writes no key for it).
+QWEN3MOE = GGUFArchitecture(
+    name="qwen3moe", model_type="qwen3_moe", hf_class="Qwen3MoeForCausalLM",
+    config={**LLAMA_CONFIG, **MOE_CONFIG},
+    tensors={**LLAMA_TENSORS, **QK_NORM_TENSORS, **QWEN_MOE_TENSORS},
+    defaults={"hidden_act": "silu", "norm_topk_prob": True})
+
+# OLMoE: q/k norms over all heads' channels (attn_q_norm [H*D]), q/k/v clamped where
+# attention.clamp_kqv says; every layer a mixture of feed_forward_length-wide experts (the HF
+# config's intermediate_size), top-k weights not renormalised (llama.cpp's olmoe).
+OLMOE = GGUFArchitecture(
+    name="olmoe", model_type="olmoe", hf_class="OlmoeForCausalLM",
+    config={**LLAMA_CONFIG, "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+            "attention.clamp_kqv": "clip_qkv"},
+    tensors={**LLAMA_TENSORS, **QK_NORM_TENSORS, **QWEN_MOE_TENSORS},
+    defaults={"hidden_act": "silu", "norm_topk_prob": False})
 
 # Gemma: llama.cpp's converter stores every RMSNorm weight w as the multiplier 1 + w (and drops
 # Gemma 1/2's lm_head, a copy of the embeddings).
@@ -236,12 +306,58 @@ def stablelm_layout(config: dict[str, Any], names: frozenset[str]) -> dict[str, 
             "use_parallel_residual": "blk.0.ffn_norm.weight" not in names}
 
 
+def layernorm_config(eps_field: str) -> dict[str, str]:
+    """``LLAMA_CONFIG`` for a family with LayerNorms: attention.layer_norm_epsilon -> the HF
+    config's ``eps_field`` instead of the RMSNorm epsilon."""
+    return {**{k: v for k, v in LLAMA_CONFIG.items() if k != "attention.layer_norm_rms_epsilon"},
+            "attention.layer_norm_epsilon": eps_field}
+
+
 # StableLM: LayerNorm (weights and biases), partial rotary (rope.dimension_count).
 STABLELM = GGUFArchitecture(
     name="stablelm", model_type="stablelm", hf_class="StableLmForCausalLM",
-    config={**{k: v for k, v in LLAMA_CONFIG.items() if k != "attention.layer_norm_rms_epsilon"},
-            "attention.layer_norm_epsilon": "layer_norm_eps"},
+    config=layernorm_config("layer_norm_eps"),
     tensors=LLAMA_TENSORS, defaults={"hidden_act": "silu"}, derived=stablelm_layout,
+)
+
+
+def phi2_rotary(config: dict[str, Any], names: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """llama.cpp rotates rope.dimension_count channels of each head, the whole head when the key
+    is absent or equal to it (the loader then sets no partial_rotary_factor); transformers' Phi
+    would default to half of the head, so whole heads are said."""
+    return {"partial_rotary_factor": config.get("partial_rotary_factor", 1.0)}
+
+
+# Phi-2: one LayerNorm feeding attention and MLP in parallel (no ffn_norm), biases everywhere
+# including the head (output.bias), partial rotary (rope.dimension_count; the converter writes no
+# rope.freq_base: llama.cpp's 10000). The converter renames transformers' q/k/v_proj to
+# attn_q/k/v; files converted from Phi-2's original layout (mixer.Wqkv) hold one fused attn_qkv
+# ([q | k | v] rows), which the HF importer's Phi takes as self_attn.qkv_proj.
+PHI2 = GGUFArchitecture(
+    name="phi2", model_type="phi", hf_class="PhiForCausalLM", config=layernorm_config("layer_norm_eps"),
+    tensors={**{k: v for k, v in LLAMA_TENSORS.items() if k not in ("blk.{i}.ffn_norm", "blk.{i}.ffn_gate")},
+             "output_norm": "model.final_layernorm",
+             "blk.{i}.attn_qkv": f"{LLAMA_LAYER}.self_attn.qkv_proj",
+             "blk.{i}.attn_output": f"{LLAMA_LAYER}.self_attn.dense",
+             "blk.{i}.ffn_up": f"{LLAMA_LAYER}.mlp.fc1", "blk.{i}.ffn_down": f"{LLAMA_LAYER}.mlp.fc2"},
+    defaults={"hidden_act": "gelu_new"}, derived=phi2_rotary,
+)
+
+
+def starcoder2_bias(config: dict[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    """StarCoder2's ``use_bias`` (every projection), which GGUF says by the tensors present."""
+    return {"use_bias": "blk.0.attn_q.bias" in names}
+
+
+# StarCoder2: LLaMA's names with LayerNorms and a plain c_fc / c_proj MLP (ffn_up / ffn_down, no
+# ffn_gate), tied head unless output is stored. The converter writes no sliding window and
+# llama.cpp's starcoder2 attends to the whole context, so an imported file has no window either.
+STARCODER2 = GGUFArchitecture(
+    name="starcoder2", model_type="starcoder2", hf_class="Starcoder2ForCausalLM",
+    config=layernorm_config("norm_epsilon"),
+    tensors={**{k: v for k, v in LLAMA_TENSORS.items() if k != "blk.{i}.ffn_gate"},
+             "blk.{i}.ffn_up": f"{LLAMA_LAYER}.mlp.c_fc", "blk.{i}.ffn_down": f"{LLAMA_LAYER}.mlp.c_proj"},
+    defaults={"hidden_act": "gelu_pytorch_tanh"}, derived=starcoder2_bias,
 )
 
 # GPT-2: the converter transposes the Conv1D weights ([in, out] in HF) to [out, in], and writes
@@ -362,8 +478,8 @@ FALCON = GGUFArchitecture(
 )
 
 ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, GEMMA, GEMMA2, GEMMA3, PHI3, STABLELM,
-                                 GPT2, BLOOM, MPT, FALCON)}
+    arch.name: arch for arch in (LLAMA, QWEN2, QWEN3, QWEN2MOE, QWEN3MOE, OLMOE, GEMMA, GEMMA2,
+                                 GEMMA3, PHI3, STABLELM, PHI2, STARCODER2, GPT2, BLOOM, MPT, FALCON)}
 
 
 def architecture(name: str, origin: str) -> GGUFArchitecture:

@@ -259,16 +259,34 @@ def gguf_error(err: ValueError, file: GGUFFile, arch: GGUFArchitecture) -> Value
                       f"{match['field']}): {detail}")
 
 
+def expert_blocks(file: GGUFFile, name: str, expert: int) -> np.ndarray:
+    """Expert ``expert``'s stored bytes in the stack ``name`` [N, rows, cols]: uint8 [rows, bytes
+    per row] (each expert's rows are contiguous in the file)."""
+    return file.blocks(name)[expert].reshape(file.shape(name)[1], -1)
+
+
+def dequantize_expert(file: GGUFFile, name: str, expert: int) -> np.ndarray:
+    """Expert ``expert``'s slice of the stack ``name`` as float32 [rows, cols], dequantised alone
+    (a Mixtral stack is ~2 GB of float32 per layer and projection)."""
+    import gguf
+
+    values = gguf.quants.dequantize(expert_blocks(file, name, expert),
+                                    gguf.GGMLQuantizationType[file.tensor_type(name)])
+    return np.array(values, dtype=np.float32, order="C").reshape(file.shape(name)[1:])
+
+
 class GGUFTensors:
     """The tensors of a GGUF file under Hugging Face names, as the HF importer reads them:
-    ``keys()``, ``in``, ``shape(name)``, ``get(name)`` (float32 torch tensor), ``where(name)``."""
+    ``keys()``, ``in``, ``shape(name)``, ``get(name)`` (float32 torch tensor), ``where(name)``.
+    A stack of experts [N, out, in] is N HF tensors [out, in], one per expert."""
 
     def __init__(self, file: GGUFFile, arch: GGUFArchitecture, config: dict[str, Any]):
         self.file = file
         self.arch = arch
         self.config = config
-        # HF name -> (GGUF name, the GGUF prefix it matched, heads to un-permute over or None)
-        self._source: dict[str, tuple[str, str, int | None]] = {}
+        # HF name -> (GGUF name, the GGUF prefix it matched, heads to un-permute over or None,
+        # the expert's index in a stack or None)
+        self._source: dict[str, tuple[str, str, int | None, int | None]] = {}
         names = frozenset(file.tensor_names())
         unmapped = []
         for name in file.tensor_names():
@@ -285,7 +303,11 @@ class GGUFTensors:
                     raise ValueError(f"{file.path.name}: {name} needs {heads_field} to un-permute "
                                      "its rows, and the metadata does not give it")
                 heads = int(config[heads_field])
-            self._source[hf_name] = (name, prefix, heads)
+            if "{e}" in hf_name:  # a stack of experts [N, out, in]
+                for expert in range(file.shape(name)[0]):
+                    self._source[hf_name.format(e=expert)] = (name, prefix, heads, expert)
+            else:
+                self._source[hf_name] = (name, prefix, heads, None)
         if unmapped:
             raise ValueError(f"{file.path.name}: tensor(s) {unmapped[:12]} have no counterpart in "
                              f"tfport's {arch.name!r} mapping (known: {sorted(arch.tensor_map(names))})")
@@ -297,19 +319,29 @@ class GGUFTensors:
         return name in self._source
 
     def where(self, name: str) -> str:
-        gguf_name = self._source[name][0]
-        return f"{self.file.path.name}: {gguf_name} ({self.file.tensor_type(gguf_name)})"
+        gguf_name, _, _, expert = self._source[name]
+        part = "" if expert is None else f"[{expert}]"
+        return f"{self.file.path.name}: {gguf_name}{part} ({self.file.tensor_type(gguf_name)})"
 
     def shape(self, name: str) -> Shape:
-        gguf_name, prefix, _ = self._source[name]
+        gguf_name, prefix, _, expert = self._source[name]
         shape = self.file.shape(gguf_name)
+        if expert is not None:
+            shape = shape[1:]
+        if prefix in self.arch.row_vectors and len(shape) == 1:
+            shape = (1, *shape)
         return shape[::-1] if prefix in self.arch.transposed else shape
 
     def get(self, name: str) -> torch.Tensor:
         """The HF tensor ``name``, float32: dequantised, then the converter's arithmetic undone
         (Q/K row permutation, regrouped rows, transpose, added constant)."""
-        gguf_name, prefix, heads = self._source[name]
-        values = self.file.dequantize(gguf_name)
+        gguf_name, prefix, heads, expert = self._source[name]
+        if expert is None:
+            values = self.file.dequantize(gguf_name)
+        else:
+            values = dequantize_expert(self.file, gguf_name, expert)
+        if prefix in self.arch.row_vectors and values.ndim == 1:  # stored as [E]: the HF [1, E]
+            values = values.reshape(1, -1)
         if heads is not None:
             values = unpermute_rows(values, heads)
         if prefix in self.arch.reshaped:

@@ -33,6 +33,7 @@ from .falcon import FALCON
 from .gemma import GEMMA, GEMMA2
 from .gpt2 import GPT2
 from .gptj import GPTJ
+from .granitemoe import GRANITE_MOE
 from .llama import LLAMA
 from .loader import TensorSource
 from .marian import MARIAN
@@ -41,11 +42,14 @@ from .modernbert import MODERNBERT
 from .mpt import MPT
 from .mt5 import MT5
 from .neox import NEOX
+from .olmoe import OLMOE
 from .opt import OPT
+from .phi import PHI
 from .phi3 import PHI3
 from .qwen import QWEN
 from .qwen2_moe import QWEN_MOE
 from .stablelm import STABLELM
+from .starcoder2 import STARCODER2
 from .roberta import ROBERTA
 from .rules import Architecture, Rule, Transform, concat_rows, params
 from .t5 import T5
@@ -57,13 +61,27 @@ ARCHITECTURES.update({t: arch for arch in (ROBERTA, DISTILBERT, MT5) for t in ar
 ARCHITECTURES.update({t: DEBERTA for t in DEBERTA.model_types})  # DeBERTa-v3
 ARCHITECTURES.update({t: MODERNBERT for t in MODERNBERT.model_types})
 ARCHITECTURES.update({t: arch for arch in (BART, MARIAN) for t in arch.model_types})  # BART, mBART, Marian
-ARCHITECTURES.update({t: arch for arch in (MIXTRAL, QWEN_MOE) for t in arch.model_types})  # mixtures of experts
+ARCHITECTURES.update({t: arch for arch in (MIXTRAL, QWEN_MOE, OLMOE, GRANITE_MOE)  # mixtures of experts
+                      for t in arch.model_types})
+ARCHITECTURES.update({t: arch for arch in (PHI, STARCODER2) for t in arch.model_types})  # issue 26
+
+
+# Families looked at and refused: model_type -> what tfport cannot compute exactly.
+REFUSED_MODEL_TYPES: dict[str, str] = {
+    "gpt_oss": "gpt-oss needs attention sinks (a learned logit per head joining every softmax: "
+               "self_attn.sinks), a clamped SwiGLU with biases (gate clamped above and up on both sides at "
+               "swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1), gate and up rows interleaved) "
+               "and, in the published checkpoints, MXFP4 expert weights; tfport has none of these",
+}
 
 
 def _architecture(hf: dict) -> Architecture:
     if not isinstance(hf, dict):
         raise TypeError(f"hf_config: expected the dict of a config.json, got {type(hf).__name__}")
     model_type = hf.get("model_type")
+    if model_type in REFUSED_MODEL_TYPES:
+        raise ValueError(f"config.json: model_type={model_type!r} is not supported: "
+                         f"{REFUSED_MODEL_TYPES[model_type]}")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"config.json: model_type={model_type!r} (architectures="
                          f"{hf.get('architectures')}) is not one tfport imports; expected one of "

@@ -54,6 +54,7 @@ class _Normalized:
     def __init__(self, tensors: TensorSource, arch: Architecture, origin: str):
         self.tensors = tensors
         self.original: dict[str, str] = {}  # normalized name -> name in the source
+        self._stacks: dict[str, torch.Tensor] = {}  # the last two expert stacks read (``stack``)
         for key in sorted(tensors.keys()):
             name = arch.normalize(key)
             if name in self.original:
@@ -76,6 +77,13 @@ class _Normalized:
     def get(self, name: str) -> torch.Tensor:
         return self.tensors.get(self.original[name]).float()
 
+    def stack(self, name: str) -> torch.Tensor:
+        """``get(name)`` of a tensor stacking every expert's [N, ...], kept while it is one of
+        the last two read (a layer's experts read their slices of its two stacks in turn)."""
+        if name not in self._stacks:
+            self._stacks = {**dict(list(self._stacks.items())[-1:]), name: self.get(name)}
+        return self._stacks[name]
+
 
 @dataclass
 class _Plan:
@@ -97,7 +105,10 @@ def _plan(model: nn.Module, arch: Architecture, tensors: _Normalized) -> _Plan:
         rule, groups = arch.rule(target, config, tensors.__contains__)
         names = tuple(s.format(**groups) for s in rule.sources)
         ok = True
-        for name, expected in zip(names, rule.transform.shapes(shape, config)):
+        shapes = rule.transform.shapes(shape, config)
+        if rule.stacked:  # every expert's, stacked on dim 0
+            shapes = [(config.moe.n_experts, *expected) for expected in shapes]
+        for name, expected in zip(names, shapes):
             if name not in tensors:
                 ok = False
                 plan.missing.append(f"{name} (for {target})")
@@ -147,9 +158,14 @@ def _problems(plan: _Plan, arch: Architecture, tensors: _Normalized) -> list[str
     return problems
 
 
-def _build(rule: Rule, names: tuple[str, ...], shape: Shape, config: ModelConfig,
+def _build(target: str, rule: Rule, names: tuple[str, ...], shape: Shape, config: ModelConfig,
            tensors: _Normalized) -> torch.Tensor:
-    out = rule.transform.apply([tensors.get(name) for name in names], shape, config)
+    if rule.stacked:  # expert {e}'s slice of each stack (read once for all its experts)
+        expert = int(rule.pattern.match(target).group("e"))
+        inputs = [tensors.stack(name)[expert] for name in names]
+    else:
+        inputs = [tensors.get(name) for name in names]
+    out = rule.transform.apply(inputs, shape, config)
     assert tuple(out.shape) == shape, (rule, tuple(out.shape), shape)
     return out
 
@@ -172,9 +188,9 @@ def load(arch: Architecture, hf: dict, source: TensorSource, origin: str) -> nn.
     with torch.no_grad():
         for target, rule, names in plan.loads:
             tensor = canonical[target]
-            tensor.copy_(_build(rule, names, tuple(tensor.shape), config, tensors))
+            tensor.copy_(_build(target, rule, names, tuple(tensor.shape), config, tensors))
         for alias, target, rule, names in plan.tied:
-            saved = _build(rule, names, tuple(canonical[target].shape), config, tensors)
+            saved = _build(alias, rule, names, tuple(canonical[target].shape), config, tensors)
             if not torch.equal(saved, canonical[target]):
                 raise ValueError(f"{origin}: {', '.join(map(tensors.where, names))} differs from the "
                                  f"tensor it is tied to ({target}); tfport holds them as one tensor "

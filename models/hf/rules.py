@@ -94,6 +94,9 @@ class Rule:
     # Only where the checkpoint holds every source (Falcon's two parallel norms or one shared one:
     # the config does not say which, the tensors do).
     if_present: bool = False
+    # Each source stacks every expert's tensor [moe.n_experts, ...]; the transform reads expert
+    # {e}'s slice (Granite-MoE's input_linear [N, 2F, E] / output_linear [N, E, F]).
+    stacked: bool = False
 
     @functools.cached_property
     def pattern(self) -> re.Pattern:

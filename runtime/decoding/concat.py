@@ -25,7 +25,7 @@ from ..inputs import pad_batch, positions_from_mask
 from .layout import LayoutDecoding, register_decoding
 from .prefix import NO_PREFIX, Prefix, PrefixCache, cache_chunk, cached_start
 from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
-from .inplace import logits_layout
+from .inplace_binding import logits_layout
 
 
 @dataclass

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from tfport.contract import Manifest
+from tfport.manifest import Manifest
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 

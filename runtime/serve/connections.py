@@ -15,6 +15,9 @@ connects and says nothing, holds its connection (and a slot of the limit) indefi
 A connection past its deadline is closed (a body's handler sees the client go away). Reading
 the response has no deadline here: a long stream is the point of the server.
 
+Past ``--limit-concurrency`` it answers uvicorn's 503, but as every other error of the API is
+answered (``{"error": {"message", "type", ...}}`` with ``Retry-After``), not uvicorn's plain text.
+
     uvicorn.Config(app, **connection_settings(ServeOptions(header_timeout=10)))
 """
 
@@ -25,9 +28,12 @@ import functools
 import logging
 
 import h11
+from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .app import RETRY_AFTER_S
 from .options import ServeOptions
+from .protocol import ApiError
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +41,7 @@ logger = logging.getLogger(__name__)
 class ReadDeadlines(H11Protocol):
     """uvicorn's h11 protocol that closes a connection whose request head is not complete within
     ``header_timeout`` seconds, or whose body is not complete within ``body_timeout`` seconds of
-    its head (see the module docstring)."""
+    its head, and answers past ``limit_concurrency`` with a JSON 503 (see the module docstring)."""
 
     def __init__(self, *args, header_timeout: float, body_timeout: float, **kwargs):
         super().__init__(*args, **kwargs)
@@ -43,6 +49,21 @@ class ReadDeadlines(H11Protocol):
         self.body_timeout = body_timeout
         self._waiting_for = None  # the client's h11 state the deadline is for
         self._deadline: asyncio.TimerHandle | None = None
+        # uvicorn's own check would answer in plain text: the limit is applied by ``_admit``.
+        self.limit, self.limit_concurrency = self.limit_concurrency, None
+        self._app, self.app = self.app, self._admit
+
+    async def _admit(self, scope, receive, send) -> None:
+        """The app, or past the limit uvicorn's 503 (connection closed) as an ``ApiError``.
+        uvicorn counts before this request's task joins ``tasks``; here it has joined."""
+        limit = self.limit
+        if limit is None or (len(self.connections) < limit and len(self.tasks) <= limit):
+            return await self._app(scope, receive, send)
+        logger.warning("Exceeded concurrency limit (--limit-concurrency %d).", limit)
+        err = ApiError(503, f"the server is at its limit of {limit} open connections or running "
+                            "requests (--limit-concurrency); retry later")
+        await JSONResponse(err.body(), status_code=503, headers={
+            "Retry-After": str(RETRY_AFTER_S), "Connection": "close"})(scope, receive, send)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

@@ -25,7 +25,6 @@ NaN logits fail their row only. The export's forced tokens (``generation_config.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 import time
@@ -42,12 +41,9 @@ from ..defaults import sequence_states
 from ..sampling import check_bias_ids
 from .handles import (Event, Failed, Finished, GenerationRequest, Handle, Observer, QueueFull,  # noqa: F401
                       Token, NullObserver)
+from .request_queue import RequestQueue, stop_reason
 
 logger = logging.getLogger(__name__)
-
-
-class Stopped(RuntimeError):
-    """The scheduler is stopped and takes no more requests (HTTP 503: the server is stopping)."""
 
 
 @dataclass(frozen=True)
@@ -109,11 +105,9 @@ class Scheduler:
         self._drafter = None if speculation is None else drafter_for(speculation.drafter, model)
         self.speculation_stats = SpeculationStats()
         self.batch: RowBatch = self._new_batch()
-        self._waiting: collections.deque[Handle] = collections.deque()
+        self._queue = RequestQueue(limits.max_queue)
         self._live: list[_Live] = []
-        self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._stopping = False
 
     def _new_batch(self) -> RowBatch:
         batch = self._make_batch(self.runner, self.limits.max_rows, self.max_length,
@@ -159,27 +153,13 @@ class Scheduler:
         """Queue request(s) -> handle(s), all or none: ``QueueFull`` when the queue has no room
         for all of them, ``ValueError`` for a request ``check`` refuses, ``Stopped`` once stopped."""
         single = isinstance(requests, GenerationRequest)
-        requests = [requests] if single else list(requests)
-        for request in requests:
-            self.check(request)
-        handles = [Handle(r) for r in requests]
-        if loop is not None:
-            for handle in handles:
-                handle.attach(loop)
-        with self._cond:
-            if self._stopping:
-                raise Stopped("the server is stopping and takes no more requests")
-            if len(self._waiting) + len(handles) > self.limits.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue="
-                                f"{self.limits.max_queue}); retry later")
-            self._waiting.extend(handles)
-            self._cond.notify()
-            self.observer.queue_depth(len(self._waiting), len(self._live))
+        handles = self._queue.submit([requests] if single else list(requests), self.check, loop)
+        self.observer.queue_depth(len(self._queue), len(self._live))
         return handles[0] if single else handles
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._queue)
 
     @property
     def running(self) -> int:
@@ -198,14 +178,11 @@ class Scheduler:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop after the current step; waiting and live requests are cancelled."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
+        self._queue.close()
         if self._thread is not None:
             self._thread.join(timeout)
-        with self._cond:
-            handles = [*self._waiting, *(live.handle for live in self._live)]
-            self._waiting.clear()
+        with self._queue.cond:
+            handles = [*self._queue.take_all(), *(live.handle for live in self._live)]
             self._live = []  # the counts (/health, the gauges) read 0 once stopped
         now = time.monotonic()
         for handle in handles:
@@ -214,12 +191,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------ the loop
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._stopping and not self._waiting and not self._live:
-                    self._cond.wait()
-                if self._stopping:
-                    return
+        while self._queue.wait(idle=not self._live):  # only this thread changes the live rows
             try:
                 self.run_once()
             except Exception:  # never lose the thread: a bug here fails the live rows only
@@ -230,11 +202,11 @@ class Scheduler:
         """One step boundary: retire, admit, decode one token for every live row."""
         now = time.monotonic()
         for live in list(self._live):
-            reason = self._stop_reason(live.handle, now)
+            reason = stop_reason(live.handle, now)
             if reason:
                 self._retire(live, Finished(reason))
         self._admit(now)
-        self.observer.queue_depth(len(self._waiting), len(self._live))
+        self.observer.queue_depth(len(self._queue), len(self._live))
         if not self._live:
             return
         self._live.sort(key=lambda live: live.row.index)  # the batch's row order (rows move)
@@ -288,26 +260,16 @@ class Scheduler:
             elif row.state.finish:
                 self._retire(row, Finished(row.state.finish))
 
-    def _stop_reason(self, handle: Handle, now: float) -> str | None:
-        if handle.cancelled:
-            return "cancelled"
-        if handle.deadline is not None and now >= handle.deadline:
-            return "timeout"
-        return None
-
     def _admit(self, now: float) -> None:
         while len(self._live) < self.limits.max_rows:
-            with self._cond:
-                if not self._waiting:
-                    return
-                handle = self._waiting[0]
-            reason = self._stop_reason(handle, now)
+            handle = self._queue.first()
+            if handle is None:
+                return
+            reason = stop_reason(handle, now)
             if reason is None and self._prefill_chunk(handle):
                 return  # one chunk of its prompt this step; it stays first in the queue
-            with self._cond:
-                if not self._waiting or self._waiting[0] is not handle:  # stopped meanwhile
-                    continue
-                self._waiting.popleft()
+            if not self._queue.take_first(handle):  # stopped meanwhile
+                continue
             if reason:
                 handle.deliver(Finished(reason))
                 self.observer.finished(reason, time.monotonic() - handle.submitted)

@@ -26,7 +26,7 @@ import uuid
 import numpy as np
 from fastapi.responses import JSONResponse
 
-from ..classify import Classification
+from ..classify import Classification, classify_encoded
 from .protocol import ApiError, ClassifyRequest, RerankRequest, ScoreRequest, check_text
 from .served import ServedModel, text_lengths
 
@@ -47,8 +47,9 @@ def require_head(served: ServedModel, endpoint: str, one_label: bool = True) -> 
 
 def classify(served: ServedModel, texts: list[str], pairs: list[str] | None, params: tuple[str, str]
              ) -> tuple[Classification, int]:
-    """``Model.classify`` of the texts (or (text, pair) rows) and the tokens the rows take,
-    within the server's limits (``params``: the fields the texts and the pairs came in)."""
+    """``Model.classify`` of the texts (or (text, pair) rows), tokenised once, and the tokens
+    the rows take, within the server's limits (``params``: the fields the texts and the pairs
+    came in)."""
     if len(texts) > served.options.max_inputs:
         raise ApiError(400, f"{params[1]}: {len(texts):,} texts, more than this server's limit of "
                             f"{served.options.max_inputs:,} per request (--max-embedding-inputs)",
@@ -63,7 +64,7 @@ def classify(served: ServedModel, texts: list[str], pairs: list[str] | None, par
         encoded = served.model.encode_texts(texts, pairs, method="classify")
         tokens = sum(len(row) for row in encoded.ids)
         served.limit_request_tokens(tokens, f"{len(texts):,} rows", params[1])
-        return served.model.classify(texts, pairs, progress=False), tokens
+        return classify_encoded(served.model, encoded, progress=False), tokens
     except (ValueError, TypeError) as err:
         raise ApiError(400, f"{params[1]}: {err}", params[1]) from None
 

@@ -18,7 +18,6 @@ timeout.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import threading
@@ -26,9 +25,10 @@ import time
 from collections.abc import Sequence
 
 from ..sampling import Logprobs, check_bias_ids
-from .handles import Failed, Finished, GenerationRequest, Handle, NullObserver, Observer, QueueFull, Token
+from .handles import Failed, Finished, GenerationRequest, Handle, NullObserver, Observer, Token
 from .protocol import ApiError, CompletionRequest
-from .scheduler import SchedulerLimits, Stopped
+from .request_queue import RequestQueue, stop_reason
+from .scheduler import SchedulerLimits
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +63,9 @@ class Seq2SeqScheduler:
         self.limits = limits
         self.max_length = min(limits.max_length or model.config.max_positions, model.config.max_positions)
         self.observer = observer or NullObserver()
-        self._waiting: collections.deque[Handle] = collections.deque()
-        self._running: set[Handle] = set()
-        self._cond = threading.Condition()
+        self._queue = RequestQueue(limits.max_queue)
+        self._running: set[Handle] = set()  # guarded by the queue's lock
         self._threads: list[threading.Thread] = []
-        self._stopping = False
 
     def check(self, request: GenerationRequest) -> None:
         """``ValueError`` naming the field for a request this scheduler cannot run."""
@@ -92,23 +90,11 @@ class Seq2SeqScheduler:
                loop: asyncio.AbstractEventLoop | None = None) -> list[Handle]:
         """Queue requests -> handles, all or none: ``QueueFull`` when the queue has no room for
         all of them, ``ValueError`` for a request ``check`` refuses, ``Stopped`` once stopped."""
-        requests = list(requests)
-        for request in requests:
-            self.check(request)
-        handles = [Handle(r) if loop is None else Handle(r).attach(loop) for r in requests]
-        with self._cond:
-            if self._stopping:
-                raise Stopped("the server is stopping and takes no more requests")
-            if len(self._waiting) + len(handles) > self.limits.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue="
-                                f"{self.limits.max_queue}); retry later")
-            self._waiting.extend(handles)
-            self._cond.notify_all()
-        return handles
+        return self._queue.submit(list(requests), self.check, loop)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._queue)
 
     @property
     def running(self) -> int:
@@ -130,11 +116,9 @@ class Seq2SeqScheduler:
     def stop(self, timeout: float = 10.0) -> None:
         """Stop after each running sequence's current token; waiting and running requests are
         cancelled."""
-        with self._cond:
-            self._stopping = True
-            handles = [*self._waiting, *self._running]
-            self._waiting.clear()
-            self._cond.notify_all()
+        with self._queue.cond:
+            self._queue.close()
+            handles = [*self._queue.take_all(), *self._running]
         for handle in handles:
             handle.cancel()
             handle.deliver(Finished("cancelled"))
@@ -144,12 +128,10 @@ class Seq2SeqScheduler:
 
     def _work(self) -> None:
         while True:
-            with self._cond:
-                while not self._stopping and not self._waiting:
-                    self._cond.wait()
-                if self._stopping:
+            with self._queue.cond:  # taken and running at once: ``stop`` cancels it either way
+                handle = self._queue.get()
+                if handle is None:
                     return
-                handle = self._waiting.popleft()
                 self._running.add(handle)
             try:
                 event = self._generate(handle)
@@ -157,7 +139,7 @@ class Seq2SeqScheduler:
                 logger.exception("seq2seq generation failed")
                 event = Failed(err)
             finally:
-                with self._cond:
+                with self._queue.cond:
                     self._running.discard(handle)
             handle.deliver(event)
             self.observer.finished(event.reason if isinstance(event, Finished) else "error",
@@ -166,7 +148,7 @@ class Seq2SeqScheduler:
     def _generate(self, handle: Handle) -> Finished:
         """Deliver the sequence's tokens as ``Model.stream`` makes them -> how it ended."""
         request = handle.request
-        reason = self._stop_reason(handle)
+        reason = stop_reason(handle)
         if reason:
             return Finished(reason)
         params = request.params
@@ -175,34 +157,17 @@ class Seq2SeqScheduler:
             [list(request.prompt)], max_new_tokens=request.max_tokens, stop_token_ids=request.stop_ids,
             seed=request.seed, logprobs=logprobs,
             **{f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
-        # A token's log-probability is recorded when the next step is asked for: with logprobs
-        # each token is delivered one step late (at the next step, or at the end).
-        start, count, token, held = time.perf_counter(), 0, None, None
-        for tokens in steps:
-            if held is not None:
-                handle.deliver(Token(held, logprobs.rows[0][count - 1]))
+        start, count, token = time.perf_counter(), 0, None
+        for tokens in steps:  # a step's logprobs are recorded when its tokens are yielded
             token = int(tokens[0])
             if count == 0:
                 self.observer.first_token(time.monotonic() - handle.submitted)
             else:
                 self.observer.step(1, 1, time.perf_counter() - start)
-            if logprobs is None:
-                handle.deliver(Token(token))
-            else:
-                held = token
+            handle.deliver(Token(token, None if logprobs is None else logprobs.rows[0][count]))
             count, start = count + 1, time.perf_counter()
-            reason = self._stop_reason(handle)
+            reason = stop_reason(handle)
             if reason:
                 steps.close()
                 return Finished(reason)
-        if held is not None:
-            handle.deliver(Token(held, logprobs.rows[0][count - 1]))
         return Finished("stop" if token in request.stop_ids else "length")
-
-    @staticmethod
-    def _stop_reason(handle: Handle) -> str | None:
-        if handle.cancelled:
-            return "cancelled"
-        if handle.deadline is not None and time.monotonic() >= handle.deadline:
-            return "timeout"
-        return None

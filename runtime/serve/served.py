@@ -36,7 +36,8 @@ from .batcher import EmbeddingBatcher
 from .options import ServeOptions
 from .protocol import ApiError, ChatRequest, CompletionRequest, DecodingRequest, check_text, quote
 from .handles import GenerationRequest, Handle, QueueFull
-from .scheduler import Scheduler, Stopped
+from .request_queue import Stopped
+from .scheduler import Scheduler
 from .seq2seq import Seq2SeqScheduler, refuse_for_seq2seq
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions

@@ -16,8 +16,9 @@ from tfport.config_heads import ClassifierConfig
 from tfport.config_relative import DisentangledConfig, RelativeConfig
 from tfport.config_rope import RopeConfig
 from tfport.config_window import WindowConfig
-from tfport.contract import CONFIG_FILE, MANIFEST_FILE, Manifest
+from tfport.contract import CONFIG_FILE, MANIFEST_FILE
 from tfport.integrity import export_settings, fingerprint, record_files
+from tfport.manifest import Manifest
 from tfport.presets import PRESETS
 
 # Written by tfport before the grouping (see its _comment): name -> {config, fingerprint}.

@@ -10,10 +10,8 @@ calibration from the manifest. Real-weight accuracy (SmolLM2, MiniLM) is in docs
 
 from __future__ import annotations
 
-import collections
 import copy
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -21,39 +19,19 @@ import onnx
 import pytest
 import torch
 
+from tests.export.text_models import perturbed, word_tokenizer
 from tests.matrix import matrix_config
-from tfport.contract import MANIFEST_FILE, Manifest
+from tfport.contract import MANIFEST_FILE
 from tfport.export import ExportOptions, export_model
 from tfport.export import calibrate as C
 from tfport.export import gptq
 from tfport.export import hessians as activations
 from tfport.export.parity.accuracy import PERPLEXITY_TEXT
 from tfport.export.quantize import QuantScheme, fake_quantize
+from tfport.manifest import Manifest
 from tfport.models import build_model
 
 HELD_OUT = PERPLEXITY_TEXT
-
-
-def word_tokenizer(vocab_size: int, path: Path | None = None):
-    """A word-level tokenizer of the calibration text's most frequent words (the rest [UNK])."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = re.findall(r"\w+|[^\w\s]", activations.Calibration().read())
-    common = [w for w, _ in collections.Counter(words).most_common(vocab_size - 4)]
-    vocab = {s: i for i, s in enumerate(["[PAD]", "[BOS]", "[EOS]", "[UNK]"] + common)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    if path is not None:
-        tokenizer.save(str(path))
-    return tokenizer
-
-
-def perturbed(config):
-    model = build_model(config, seed=0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,10 @@ import json
 import pytest
 
 from tfport.cli import main
-from tfport.contract import MANIFEST_FILE, Manifest
+from tfport.contract import MANIFEST_FILE
 from tfport.export import ExportOptions, export_model
 from tfport.export.targets import TARGETS
+from tfport.manifest import Manifest
 from tfport.models import build_model
 from tfport.presets import PRESETS
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import onnx
 import pytest
 
-from tfport.contract import Manifest
 from tfport.export import export_model
 from tfport.export.functions import DOMAIN
 from tfport.export.parity import Case, Runner
+from tfport.manifest import Manifest
 from tfport.models import build_model
 
 from tests.matrix import MATRIX, matrix_config

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.matrix import ort_config
-from tfport.contract import Manifest
 from tfport.export import ExportOptions, export_model
 from tfport.export.functions import DOMAIN
+from tfport.manifest import Manifest
 from tfport.models import build_model
 from tfport.models.generate import generate
 from tfport.presets import PRESETS
@@ -48,7 +48,7 @@ def test_cache_is_updated_in_place(fused):
     """The runtime binds one buffer as past and present: its OrtValue is written, not replaced."""
     _, out = fused
     runtime = load_model(out)
-    from tfport.runtime.decoding.inplace import InplaceDecoder
+    from tfport.runtime.decoding.inplace_binding import InplaceDecoder
 
     decoder = InplaceDecoder(runtime.runners["decoder"], batch=1, slots=8)
     before = {name: value.data_ptr() for name, value in decoder.cache.items()}

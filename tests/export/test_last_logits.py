@@ -13,10 +13,11 @@ import pytest
 
 from tests.matrix import matrix_config
 from tfport.config_heads import ClassifierConfig
-from tfport.contract import Manifest, graph_specs
+from tfport.contract import graph_specs
 from tfport.export import ExportOptions, export_model
 from tfport.export.parity import CASES, Runner
 from tfport.export.targets import TARGETS
+from tfport.manifest import Manifest
 from tfport.models import build_model
 from tfport.runtime import load_model
 

@@ -24,9 +24,11 @@ from ..hf.moe_cases import MOE_CASES, importer
 pytest.importorskip("transformers", reason="compared against transformers, which the 'dev' extra installs")
 
 # Every case on the portable target; the other targets differ from it in attention and the cache,
-# not in how the mixture is emitted, so they take the richest case (shared expert, a dense layer).
+# not in how the mixture is emitted, so they take the richest mixture (shared expert, a dense
+# layer) and the cases whose attention or residuals no dense family has (OLMoE's all-head q/k
+# norms and q/k/v clamp; Granite's attention multiplier and scaled residuals).
 ALL = [pytest.param(name, target, id=f"{name}-{target}") for name in MOE_CASES for target in TARGETS
-       if target == "portable" or name == "qwen2-moe"]
+       if target == "portable" or name in ("qwen2-moe", "olmoe", "granitemoe")]
 
 
 @pytest.fixture(autouse=True)
@@ -100,6 +102,7 @@ def test_ort_lowers_the_experts_to_one_moe_node(exported):
 @pytest.mark.parametrize("name,target,quantize,fused", [
     ("qwen2-moe", "portable", "int4", False),
     ("qwen3-moe", "ort", "int4", True),
+    ("granitemoe", "ort", "int4", True),  # top-k-then-softmax weights sum to 1: QMoE computes them
     ("qwen2-moe", "ort", "int4", False),  # top-k weights not renormalised: QMoE's CPU kernel would
     ("qwen3-moe", "ort", "int8", False),  # int8: QMoE's CPU kernel is not exact
 ])
@@ -114,9 +117,10 @@ def test_quantized_experts(exported, tmp_path, name, target, quantize, fused):
     manifest = export_model(it.model, out, ExportOptions(target=target, quantize=quantize, block_size=16))
     graph = onnx.load(str(out / manifest.graphs["decoder"].file), load_external_data=False).graph
     names = {i.name for i in graph.initializer}
-    assert sum(n.op_type == "QMoE" for n in graph.node) == int(fused)
     moe = it.model.config.moe
-    layer = f"decoder.layers.{moe.layers[0]}.ffn"  # each case's one mixture
+    mixtures = sum(moe.covers(i) for i in range(it.model.config.n_decoder_layers))
+    assert sum(n.op_type == "QMoE" for n in graph.node) == (mixtures if fused else 0)
+    layer = f"decoder.layers.{moe.layers[0] if moe.layers else 0}.ffn"  # a mixture of each case
     products = ["fc1", "fc2"] if fused else [f"experts.{n}.{p}" for n in range(4) for p in ("gate_up", "down")]
     products += ["shared.gate_up", "shared.down"] if moe.shared_d_ff else []
     for product in products:

@@ -13,11 +13,11 @@ import torch
 from onnxscript import FLOAT, script
 from onnxscript import opset18 as op
 
-from tfport.contract import Manifest
 from tfport.export import ExportOptions, export_model
 from tfport.export.functions import tfport
 from tfport.export.parity import CASES, Runner
 from tfport.export.targets import TARGETS, PortableTarget, get_target, register_target
+from tfport.manifest import Manifest
 from tfport.models import build_model
 from tfport.models.generate import generate
 from tfport.presets import PRESETS

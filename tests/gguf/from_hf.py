@@ -5,14 +5,17 @@ from tfport's mapping; the converter's arithmetic (convert_hf_to_gguf.py) is wri
 independently of tfport's inverse: Gemma's norm weights stored as 1 + w, Gemma 1/2's head dropped
 (tied); LLaMA's Q/K rows permuted (only LLaMA's converter permutes); GPT-2's Conv1D weights
 transposed and its head written as a copy of the embeddings; BLOOM's per-head QKV and Falcon's
-per-KV-group QKV regrouped to [all q | all k | all v]; RoPE scaling as metadata (linear, YaRN)
-or tensors (rope_freqs for llama3, rope_factors_long/short for LongRoPE). Metadata: the
-``{arch}.*`` keys the converter writes for each family.
+per-KV-group QKV regrouped to [all q | all k | all v]; Phi-2's q/k/v fused where a case asks
+(its original layout); RoPE scaling as metadata (linear, YaRN)
+or tensors (rope_freqs for llama3, rope_factors_long/short for LongRoPE); a mixture's experts
+read per expert from the saved checkpoint and stacked into one [N, out, in] tensor per layer and
+projection. Metadata: the ``{arch}.*`` keys the converter writes for each family.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +31,11 @@ METADATA = {
     "hidden_size": "add_embedding_length", "intermediate_size": "add_feed_forward_length",
     "num_attention_heads": "add_head_count", "num_key_value_heads": "add_head_count_kv",
     "rms_norm_eps": "add_layer_norm_rms_eps", "layer_norm_eps": "add_layer_norm_eps",
-    "layer_norm_epsilon": "add_layer_norm_eps",
+    "layer_norm_epsilon": "add_layer_norm_eps", "norm_epsilon": "add_layer_norm_eps",  # StarCoder2
+    # mixtures of experts (TextModel / Qwen2MoeModel.set_gguf_parameters)
+    "num_local_experts": "add_expert_count", "num_experts": "add_expert_count",
+    "num_experts_per_tok": "add_expert_used_count", "moe_intermediate_size": "add_expert_feed_forward_length",
+    "shared_expert_intermediate_size": "add_expert_shared_feed_forward_length",
 }
 # Families whose converter writes a 4x feed-forward length (their configs have no intermediate_size).
 FOUR_X_FFN = ("gpt2", "bloom", "mpt", "falcon")
@@ -43,11 +50,16 @@ class GGUFCase:
     name: str
     arch: str                       # general.architecture
     source: HFCase                  # the transformers model the file is written from
-    weight_type: str = "F32"        # 2-D weights; F16 rounds the source model first (exact)
+    # 2-D and 3-D weights: F16 rounds the source model first (exact); a block type (Q8_0, Q4_0,
+    # with gguf-py's quantiser) leaves it as it is (the file is then compared with its import)
+    weight_type: str = "F32"
     # None: transformers' GGUF loader reads the file as the source model computes; else why not
     # (the file is then compared with the source model only).
     transformers_differs: str | None = None
     metadata: dict = field(default_factory=dict)  # extra "{arch}.<suffix>" -> value (None: left out)
+    # q, k and v written as one attn_qkv ([q | k | v] rows): Phi-2 files converted from its
+    # original layout (mixer.Wqkv), before transformers' PhiForCausalLM split it
+    fused_qkv: bool = False
 
 
 @dataclass
@@ -160,6 +172,62 @@ def _converted(arch: str, stem: str, values: np.ndarray, config) -> np.ndarray:
     return values
 
 
+EXPERT = re.compile(r"(?P<stack>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>\w+)\.weight")
+
+
+def checkpoint_tensors(hf, directory: Path) -> dict[str, torch.Tensor]:
+    """The tensors of ``hf``'s checkpoint, which the converter reads: transformers 5 keeps a
+    mixture's experts fused in memory (``experts.gate_up_proj`` [N, 2F, E]) and writes them one
+    per expert and projection with ``save_pretrained``, as published MoE checkpoints hold them."""
+    state = dict(hf.state_dict())
+    if not any(".experts." in name for name in state):
+        return state
+    from safetensors.torch import load_file
+
+    hf.save_pretrained(directory / "checkpoint")
+    return load_file(str(directory / "checkpoint" / "model.safetensors"))
+
+
+def stack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The converter's merge of each layer's experts: ``...experts.{e}.{projection}.weight`` [out,
+    in] for e = 0..N-1 -> ``...experts.{projection}.weight`` [N, out, in] (torch.stack, dim 0)."""
+    out, stacks = {}, {}
+    for name, tensor in state.items():
+        match = EXPERT.fullmatch(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            stacks.setdefault(f"{match['stack']}.{match['projection']}.weight", {})[int(match["expert"])] = tensor
+    for name, experts in stacks.items():
+        out[name] = torch.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
+def fuse_qkv(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``...self_attn.{q,k,v}_proj.{weight,bias}`` -> ``...self_attn.qkv_proj.{weight,bias}``
+    (torch.cat of the rows, q first), Phi-2's original Wqkv."""
+    out = {}
+    for name, tensor in state.items():
+        stem, suffix = name.rsplit(".", 1)
+        if stem.endswith(".self_attn.q_proj"):
+            parts = [state[f"{stem[:-len('q_proj')]}{p}_proj.{suffix}"] for p in "qkv"]
+            out[f"{stem[:-len('q_proj')]}qkv_proj.{suffix}"] = torch.cat(parts)
+        elif not stem.endswith((".self_attn.k_proj", ".self_attn.v_proj")):
+            out[name] = tensor
+    return out
+
+
+def _stored(values: np.ndarray, kind: str) -> np.ndarray:
+    """A weight as the file stores it in ggml type ``kind``."""
+    import gguf
+
+    if kind == "F16":
+        return values.astype(np.float16)
+    if kind == "F32":
+        return values
+    return gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
+
+
 def write_from_hf(case: GGUFCase, directory: Path) -> Written:
     import gguf
 
@@ -168,7 +236,7 @@ def write_from_hf(case: GGUFCase, directory: Path) -> Written:
     if case.weight_type == "F16":  # the file stores what the source model computes with
         with torch.no_grad():
             for p in hf.parameters():
-                if p.ndim == 2:
+                if p.ndim >= 2:
                     p.copy_(p.half().float())
     arch = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == case.arch)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
@@ -199,7 +267,9 @@ def write_from_hf(case: GGUFCase, directory: Path) -> Written:
     writer.add_eos_token_id(config.eos_token_id)
     writer.add_pad_token_id(config.pad_token_id)
     gemma = case.arch.startswith("gemma")
-    state, tied = dict(hf.state_dict()), config.tie_word_embeddings
+    state, tied = stack_experts(checkpoint_tensors(hf, directory)), config.tie_word_embeddings
+    if case.fused_qkv:
+        state = fuse_qkv(state)
     if case.arch in HEAD_COPIED:  # the head written as a copy of the embeddings
         state["lm_head.weight"], tied = state[HEAD_COPIED[case.arch]], False
     for name, tensor in state.items():
@@ -211,12 +281,13 @@ def write_from_hf(case: GGUFCase, directory: Path) -> Written:
         # (the BLOOM converter strips "transformer." first)
         target = names.get_name(stem) or names.get_name(stem.removeprefix("transformer."))
         assert target is not None, (case.arch, name)
-        values = _converted(case.arch, stem, tensor.detach().float().numpy(), config)
+        # squeezed, as the converter did until 2025 (Qwen2-MoE's shared-expert gate [1, E] -> [E])
+        values = _converted(case.arch, stem, tensor.detach().float().numpy().squeeze(), config)
         if gemma and stem.endswith("norm"):
             values = values + np.float32(1.0)
-        kind = case.weight_type if values.ndim == 2 else "F32"
-        data = values.astype(np.float16) if kind == "F16" else values
-        writer.add_tensor(f"{target}.{suffix}", data, raw_dtype=gguf.GGMLQuantizationType[kind])
+        # 1-D tensors and routers stay F32 ("some tensor types are always in float32")
+        kind = case.weight_type if values.ndim >= 2 and not target.endswith(".ffn_gate_inp") else "F32"
+        writer.add_tensor(f"{target}.{suffix}", _stored(values, kind), raw_dtype=gguf.GGMLQuantizationType[kind])
     for target, values in extra.items():
         writer.add_tensor(target, values, raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()

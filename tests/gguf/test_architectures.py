@@ -28,6 +28,7 @@ _SIZE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 # 128 and query_pre_attn_scalar 256, so the cases use those values.
 _GEMMA = dict(_SIZE, num_attention_heads=2, num_key_value_heads=1, head_dim=256,
               query_pre_attn_scalar=256, sliding_window=WINDOW)
+_NO_PHI2 = "transformers' GGUF loader has no 'phi2' architecture"
 
 CASES = {case.name: case for case in [
     GGUFCase("qwen2", "qwen2", HFCase("qwen2", "Qwen2ForCausalLM", "Qwen2Config", dict(
@@ -63,6 +64,23 @@ CASES = {case.name: case for case in [
         _SIZE, use_qkv_bias=True), seed=48)),
     GGUFCase("stablelm-parallel", "stablelm", HFCase("stablelm", "StableLmForCausalLM", "StableLmConfig",
         dict(_SIZE, use_parallel_residual=True), seed=49), weight_type="F16"),
+    # Phi-2 as the converter writes it: 4x MLP, MHA, no rope.freq_base (llama.cpp's 10000); half
+    # of each head rotated; then Phi-2's original layout (one fused attn_qkv), whole heads rotated.
+    GGUFCase("phi2", "phi2", HFCase("phi", "PhiForCausalLM", "PhiConfig", dict(
+        _SIZE, intermediate_size=256, num_key_value_heads=4, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}), seed=73),
+        metadata={"rope.freq_base": None}, transformers_differs=_NO_PHI2),
+    GGUFCase("phi2-fused-qkv", "phi2", HFCase("phi", "PhiForCausalLM", "PhiConfig", dict(
+        _SIZE, intermediate_size=256, num_key_value_heads=4, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}), seed=74),
+        weight_type="F16", metadata={"rope.freq_base": None}, fused_qkv=True, transformers_differs=_NO_PHI2),
+    # StarCoder2: biases and tied head (its defaults), then neither, with a RoPE base of its own.
+    GGUFCase("starcoder2", "starcoder2", HFCase("starcoder2", "Starcoder2ForCausalLM", "Starcoder2Config",
+        dict(_SIZE), seed=75)),
+    GGUFCase("starcoder2-no-bias", "starcoder2", HFCase("starcoder2", "Starcoder2ForCausalLM",
+        "Starcoder2Config", dict(_SIZE, use_bias=False, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "default", "rope_theta": 100000.0}), seed=76), weight_type="F16",
+        transformers_differs="transformers' GGUF loader drops starcoder2.rope.freq_base"),
 ]}
 # (rtol, atol): tests.hf.cases.TOLERANCE, float32 on CPU (same function, different op order).
 PROMPT = 9  # longer than WINDOW, so the sliding-window layers drop keys
@@ -76,8 +94,9 @@ def written(tmp_path_factory):
 
 def test_every_architecture_has_a_case():
     from .test_downloaded import CASES as DOWNLOADED  # gpt2, bloom, mpt, falcon; RoPE scalings
+    from .test_moe import CASES as MOE  # qwen2moe, qwen3moe; llama with experts
 
-    cases = {case.arch for case in (*CASES.values(), *DOWNLOADED.values())}
+    cases = {case.arch for case in (*CASES.values(), *DOWNLOADED.values(), *MOE.values())}
     assert cases == set(ARCHITECTURES)  # llama: test_tiny.py too
     assert not set(ARCHITECTURES) & set(NOT_YET_SUPPORTED)
 
@@ -140,3 +159,13 @@ def test_stablelm_layout_from_tensors(written):
     for name, parallel, bias in (("stablelm", False, True), ("stablelm-parallel", True, False)):
         config = written(name)[1].config
         assert (config.parallel_residual, config.attention_bias) == (parallel, bias), name
+
+
+def test_phi2_and_starcoder2_layouts_from_metadata_and_tensors(written):
+    """Rotary channels from rope.dimension_count (the whole head when it equals the head
+    dimension, where transformers' Phi alone would rotate half); biases from the tensors present."""
+    assert written("phi2")[1].config.rope.rotary_dim == 8  # half of a 16-channel head
+    assert written("phi2-fused-qkv")[1].config.rope.rotary_dim is None  # all 16
+    for name, bias, tied in (("starcoder2", True, True), ("starcoder2-no-bias", False, False)):
+        config = written(name)[1].config
+        assert (config.attention_bias, config.mlp_bias, config.tie_embeddings) == (bias, bias, tied), name

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 
 from tfport.cli import main
-from tfport.contract import CHAT_TEMPLATE_FILE, TOKENIZER_FILE, Manifest
+from tfport.contract import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 from tfport.export.source import _chat_template
+from tfport.manifest import Manifest
 
 from .test_tiny import encoder
 from .tiny import CHAT_TEMPLATE, sentencepiece_vocab, write_tiny_llama

@@ -155,7 +155,7 @@ def test_import_matches_transformers(tiny_files, kind):
 # ------------------------------------------------------------------------------------ refusals
 def test_refuses_unknown_and_not_yet_supported_architectures(tmp_path):
     for arch, message in (("fancynet", "unknown GGUF architecture 'fancynet'"),
-                          ("starcoder2", "GGUF architecture 'starcoder2' is not supported yet")):
+                          ("nemotron", "GGUF architecture 'nemotron' is not supported yet")):
         tiny = write_tiny_llama(tmp_path / f"{arch}.gguf", encoder(0), "F32", architecture=arch)
         with pytest.raises(ValueError, match=message):
             read_gguf(tiny.path)

@@ -101,6 +101,16 @@ CASES = {case.name: case for case in [
         seed=20, per_target=True),
     HFCase("stablelm-parallel", "StableLmForCausalLM", "StableLmConfig", dict(
         **_DEPLOYED, use_parallel_residual=True), seed=21, per_target=True),
+    # Phi-2: one LayerNorm for parallel attention and MLP, partial rotary (16 of 32 channels),
+    # biases everywhere including the LM head; GQA (Phi-2 itself is MHA).
+    HFCase("phi", "PhiForCausalLM", "PhiConfig", dict(
+        **{**_DEPLOYED, "hidden_size": 128}, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        seed=30, per_target=True),
+    # StarCoder2: LayerNorms, biased c_fc / c_proj MLP, GQA, a window of WINDOW tokens, untied head.
+    HFCase("starcoder2", "Starcoder2ForCausalLM", "Starcoder2Config", dict(
+        **_DEPLOYED, sliding_window=WINDOW, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}), seed=31, per_target=True),
     # OPT: learned positions offset by 2, ReLU; pre-norm (most sizes) and post-norm (350m's).
     HFCase("opt", "OPTForCausalLM", "OPTConfig", dict(
         hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,

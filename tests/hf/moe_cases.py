@@ -29,6 +29,15 @@ MOE_CASES = {case.name: case for case in [
     HFCase("qwen3-moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
         **_MOE, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
         norm_topk_prob=True, decoder_sparse_step=2), seed=42),
+    # q/k norms over all heads' channels, q/k/v clamped at 1.5 (after the norms: a few percent
+    # of the values clip), top-2 weights not renormalised (OLMoE's default); every layer a mixture.
+    HFCase("olmoe", "OlmoeForCausalLM", "OlmoeConfig", dict(
+        **_MOE, intermediate_size=32, num_experts=4, clip_qkv=1.5), seed=43),
+    # Softmax over the top-2 logits; experts stacked (input_linear [N, 2F, E]); Granite's four
+    # multipliers away from 1 (the attention one away from 1/sqrt(16) too).
+    HFCase("granitemoe", "GraniteMoeForCausalLM", "GraniteMoeConfig", dict(
+        **_MOE, intermediate_size=32, num_local_experts=4, embedding_multiplier=3.0,
+        attention_multiplier=0.15, residual_multiplier=0.5, logits_scaling=2.5), seed=44),
 ]}
 
 

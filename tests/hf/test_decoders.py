@@ -15,9 +15,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from tfport.contract import Manifest
 from tfport.export import ExportOptions, export_model
 from tfport.export.targets import TARGETS
+from tfport.manifest import Manifest
 from tfport.models.positions import positions_from_mask
 from tfport.runtime import load_model
 

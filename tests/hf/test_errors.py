@@ -253,6 +253,7 @@ def test_token_ids_fit_tfport():
     (dict(model_type="bert", hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
           intermediate_size=64, vocab_size=10, position_embedding_type="relative_key"),
      r"position_embedding_type='relative_key'"),
+    ({**LLAMA, "model_type": "phi", "qk_layernorm": True}, r"qk_layernorm=True"),
 ])
 def test_inexpressible_options_are_refused(hf, message):
     with pytest.raises(ValueError, match=message):
@@ -323,6 +324,22 @@ def test_partial_rotary_left_out_takes_transformers_default(model_type, cls):
     factor = _resolved(cls, hf).rope_parameters["partial_rotary_factor"]
     config = hf_config_to_tfport(hf)
     assert factor == 0.25 and config.rotary_channels == int(factor * config.dim_per_head)
+
+
+def test_phi_and_starcoder2_defaults_are_transformers():
+    """Fields a config.json may leave out: Phi's partial rotary factor (half of each head), its
+    untied head; StarCoder2's KV head count, bias, tied head and activation."""
+    hf = {k: v for k, v in LLAMA.items() if k != "num_key_value_heads"}
+    phi = _resolved("PhiConfig", {**hf, "model_type": "phi"})
+    config = hf_config_to_tfport({**hf, "model_type": "phi"})
+    assert config.rotary_channels == int(phi.rope_parameters["partial_rotary_factor"] * config.dim_per_head)
+    assert config.tie_embeddings == phi.tie_word_embeddings and config.kv_heads == phi.num_key_value_heads
+    starcoder2 = _resolved("Starcoder2Config", {**hf, "model_type": "starcoder2"})
+    config = hf_config_to_tfport({**hf, "model_type": "starcoder2"})
+    assert (config.kv_heads, config.attention_bias, config.tie_embeddings) == (
+        starcoder2.num_key_value_heads, starcoder2.use_bias, starcoder2.tie_word_embeddings)
+    assert config.activation == hf_config_to_tfport({**hf, "model_type": "starcoder2",
+                                                     "hidden_act": starcoder2.hidden_act}).activation
 
 
 def test_a_llama_config_with_a_sliding_window_has_none():

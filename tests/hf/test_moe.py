@@ -1,4 +1,4 @@
-"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE) imported from tiny random
+"""Mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) imported from tiny random
 transformers checkpoints compute what transformers computes: prefill of a left- and a right-padded
 batch (logits and the present KV), decode steps on the cache, a chunk on a past, greedy tokens.
 The routing itself is checked against a numpy reference, and the configs against their fields.
@@ -6,13 +6,15 @@ The exported graphs are compared on every target in tests/export/test_moe_export
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
 from tfport.config import ModelConfig
 from tfport.config_moe import MoeConfig
-from tfport.models.hf import hf_config_to_tfport
+from tfport.models.hf import hf_config_to_tfport, load_hf_model
 from tfport.models.moe import MixtureOfExperts, routing_weights
 
 from . import test_parity as dense_checks
@@ -57,22 +59,52 @@ def test_routing_weights_match_numpy(routing, normalize):
     assert ((ours > 0).sum(-1) == 3).all()
 
 
+# Each case's MoE settings as its fields in tests/hf/moe_cases.py say (and transformers' defaults):
+# routing, renormalised top k, the MoE layers (None: every layer), shared expert (width, gated).
+EXPECTED = {
+    "mixtral": ("softmax_topk", True, None, (0, False)),
+    "qwen2-moe": ("softmax_topk", False, (0,), (48, True)),
+    "qwen3-moe": ("softmax_topk", True, (1,), (0, False)),
+    "olmoe": ("softmax_topk", False, None, (0, False)),
+    "granitemoe": ("topk_softmax", True, None, (0, False)),
+}
+
+
+def test_every_case_has_expectations():
+    assert set(EXPECTED) == set(MOE_CASES)
+
+
 @pytest.mark.parametrize("name", MOE_CASES)
 def test_config_fields(moe, name):
     """The imported config names the family's experts, widths, routing and MoE layers."""
     it = moe(name)
     hf = it.hf.config
     config = it.model.config.moe
+    routing, normalize, layers, shared = EXPECTED[name]
     assert config.n_experts == 4 and config.top_k == hf.num_experts_per_tok == 2
-    assert config.routing == "softmax_topk"
-    expected_layers = {"mixtral": None, "qwen2-moe": (0,), "qwen3-moe": (1,)}[name]
-    assert config.layers == expected_layers
+    assert (config.routing, config.normalize, config.layers) == (routing, normalize, layers)
     moe_layers = [i for i, layer in enumerate(it.model.decoder.layers) if isinstance(layer.ffn, MixtureOfExperts)]
-    hf_moe_layers = [i for i, layer in enumerate(it.hf.model.layers) if hasattr(layer.mlp, "experts")]
+    hf_moe_layers = [i for i, layer in enumerate(it.hf.model.layers)
+                     if hasattr(getattr(layer, "mlp", None) or layer.block_sparse_moe, "experts")]
     assert moe_layers == hf_moe_layers
-    assert config.normalize == (name != "qwen2-moe")
-    assert (config.shared_d_ff, config.shared_gate) == ((48, True) if name == "qwen2-moe" else (0, False))
+    assert (config.shared_d_ff, config.shared_gate) == shared
     assert ModelConfig.from_json(it.model.config.to_json()) == it.model.config
+
+
+def test_olmoe_norms_span_all_heads_and_clip_bites(moe):
+    """OLMoE's q/k norms are one RMSNorm over all heads' channels (H*D, Hkv*D), and the case's
+    clip_qkv clamps some of the normalised queries (so the parity tests exercise it)."""
+    it = moe("olmoe")
+    config, attn = it.model.config, it.model.decoder.layers[0].attn
+    assert (config.qk_norm, config.qk_norm_span, config.qkv_clip) == (True, "all_heads", 1.5)
+    hf_attn = it.hf.model.layers[0].self_attn
+    assert attn.q_norm.weight.shape == hf_attn.q_norm.weight.shape == (4 * 16,)
+    assert attn.k_norm.weight.shape == hf_attn.k_norm.weight.shape == (2 * 16,)
+    ids, _ = batch("left", seed=30, length=PROMPT)
+    with torch.no_grad():
+        states = it.model.decoder.layers[0].attn_norm(it.model.decoder.embed.tokens(ids))
+        q = attn.q_norm(attn.qkv(states)[..., :64])  # [B, S, H*D] before the clamp
+    assert 0 < (q.abs() > 1.5).float().mean() < 0.5
 
 
 @pytest.mark.parametrize("name", MOE_CASES)
@@ -117,6 +149,19 @@ def test_decode_steps_and_chunk(moe, name):
     assert_close(logits, expected, np.ones((2, 3), bool), f"{name} chunk on a past")
 
 
+def test_gpt_oss_is_refused_with_the_reason(tmp_path):
+    """A gpt-oss checkpoint (its config as transformers writes it) is refused before its weights
+    are opened, saying what tfport lacks."""
+    transformers.GptOssConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=32).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"config\.json: model_type='gpt_oss' is not supported: .*attention "
+                       r"sinks .*self_attn\.sinks.*clamped SwiGLU .*swiglu_limit.*MXFP4"):
+        load_hf_model(tmp_path)  # no weights in the directory: the config alone is refused
+    hf = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"model_type='gpt_oss' is not supported"):
+        hf_config_to_tfport(hf)
+
+
 def test_refusals():
     """What the config refuses, naming the field and what was expected."""
     with pytest.raises(ValueError, match=r"config\.moe\.top_k=5: expected experts per token in \[1, n_experts=4\]"):
@@ -133,3 +178,34 @@ def test_refusals():
                              "vocab_size": 8, "intermediate_size": 8, "num_hidden_layers": 2,
                              "num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 4,
                              "decoder_sparse_step": 0})
+    decoder = dict(family="decoder", vocab_size=8, d_model=8, n_heads=2, d_ff=8, n_decoder_layers=1,
+                   norm="rmsnorm")
+    with pytest.raises(ValueError, match=r"config\.qk_norm_span='all_heads': expected 'head' unless qk_norm"):
+        ModelConfig(**decoder, qk_norm_span="all_heads")
+    with pytest.raises(ValueError, match=r"config\.qkv_clip=0: expected a positive finite number or null"):
+        ModelConfig(**decoder, qkv_clip=0)
+    with pytest.raises(ValueError, match=r"config\.residual_scale=0\.5: expected 1\.0 unless a pre-norm block"):
+        ModelConfig(**{**decoder, "norm_position": "post"}, residual_scale=0.5)
+    granite = {"model_type": "granitemoe", "hidden_size": 8, "num_attention_heads": 2, "vocab_size": 8,
+               "intermediate_size": 8, "num_hidden_layers": 1, "num_local_experts": 2, "num_experts_per_tok": 1}
+    with pytest.raises(ValueError, match=r"config\.json: logits_scaling=0 is not supported .*positive number"):
+        hf_config_to_tfport({**granite, "logits_scaling": 0})
+    with pytest.raises(ValueError, match=r"config\.json: head_dim=8 is not supported for model_type='olmoe'"):
+        hf_config_to_tfport({"model_type": "olmoe", "hidden_size": 8, "num_attention_heads": 2, "head_dim": 8,
+                             "vocab_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "num_experts": 2,
+                             "num_experts_per_tok": 1})
+
+
+def test_stacked_experts_are_shape_checked(moe, tmp_path):
+    """Granite-MoE's stacked experts: a stack with an expert missing is named with the shape
+    expected, before anything is read."""
+    from safetensors.torch import load_file, save_file
+
+    it = moe("granitemoe")
+    tensors = load_file(it.directory / "model.safetensors")
+    key = "model.layers.1.block_sparse_moe.input_linear.weight"
+    tensors[key] = tensors[key][:3].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((it.directory / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"input_linear\.weight has shape \(3, 64, 64\), expected \(4, 64, 64\)"):
+        load_hf_model(tmp_path)

@@ -13,8 +13,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from tfport.contract import Manifest
 from tfport.export import export_model
+from tfport.manifest import Manifest
 from tfport.models.positions import positions_from_mask
 
 from .cases import CASES, assert_close, batch, hf_decoder_step, hf_encoder, hf_layer_kv

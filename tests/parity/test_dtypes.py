@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from tests.matrix import target_matrix
-from tfport.contract import Manifest
 from tfport.export.parity import CASES, TOLERANCES, CaseInputs, Runner
 from tfport.export.targets import TARGETS
+from tfport.manifest import Manifest
 from tfport.runtime import load_model
 from tfport.runtime.binding import empty_cache
-from tfport.runtime.decoding.inplace import InplaceDecoder
+from tfport.runtime.decoding.inplace_binding import InplaceDecoder
 
 from .test_parity import check_greedy, check_outputs
 

@@ -104,15 +104,16 @@ def test_nothing_checked_is_an_error_and_options_that_would_be_ignored_are_refus
 
 
 def test_accuracy_greedy_agreement_is_greedy_whatever_the_generation_config_says(tmp_path, capsys):
-    """An export whose generation_config.json samples: --accuracy's greedy column still decodes
-    greedily, so a float32 export agrees with its reference on every token (sampling: ~0%)."""
+    """An export whose generation_config.json samples with a repetition penalty: --accuracy's
+    greedy column still decodes greedily and unpenalised, so a float32 export agrees with its
+    reference on every token (sampling: ~0%)."""
     from tests.runtime.runtime_cases import write_tokenizer
     from tfport.generation import GenerationDefaults
 
     config = PRESETS["tiny-decoder"]
     export_model(build_model(config, seed=0), tmp_path / "out", ExportOptions(
         tokenizer=write_tokenizer(tmp_path / "t.json", config),
-        generation=GenerationDefaults(do_sample=True, temperature=1.5, top_k=0)))
+        generation=GenerationDefaults(do_sample=True, temperature=1.5, top_k=0, repetition_penalty=1.8)))
     code, out = run(["parity", str(tmp_path / "out"), "--against", "tiny-decoder", "--accuracy"], capsys)
     assert code == 0, out
     row = next(line for line in out.splitlines() if line.startswith("export ("))

@@ -19,8 +19,9 @@ import onnxruntime as ort
 import pytest
 
 from tfport import integrity
-from tfport.contract import FORMAT_VERSION, MANIFEST_FILE, Manifest
+from tfport.contract import MANIFEST_FILE
 from tfport.integrity import FINGERPRINT_KEY, SETTINGS_KEY, fingerprint, sha256_file
+from tfport.manifest import FORMAT_VERSION, Manifest
 from tfport.runtime import load_model
 
 hypothesis = pytest.importorskip("hypothesis", reason="fuzz tests need 'hypothesis' (extra 'dev')")
@@ -298,7 +299,7 @@ def test_format_2_exports_load_only_unverified_with_a_warning(exports, tmp_path,
     edit_manifest(path, lambda d: (d.pop("files"), d.update(format_version=2)))
     with pytest.raises(ValueError, match="verify='full' cannot check it"):
         load_model(path)  # tests/runtime/test_manifest_versions.py has the rest (issue 27)
-    with caplog.at_level(logging.WARNING, logger="tfport.runtime.model"):
+    with caplog.at_level(logging.WARNING, logger="tfport.runtime.opening"):
         model = load_model(path, verify="none")
     assert "manifest format 2" in caplog.text and "nothing is verified" in caplog.text
     tokens = model.generate([[1, 2, 3]], max_new_tokens=3)

@@ -13,10 +13,11 @@ import httpx
 import pytest
 import torch
 
-from tfport.contract import CONCAT, LAYOUTS, CacheLayout, Manifest
+from tfport.contract import CONCAT, LAYOUTS, CacheLayout
 from tfport.export import ExportOptions, export_model
 from tfport.export.parity import CASES, Runner
 from tfport.export.targets import TARGETS, PortableTarget
+from tfport.manifest import Manifest
 from tfport.models import build_model
 from tfport.models.generate import generate
 from tfport.presets import PRESETS

@@ -82,7 +82,7 @@ def test_verify_none_loads_a_format_2_export_with_a_warning(exports, other_weigh
     other weights' tokens."""
     path = swapped(exports, other_weights, tmp_path,
                    lambda d: (d.pop("files"), d.update(format_version=2)))
-    with caplog.at_level(logging.WARNING, logger="tfport.runtime.model"):
+    with caplog.at_level(logging.WARNING, logger="tfport.runtime.opening"):
         model = load_model(path, verify="none")
     assert "manifest format 2" in caplog.text and "nothing is verified" in caplog.text
     np.testing.assert_array_equal(greedy(model), greedy(load_model(other_weights)))

@@ -151,6 +151,30 @@ def test_greedy_with_penalties_equals_the_reference(case, loaded):
     assert batched.tolist() == expected  # each row penalised by its own prompt
 
 
+def test_generation_configs_repetition_penalty_is_the_default(loaded, tmp_path, monkeypatch):
+    """``repetition_penalty`` of a checkpoint's generation_config.json (transformers' field) is
+    kept and read back, and applies where a request gives none, greedy included (transformers'
+    generate applies it whatever ``do_sample`` says); a request's own value wins."""
+    from transformers import GenerationConfig
+
+    from tfport.generation import GenerationDefaults
+
+    exported, model = loaded("decoder-rope")
+    penalty = CASES["repetition"]["repetition_penalty"]
+    hf = GenerationConfig(repetition_penalty=penalty, eos_token_id=2).to_dict()
+    GenerationDefaults.from_hf(hf, None, model.config.vocab_size).write(tmp_path)
+    generation = GenerationDefaults.read(tmp_path)
+    assert generation.repetition_penalty == penalty
+    monkeypatch.setattr(model, "generation", generation)
+    penalised = [reference_greedy(exported.model, prompt, STEPS, repetition_penalty=penalty)[0]
+                 for prompt in PROMPTS]
+    plain = [reference_greedy(exported.model, prompt, STEPS)[0] for prompt in PROMPTS]
+    assert penalised != plain, "the penalty must change the greedy tokens (else vacuous)"
+    assert model.generate(PROMPTS, max_new_tokens=STEPS, stop_token_ids=()).tolist() == penalised
+    assert model.generate(PROMPTS, max_new_tokens=STEPS, stop_token_ids=(),
+                          repetition_penalty=1.0).tolist() == plain
+
+
 def test_logprobs_are_the_models_log_softmax(loaded):
     exported, model = loaded("decoder-learned")
     options = {"repetition_penalty": 1.5, "logit_bias": {11: 2.0}}
@@ -179,6 +203,24 @@ def test_logprobs_stop_at_each_rows_end(loaded):
         ended = list(row).index(stop) + 1 if stop in row else len(row)
         assert [s.token for s in scores] == row[:ended].tolist()
         assert all(s.top == () for s in scores)
+
+
+def test_stream_reports_each_steps_logprobs_with_its_tokens(loaded):
+    """When ``stream`` yields step k, every row's k + 1 logprobs are collected, the last for the
+    token just yielded: those ``generate`` reports (they used to come one step late)."""
+    _, model = loaded("decoder-learned")
+    whole = Logprobs(top=2)
+    model.generate(PROMPTS, max_new_tokens=STEPS, stop_token_ids=(), logprobs=whole)
+    streamed = Logprobs(top=2)
+    steps = model.stream(PROMPTS, max_new_tokens=STEPS, stop_token_ids=(), logprobs=streamed)
+    for step, tokens in enumerate(steps):
+        assert [len(row) for row in streamed.rows] == [step + 1] * len(PROMPTS), step
+        assert [row[-1].token for row in streamed.rows] == tokens.tolist()
+        for got, expected in zip(streamed.rows, whole.rows):
+            assert got[-1].token == expected[step].token
+            assert got[-1].logprob == pytest.approx(expected[step].logprob, abs=1e-6)
+            assert [t for t, _ in got[-1].top] == [t for t, _ in expected[step].top]
+    assert step == STEPS - 1
 
 
 @pytest.mark.parametrize("key", ["decoder-rope", "decoder-learned"])

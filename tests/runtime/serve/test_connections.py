@@ -176,6 +176,11 @@ def test_past_the_connection_limit_requests_get_503_until_idle_ones_are_closed(g
     try:
         refused = httpx.get(guarded.url + "/v1/models", timeout=10)
         assert refused.status_code == 503, refused.text
+        # answered as every other error, not uvicorn's plain "Service Unavailable"
+        assert refused.headers["content-type"] == "application/json"
+        error = refused.json()["error"]
+        assert error["type"] == "service_unavailable" and "--limit-concurrency" in error["message"]
+        assert refused.headers["retry-after"].isdigit()
         # silent connections hold their slots only until --header-timeout closes them
         deadline = time.monotonic() + HEADER_S + SLACK_S
         while not all(is_closed(sock) for sock in idle) and time.monotonic() < deadline:

@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai", reason="needs the 'dev' extra's openai cl
 httpx = pytest.importorskip("httpx", reason="needs the 'serve' extra (httpx)")
 
 from tfport.runtime import load_model  # noqa: E402
-from tfport.runtime.model import cut_at_stop  # noqa: E402
+from tfport.runtime.text_methods import cut_at_stop  # noqa: E402
 from tfport.runtime.sampling import Logprobs  # noqa: E402
 from tfport.runtime.serve.batcher import EmbeddingBatcher  # noqa: E402
 from tfport.runtime.texts import EncodedTexts  # noqa: E402
@@ -191,6 +191,26 @@ def test_score_pairs_equal_cross_encoder(family_server, cross_encoder):
     pairwise = post(url, "/v1/score", {"model": "rerank", "text_1": firsts, "text_2": DOCUMENTS[:2]}).json()
     np.testing.assert_allclose([d["score"] for d in pairwise["data"]],
                                cross_encoder.predict(list(zip(firsts, DOCUMENTS[:2]))), rtol=1e-4, atol=1e-6)
+
+
+def test_rerank_and_score_tokenise_each_pair_once(family_server, monkeypatch):
+    """One tokenizer pass per request: the pairs were tokenised for the usage count, then again
+    by ``Model.classify``."""
+    from tfport.runtime.texts import TruncatingTokenizer
+
+    tokenised = []
+    encode = TruncatingTokenizer.encode
+
+    def counting(self, texts, pairs=None):
+        tokenised.extend(zip(texts, pairs or [None] * len(texts)))
+        return encode(self, texts, pairs)
+
+    monkeypatch.setattr(TruncatingTokenizer, "encode", counting)
+    for path, body in (("/v1/rerank", {"model": "rerank", "query": QUERY, "documents": DOCUMENTS}),
+                       ("/v1/score", {"model": "rerank", "text_1": QUERY, "text_2": DOCUMENTS})):
+        tokenised.clear()
+        assert post(family_server[0], path, body).status_code == 200
+        assert tokenised == [(QUERY, document) for document in DOCUMENTS], path
 
 
 @pytest.mark.parametrize("path, body, param", [

@@ -1,0 +1,220 @@
+"""``tfport bench --pareto --source SRC [--layouts ...] [--genai DIR] [--llama-cpp GGUF]``:
+decode speed against accuracy for tfport's quantised layouts and the peers' quantisations of the
+same weights, in one run.
+
+Every point is one engine x layout: decode tokens/s (batch 1, greedy, the medians of
+interleaved repeats, as ``compare`` times them) and the perplexity of a held-out text
+(``export/data/perplexity.txt`` unless ``--text``), given as the increase over the float32
+PyTorch module's perplexity on the same token ids. tfport's exports are read through the
+runtime; an onnxruntime-genai directory's logits come from its own engine (``GenaiPeer.logits``),
+a GGUF file's from llama.cpp. A point is on the Pareto front when no other point is at least as
+fast and at least as accurate (and better in one); the report names, for each peer point, a
+tfport point that is at least as fast and as accurate, if there is one. ``write_svg`` draws the
+points (no plotting library needed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tfport.files import write_text_atomic
+
+from ..quantize import BLOCK_SIZES
+from .measurement import BenchSettings, load_average, machine_info, measure, time_tfport
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LAYOUTS = ("default", "rtn32", "gptq32-h8", "gptq64", "gptq128", "int8")
+_LAYOUT = re.compile(r"(rtn|gptq)(\d+)(-h8)?")
+
+
+def layout_options(name: str) -> dict[str, Any]:
+    """``ExportOptions`` fields of a layout name: "default" (``--quantize int4`` alone), "int8"
+    (round-to-nearest, blocks of 32), or ``{rtn|gptq}{block}[-h8]``: int4 with zero points,
+    round-to-nearest or GPTQ on the built-in text, that block size, the head and token table
+    at 8 bits with ``-h8``."""
+    if name == "default":
+        return {"quantize": "int4"}
+    if name == "int8":
+        return {"quantize": "int8", "calibration": "none"}
+    match = _LAYOUT.fullmatch(name)
+    if match is None or int(match[2]) not in BLOCK_SIZES:
+        raise ValueError(f"--layouts {name!r}: expected default, int8 or rtn|gptq followed by a block "
+                         f"size ({', '.join(map(str, BLOCK_SIZES))}) and optionally -h8, e.g. gptq32-h8")
+    options = {"quantize": "int4", "block_size": int(match[2]),
+               "calibration": "none" if match[1] == "rtn" else "builtin"}
+    if match[3]:
+        options["head_bits"] = 8
+    return options
+
+
+@dataclass
+class Point:
+    """One engine x layout: decode speed and the perplexity increase over float32."""
+
+    label: str
+    engine: str  # "tfport" | "onnxruntime-genai" | "llama.cpp" | "float32" (tfport's float export)
+    tokens_per_s: float
+    perplexity: float
+    increase: float  # perplexity / float32 perplexity - 1
+    step_ms_repeats: list[float]
+    on_front: bool = False
+    matched_by: str | None = None  # a peer point: a tfport point at least as fast and accurate
+
+
+def mark_front(points: list[Point]) -> None:
+    """Set ``on_front`` (no other point at least as fast and as accurate, better in one) and,
+    for every peer point, ``matched_by``: the fastest tfport point that is at least as fast and
+    at least as accurate, if any."""
+    def covers(a: Point, b: Point) -> bool:
+        return a.tokens_per_s >= b.tokens_per_s and a.increase <= b.increase
+
+    for p in points:
+        p.on_front = not any(covers(q, p) and (q.tokens_per_s, q.increase) != (p.tokens_per_s, p.increase)
+                             for q in points if q is not p)
+        if p.engine not in ("tfport", "float32"):
+            matches = [q for q in points if q.engine == "tfport" and covers(q, p)]
+            p.matched_by = max(matches, key=lambda q: q.tokens_per_s).label if matches else None
+
+
+def run_pareto(settings: BenchSettings, source_name: str, layouts: tuple[str, ...] = DEFAULT_LAYOUTS,
+               genai: tuple[str, ...] = (), gguf: tuple[str, ...] = (), text: str | None = None,
+               include_float: bool = True) -> dict[str, Any]:
+    """Export ``source_name`` once per layout (the ``ort`` target unless ``settings.targets``
+    names one), measure every side's perplexity on ``text`` and its decode speed (interleaved
+    repeats), and return the points with the front marked."""
+    from tokenizers import Tokenizer
+
+    from ..exporter import export_model
+    from ..options import ExportOptions
+    from ..parity.accuracy import PERPLEXITY_TEXT, export_logits, perplexity, reference_logits
+    from ..source import load_source
+    from .compare import _peer_sides
+
+    options = {name: layout_options(name) for name in layouts}
+    if len(settings.targets) != 1:
+        raise ValueError(f"--targets {','.join(settings.targets)}: the Pareto view exports to one target")
+    load_before = load_average()
+    source = load_source(source_name, settings.seed)
+    if source.tokenizer is None:
+        raise ValueError(f"--source {source_name!r}: perplexity needs the source's tokenizer.json")
+    text_path = Path(text) if text else PERPLEXITY_TEXT
+    ids = np.array(Tokenizer.from_file(str(source.tokenizer)).encode(text_path.read_text(encoding="utf-8")).ids,
+                   dtype=np.int64)
+    reference = perplexity(reference_logits(source.model, ids), ids)
+    log.info("pareto: float32 perplexity %.3f on %d tokens of %s", reference, len(ids), text_path.name)
+    from tfport.runtime import load_model
+
+    sides, labels, engines, perplexities = [], [], [], []
+    with tempfile.TemporaryDirectory(prefix="tfport-pareto-") as tmp:
+        names = (["float32"] if include_float else []) + list(layouts)
+        for name in names:
+            out = Path(tmp) / name
+            export_model(source.model, out, ExportOptions(
+                target=settings.targets[0], tokenizer=source.tokenizer, validate=False, **options.get(name, {})))
+            perplexities.append(perplexity(export_logits(out, ids), ids))
+            model = load_model(out, settings.provider, intra_op_threads=settings.threads)
+            sides.append(lambda p, n, m=model: time_tfport(m, p, n))
+            labels.append(f"tfport {name}")
+            engines.append("float32" if name == "float32" else "tfport")
+            log.info("pareto: %s perplexity %.3f", name, perplexities[-1])
+        peers, skipped = _peer_sides(settings, genai, gguf)
+        for side in peers:
+            perplexities.append(perplexity(side.run.logits(ids), ids))
+            sides.append(side.run)
+            labels.append(side.label)
+            engines.append(side.kind)
+        vocab = source.model.config.vocab_size
+        prompts = np.random.default_rng(settings.seed).integers(min(100, vocab // 2), vocab,
+                                                                size=(1, settings.contexts[0]))
+        timings = measure([(lambda n, s=s: s(prompts, n)) for s in sides], settings.new_tokens,
+                          settings.repeats, settings.settle_ms)
+        del sides, peers
+    points = []
+    for label, engine, ppl, runs in zip(labels, engines, perplexities, timings):
+        steps = [statistics.median(r.step_ms) for r in runs]
+        points.append(Point(label, engine, 1e3 / statistics.median(steps), ppl, ppl / reference - 1, steps))
+    mark_front(points)
+    return {"format": "tfport-bench-pareto/1", "source": source_name, "text": text_path.name,
+            "tokens": len(ids), "float32_perplexity": reference, "layouts": list(layouts),
+            "settings": dataclasses.asdict(settings),
+            "machine": {**machine_info(settings), "load_average_before": load_before,
+                        "load_average_after": load_average()},
+            "points": [dataclasses.asdict(p) for p in points], "skipped": skipped}
+
+
+def format_pareto(result: dict[str, Any]) -> str:
+    """The points as a table, fastest first."""
+    s = result["settings"]
+    lines = [f"source {result['source']}: perplexity on {result['tokens']} tokens of {result['text']} "
+             f"(float32 {result['float32_perplexity']:.3f}); decode batch 1, prompt {s['contexts'][0]}, "
+             f"{s['new_tokens']} steps x {s['repeats']} repeats, {s['threads']} threads, load average "
+             f"{result['machine']['load_average_before']} -> {result['machine']['load_average_after']}", ""]
+    table = [("point", "tokens/s", "perplexity", "vs float32", "front", "matched by tfport")]
+    for p in sorted(result["points"], key=lambda p: -p["tokens_per_s"]):
+        matched = "" if p["engine"] in ("tfport", "float32") else (p["matched_by"] or "no")
+        table.append((p["label"], f"{p['tokens_per_s']:.1f}", f"{p['perplexity']:.3f}",
+                      f"{100 * p['increase']:+.1f}%", "*" if p["on_front"] else "", matched))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    lines += [f"skipped: {reason}" for reason in result["skipped"]]
+    return "\n".join(lines)
+
+
+COLOURS = {"tfport": "#1f77b4", "float32": "#7f7f7f", "onnxruntime-genai": "#d62728", "llama.cpp": "#2ca02c"}
+
+
+def write_svg(result: dict[str, Any], path: str | Path) -> str:
+    """Tokens/s against perplexity increase, one labelled point per engine x layout, tfport's
+    front joined by a line; written atomically as SVG."""
+    width, height, margin = 720, 440, 60
+    points = result["points"]
+    xs = [100 * p["increase"] for p in points]
+    ys = [p["tokens_per_s"] for p in points]
+    x0, x1 = min(0.0, min(xs)), max(xs) * 1.08 + 1e-9
+    y0, y1 = 0.0, max(ys) * 1.12
+
+    def sx(x: float) -> float:
+        return margin + (x - x0) / (x1 - x0) * (width - 2 * margin)
+
+    def sy(y: float) -> float:
+        return height - margin - (y - y0) / (y1 - y0) * (height - 2 * margin)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'font-family="sans-serif" font-size="11">',
+             f'<rect width="{width}" height="{height}" fill="white"/>',
+             f'<line x1="{margin}" y1="{height - margin}" x2="{width - margin}" y2="{height - margin}" stroke="black"/>',
+             f'<line x1="{margin}" y1="{margin}" x2="{margin}" y2="{height - margin}" stroke="black"/>',
+             f'<text x="{width / 2}" y="{height - 15}" text-anchor="middle">perplexity increase over '
+             f'float32 (%), {_escape(result["text"])}</text>',
+             f'<text x="15" y="{height / 2}" transform="rotate(-90 15 {height / 2})" text-anchor="middle">'
+             'decode tokens/s (batch 1)</text>']
+    for tick in np.linspace(x0, x1, 6):
+        parts.append(f'<text x="{sx(tick):.1f}" y="{height - margin + 15}" text-anchor="middle">{tick:.0f}</text>')
+    for tick in np.linspace(y0, y1, 6):
+        parts.append(f'<text x="{margin - 6}" y="{sy(tick) + 4:.1f}" text-anchor="end">{tick:.0f}</text>')
+    front = sorted((p for p in points if p["engine"] == "tfport" and p["on_front"]), key=lambda p: p["increase"])
+    if len(front) > 1:
+        path_points = " ".join(f"{sx(100 * p['increase']):.1f},{sy(p['tokens_per_s']):.1f}" for p in front)
+        parts.append(f'<polyline points="{path_points}" fill="none" stroke="{COLOURS["tfport"]}" '
+                     'stroke-dasharray="4 3"/>')
+    for p, x, y in zip(points, xs, ys):
+        colour = COLOURS.get(p["engine"], "black")
+        parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4" fill="{colour}"/>')
+        parts.append(f'<text x="{sx(x) + 6:.1f}" y="{sy(y) - 6:.1f}" fill="{colour}">{_escape(p["label"])}</text>')
+    parts.append("</svg>")
+    write_text_atomic(path, "\n".join(parts) + "\n")
+    return str(path)
+
+
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")

@@ -1,0 +1,572 @@
+"""``tfport bench --rows``: which weight product a decode step with many rows should run, and
+what each costs in memory (issue 24, "quantised models that batch").
+
+``MatMulNBits`` at accuracy level 4 (tfport's int4 products) grows about linearly with the rows
+of its input, where a float32 ``MatMul`` hardly grows up to 8 rows, so int4 exports gain little
+from batching. Two measurements, each optional:
+
+* products (``--rows``): for each product shape of a decode step of SmolLM2-135M (``SHAPES``:
+  the fused q/k/v, the attention output, the fused gate/up, down and the LM head, as tfport's
+  export has them), each candidate (``CANDIDATES``) as a one-node graph, timed at each row count
+  M: y [M, N] = x [M, K] @ W^T, W [N, K] random. Each candidate is timed in three sessions
+  (``SESSIONS``): weights in the graph ("own", as an export loads them), or ``OrtValue`` objects
+  the process already holds, given with ``SessionOptions.add_initializer`` (how a second session
+  over one model's weights would open), with the kernels' repacking ("shared") or without
+  ("shared-unpacked"). Per candidate the report gives the stored weight bytes and the resident
+  memory each session adds when it opens and runs once (what its kernels copy);
+* exports (``--rows-exports A,B,...``): the decode step time of whole exports at each row count
+  through ``tfport.runtime`` (``Model.stream``, timed by ``measurement.time_tfport`` and
+  alternated by ``measurement.measure``), with each export's file size and the memory its loading
+  adds.
+
+    tfport bench --rows [--threads 2] [--repeats 30] [--batch 1,2,4,8,16,32] [--json rows.json]
+    tfport bench --rows-exports out/int4,out/int8,out/f32 [--contexts 64] [--new-tokens 32]
+
+A product sample is the mean of back-to-back ``run_with_iobinding`` calls (input and output bound
+once) lasting at least ``SAMPLE_SECONDS``; a cell is the median of ``repeats`` samples taken one
+after the other after warm-up calls (fewer where they would take over ``CELL_SECONDS``), each
+candidate after a pause of ``--settle-ms`` (sessions' thread pools spin after a run; see
+``time_calls``). The overhead of one such call is
+measured on an ``Identity`` graph and reported, not subtracted. Quantised codes come from
+``rounding.quantize_rows`` (round to nearest, no search): the codes do not matter for speed, the
+layouts are the operators' documented ones (as ``targets.ort`` stores them).
+
+Shapes: M rows (batch x new tokens), K inputs, N outputs, Kb = ceil(K / block) blocks per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
+
+from tfport.files import write_text_atomic
+from tfport.runtime.session import SessionSettings
+
+from ..blocks import pack_nibbles
+from ..rounding import quantize_rows
+from .measurement import DEFAULT, MIB, load_average, machine_info, make_row, measure, rss_mb, time_tfport
+
+log = logging.getLogger(__name__)
+
+# What ONNX Runtime raises when it cannot open or run a graph (none derives from RuntimeError).
+ORT_ERRORS = (ort_errors.Fail, ort_errors.NotImplemented, ort_errors.InvalidGraph, ort_errors.InvalidArgument,
+              ort_errors.RuntimeException)
+
+JSON_FORMAT = "tfport-bench-rows/1"
+BLOCK_SIZE = 32  # tfport's default int4 / int8 blocks
+SAMPLE_SECONDS = 1e-3  # a product sample lasts at least this long (many calls of a small product)
+WARMUP_CALLS = 3  # after the first call and one timed to size the samples
+WARMUP_LIMIT_US = 1e4  # calls slower than this get no further warm-up
+CELL_SECONDS = 3.0  # a cell's samples take about this long at most ...
+MIN_SAMPLES = 3  # ... unless that leaves fewer than these
+# int8 weights of the integer GEMM use 7-bit codes (ONNX Runtime's ``reduce_range``): without
+# VNNI, x86 multiplies u8 activations by s8 weights with vpmaddubsw, which sums pairs in int16 and
+# saturates on full-range codes (576 x 1536 on the AVX2 VM: 10.8% of the largest output off with
+# codes to 127, 0.7% with codes to 63). Speed does not depend on the range.
+INT8_WEIGHT_LEVELS = 63
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One weight product of a decode step: x [M, K] @ W^T with W [N, K], ``count`` per step."""
+
+    name: str
+    k: int
+    n: int
+    count: int
+
+
+# SmolLM2-135M (E 576, 9 + 2 x 3 heads of 64, FFN 1536, V 49152, 30 layers) as tfport exports it.
+SHAPES = (Shape("qkv", 576, 960, 30), Shape("o", 576, 576, 30), Shape("gate_up", 576, 3072, 30),
+          Shape("down", 1536, 576, 30), Shape("head", 576, 49152, 1))
+QUICK_SHAPES = (Shape("in", 80, 96, 2), Shape("out", 96, 80, 2))  # K = 80: a short last block
+
+
+# --------------------------------------------------------------------------------- candidates
+@dataclass
+class Product:
+    """One candidate's graph for one shape: input ``x`` [M, K] of ``dtype``, output ``y`` [M, N];
+    ``weights`` the initializers by name (what a shared session is given); ``optimization`` the
+    graph optimisation level the candidate needs (an unfused pair must stay unfused)."""
+
+    model: onnx.ModelProto
+    dtype: np.dtype
+    weights: dict[str, np.ndarray]
+    optimization: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(w.nbytes for w in self.weights.values())
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A way to compute y = x @ W^T: ``build`` takes W float32 [N, K] and returns its graph."""
+
+    name: str
+    summary: str
+    build: Callable[[np.ndarray], Product]
+
+
+def _model(nodes: list[onnx.NodeProto], k: int, n: int, weights: dict[str, np.ndarray],
+           dtype: int = TensorProto.FLOAT) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "product", [helper.make_tensor_value_info("x", dtype, ["M", k])],
+                              [helper.make_tensor_value_info("y", dtype, ["M", n])],
+                              [numpy_helper.from_array(w, name) for name, w in weights.items()])
+    return helper.make_model(graph, ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+
+
+def float_matmul(dtype: str) -> Callable[[np.ndarray], Product]:
+    """``MatMul`` with W^T [K, N] in ``dtype`` (float16: activations and output float16 too)."""
+    def build(weight: np.ndarray) -> Product:
+        n, k = weight.shape
+        weights = {"w": np.ascontiguousarray(weight.T.astype(dtype))}  # [K, N]
+        model = _model([helper.make_node("MatMul", ["x", "w"], ["y"])], k, n, weights,
+                       helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))
+        return Product(model, np.dtype(dtype), weights)
+    return build
+
+
+def matmul_nbits(bits: int, accuracy_level: int) -> Callable[[np.ndarray], Product]:
+    """``com.microsoft.MatMulNBits``, blocks of ``BLOCK_SIZE`` with zero points (tfport's default
+    scheme): B uint8 [N, Kb, BLOCK_SIZE * bits / 8] (4 bits: two codes a byte, the first in the
+    low nibble), scales float32 [N * Kb], zero points [N * ceil(Kb * bits / 8)] packed like B."""
+    pack = pack_nibbles if bits == 4 else np.asarray
+
+    def build(weight: np.ndarray) -> Product:
+        n, k = weight.shape
+        quantized = quantize_rows(weight, bits, BLOCK_SIZE, symmetric=False, search=False)
+        weights = {"B": pack(quantized.padded_codes()), "scales": quantized.scales.reshape(-1),
+                   "zero_points": pack(quantized.zero_points).reshape(-1)}
+        node = helper.make_node("MatMulNBits", ["x", *weights], ["y"], domain="com.microsoft", K=k, N=n,
+                                bits=bits, block_size=BLOCK_SIZE, accuracy_level=accuracy_level)
+        return Product(_model([node], k, n, weights), np.dtype("float32"), weights)
+    return build
+
+
+def dynamic_int8(fused: bool) -> Callable[[np.ndarray], Product]:
+    """ONNX Runtime's integer GEMM with the input quantised per call (uint8, per tensor): W^T int8
+    [K, N] with one float32 scale per output column [N] and zero point 0. ``fused``: one
+    ``com.microsoft.DynamicQuantizeMatMul``; else ``DynamicQuantizeLinear`` +
+    ``com.microsoft.MatMulIntegerToFloat`` at basic optimisation (the default level fuses the
+    pair into ``DynamicQuantizeMatMul``)."""
+    def build(weight: np.ndarray) -> Product:
+        n, k = weight.shape
+        scale = np.abs(weight).max(axis=1) / INT8_WEIGHT_LEVELS  # [N]
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        codes = np.clip(np.rint(weight / scale[:, None]), -INT8_WEIGHT_LEVELS, INT8_WEIGHT_LEVELS)
+        weights = {"B": np.ascontiguousarray(codes.T.astype(np.int8)), "b_scale": scale}  # [K, N], [N]
+        if fused:
+            nodes = [helper.make_node("DynamicQuantizeMatMul", ["x", "B", "b_scale"], ["y"],
+                                      domain="com.microsoft")]
+            level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        else:
+            nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "x_scale", "x_zero_point"]),
+                     helper.make_node("MatMulIntegerToFloat", ["xq", "B", "x_scale", "b_scale", "x_zero_point"],
+                                      ["y"], domain="com.microsoft")]
+            level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        return Product(_model(nodes, k, n, weights), np.dtype("float32"), weights, level)
+    return build
+
+
+CANDIDATES = (
+    Candidate("f32", "float32 MatMul", float_matmul("float32")),
+    Candidate("f16", "float16 MatMul (float16 input and output)", float_matmul("float16")),
+    *(Candidate(f"nbits4-l{level}", f"MatMulNBits 4 bits, accuracy level {level}", matmul_nbits(4, level))
+      for level in (0, 1, 2, 4)),
+    Candidate("nbits8-l4", "MatMulNBits 8 bits, accuracy level 4", matmul_nbits(8, 4)),
+    Candidate("int8-dql-mitf", "DynamicQuantizeLinear + MatMulIntegerToFloat, int8 per column",
+              dynamic_int8(fused=False)),
+    Candidate("int8-dqmm", "DynamicQuantizeMatMul, int8 per column", dynamic_int8(fused=True)),
+)
+
+
+def get_candidate(name: str) -> Candidate:
+    for candidate in CANDIDATES:
+        if candidate.name == name:
+            return candidate
+    raise ValueError(f"candidate={name!r}: expected one of {[c.name for c in CANDIDATES]}")
+
+
+# ----------------------------------------------------------------------------------- sessions
+# How a candidate's session gets its weights: "own" from its graph, as an export opens; "shared" as
+# ``OrtValue`` objects over arrays the process holds (``SessionOptions.add_initializer``), so
+# several sessions can take the same ones, though kernels still repack them into their own copies;
+# "shared-unpacked" the same with ``session.disable_prepacking``: no copy, the kernels' slow paths.
+SESSIONS = ("own", "shared", "shared-unpacked")
+
+
+def open_session(product: Product, threads: int, session: str = "own") -> ort.InferenceSession:
+    """The product's CPU session with ``threads`` intra-op threads (tfport's session options),
+    its weights as ``session`` (one of ``SESSIONS``) says; shared weights are ``OrtValue``
+    objects over the product's arrays (which must outlive the session)."""
+    if session not in SESSIONS:
+        raise ValueError(f"session={session!r}: expected one of {list(SESSIONS)}")
+    options = SessionSettings(intra_op_threads=threads).session_options()
+    options.graph_optimization_level = product.optimization
+    values = {}
+    if session != "own":
+        values = {name: ort.OrtValue.ortvalue_from_numpy(w) for name, w in product.weights.items()}
+        for name, value in values.items():
+            options.add_initializer(name, value)
+    if session == "shared-unpacked":
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    # From a file, as an export opens: a session opened from bytes keeps them (a second copy).
+    with tempfile.TemporaryDirectory(prefix="tfport-rows-") as tmp:
+        path = Path(tmp) / "product.onnx"
+        onnx.save(product.model, path)
+        opened = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    opened.tfport_initializers = values  # keep the OrtValues alive with the session
+    return opened
+
+
+def bound_call(session: ort.InferenceSession, x: np.ndarray, y: np.ndarray) -> Callable[[], None]:
+    """One ``run_with_iobinding`` of ``session`` on ``x`` [M, K], writing into ``y`` [M, N] (both
+    bound once, over the arrays' memory)."""
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(x))
+    binding.bind_ortvalue_output("y", ort.OrtValue.ortvalue_from_numpy(y))
+    return lambda: session.run_with_iobinding(binding)
+
+
+def _resident_mb() -> float | None:
+    """The process's resident MiB after handing freed heap back to the OS (glibc ``malloc_trim``;
+    without it, memory freed by one session's opening is reused by the next and hides its cost)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the figure may undercount
+        pass
+    return rss_mb()
+
+
+def _opened(product: Product, threads: int, session: str) -> tuple[ort.InferenceSession, float | None]:
+    """(the session, MiB of resident memory it added by opening and running once on one row)."""
+    before = _resident_mb()
+    opened = open_session(product, threads, session)
+    k = product.model.graph.input[0].type.tensor_type.shape.dim[1].dim_value
+    opened.run(None, {"x": np.ones((1, k), product.dtype)})
+    after = _resident_mb()
+    return opened, None if before is None or after is None else after - before
+
+
+# ----------------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class RowsSettings:
+    """What ``--rows`` and ``--rows-exports`` measure. ``rows``: product row counts;
+    ``export_rows``: batch sizes of the exports' decode steps (one new token each); ``context``:
+    prompt length before the timed steps; ``candidates``: names of ``CANDIDATES``."""
+
+    shapes: tuple[Shape, ...] = SHAPES
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    export_rows: tuple[int, ...] = (1, 2, 4, 8, 16)
+    repeats: int = 30
+    threads: int = 2
+    context: int = 64
+    new_tokens: int = 32
+    settle_ms: int = 200
+    seed: int = 0
+    candidates: tuple[str, ...] = tuple(c.name for c in CANDIDATES)
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "export_rows"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name}={values!r}: expected one or more positive integers")
+        for name in ("repeats", "threads", "context", "new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: expected a positive integer")
+        if not isinstance(self.settle_ms, int) or self.settle_ms < 0:
+            raise ValueError(f"settle_ms={self.settle_ms!r}: expected a non-negative integer")
+        for name in self.candidates:
+            get_candidate(name)
+
+
+QUICK_ROWS = RowsSettings(shapes=QUICK_SHAPES, rows=(1, 3), export_rows=(1, 2), repeats=2, threads=1,
+                          context=8, new_tokens=4, settle_ms=0)
+
+
+def rows_settings(args: argparse.Namespace) -> RowsSettings:
+    """``tfport bench --rows`` options -> settings: ``QUICK_ROWS`` with ``--quick``, else the
+    defaults; ``--batch`` sets both row lists, ``--contexts`` (its first) the context."""
+    changes: dict[str, Any] = {}
+    if args.batch:
+        changes["rows"] = changes["export_rows"] = tuple(args.batch)
+    if args.contexts:
+        changes["context"] = args.contexts[0]
+    for option, name in (("repeats", "repeats"), ("threads", "threads"), ("new_tokens", "new_tokens"),
+                         ("settle_ms", "settle_ms"), ("seed", "seed")):
+        if getattr(args, option) is not None:
+            changes[name] = getattr(args, option)
+    return replace(QUICK_ROWS if args.quick else RowsSettings(), **changes)
+
+
+# ----------------------------------------------------------------------------------- products
+def _sample_us(call: Callable[[], None], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def time_calls(calls: dict[str, Callable[[], None]], repeats: int, settle_ms: int = 0) -> dict[str, list[float]]:
+    """Per key: ``repeats`` samples of its call, us, each the mean of enough back-to-back calls to
+    last ``SAMPLE_SECONDS``, after warm-up calls; fewer samples (at least ``MIN_SAMPLES``) where
+    they would take more than ``CELL_SECONDS`` (the kernels' slow paths take a second a call).
+    The keys run one after the other, each after a pause of ``settle_ms``: every session has its
+    own thread pool, which spins for a while after a run, so alternating sessions call by call
+    measures their contention (on the 2-core VM, alternating 18 sessions, medians of 3 samples
+    of one 576 x 960 product came out up to 100x the same candidate's in its other session)."""
+    samples: dict[str, list[float]] = {}
+    for key, call in calls.items():
+        time.sleep(settle_ms / 1e3)
+        call()  # the first run may set up buffers
+        once = _sample_us(call, 1)
+        for _ in range(WARMUP_CALLS if once < WARMUP_LIMIT_US else 0):
+            call()
+        per_sample = max(1, math.ceil(SAMPLE_SECONDS * 1e6 / once))
+        count = min(repeats, max(MIN_SAMPLES, int(CELL_SECONDS * 1e6 / (per_sample * once))))
+        samples[key] = [_sample_us(call, per_sample) for _ in range(count)]
+    return samples
+
+
+def _overhead_us(k: int, rows: Sequence[int], repeats: int, threads: int) -> dict[int, float]:
+    """Median us of one bound call of an ``Identity`` graph on [M, K], per row count M."""
+    identity = Product(_model([helper.make_node("Identity", ["x"], ["y"])], k, k, {}), np.dtype("float32"), {})
+    session = open_session(identity, threads)
+    x = np.ones((max(rows), k), np.float32)
+    samples = time_calls({str(m): bound_call(session, x[:m], np.empty((m, k), np.float32)) for m in rows}, repeats)
+    return {m: statistics.median(samples[str(m)]) for m in rows}
+
+
+def measure_shape(shape: Shape, settings: RowsSettings, rng: np.random.Generator
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every candidate on one shape -> (memory entries, one per candidate; cells, one per
+    candidate, session and row count). A candidate whose graph ONNX Runtime cannot open or run
+    gets ``skipped`` with the reason and no cells."""
+    weight = (rng.standard_normal((shape.n, shape.k)) * 0.05).astype(np.float32)  # [N, K]
+    memory, sessions = [], {}
+    for name in settings.candidates:
+        product = get_candidate(name).build(weight)
+        entry: dict[str, Any] = {"shape": shape.name, "candidate": name, "stored_bytes": product.stored_bytes}
+        try:
+            for kind in SESSIONS:
+                session, added = _opened(product, settings.threads, kind)
+                sessions[name, kind] = (session, product)
+                entry[f"{kind}_session_mib"] = added
+        except ORT_ERRORS as err:  # e.g. a kernel this CPU provider lacks
+            log.warning("%s on %s skipped: %s", name, shape.name, err)
+            entry["skipped"] = f"{type(err).__name__}: {err}"
+            sessions = {key: value for key, value in sessions.items() if key[0] != name}
+        memory.append(entry)
+    cells = []
+    for m in settings.rows:
+        x = rng.standard_normal((m, shape.k)).astype(np.float32)  # [M, K]
+        calls = {f"{name}/{kind}": bound_call(session, x.astype(product.dtype), np.empty((m, shape.n), product.dtype))
+                 for (name, kind), (session, product) in sessions.items()}
+        samples = time_calls(calls, settings.repeats, settings.settle_ms)
+        for (name, kind) in sessions:
+            us = samples[f"{name}/{kind}"]
+            cells.append({"shape": shape.name, "candidate": name, "session": kind, "rows": m,
+                          "us": statistics.median(us), "us_samples": us})
+        log.info("%s rows %d: %s", shape.name, m, ", ".join(
+            f"{c['candidate']}/{c['session']} {c['us']:.1f}" for c in cells if c["rows"] == m))
+    return memory, cells
+
+
+def step_totals(shapes: Sequence[Shape], cells: Sequence[dict[str, Any]],
+                memory: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per candidate, session and row count measured on every shape: the products of one decode
+    step, sum of count x us, and the bytes of the weights they read (sum of count x stored)."""
+    counts = {s.name: s.count for s in shapes}
+    stored = {(e["shape"], e["candidate"]): e["stored_bytes"] for e in memory}
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for cell in cells:
+        groups.setdefault((cell["candidate"], cell["session"], cell["rows"]), []).append(cell)
+    totals = []
+    for (name, kind, m), group in groups.items():
+        if len(group) != len(shapes):  # skipped on some shape
+            continue
+        totals.append({"candidate": name, "session": kind, "rows": m,
+                       "us": sum(counts[c["shape"]] * c["us"] for c in group),
+                       "weight_bytes": sum(counts[s.name] * stored[s.name, name] for s in shapes)})
+    return totals
+
+
+def run_products(settings: RowsSettings) -> dict[str, Any]:
+    """Every candidate on every shape at every row count -> {"memory", "cells", "step", "fastest",
+    "overhead_us", "candidates", "shapes"}."""
+    rng = np.random.default_rng(settings.seed)
+    memory, cells = [], []
+    for shape in settings.shapes:
+        shape_memory, shape_cells = measure_shape(shape, settings, rng)
+        memory += shape_memory
+        cells += shape_cells
+    step = step_totals(settings.shapes, cells, memory)
+    picks = []
+    for m in settings.rows:
+        pick = {"rows": m, "per_shape": {s.name: _pick(c for c in cells if c["shape"] == s.name and c["rows"] == m)
+                                         for s in settings.shapes}}
+        at_m = [t for t in step if t["rows"] == m]
+        if at_m:
+            pick["step"] = _pick(at_m)
+        picks.append(pick)
+    overhead = _overhead_us(settings.shapes[0].k, settings.rows, settings.repeats, settings.threads)
+    return {"candidates": [{"name": c.name, "summary": c.summary} for c in CANDIDATES if c.name in settings.candidates],
+            "shapes": [vars(s) for s in settings.shapes], "memory": memory, "cells": cells, "step": step,
+            "fastest": picks, "overhead_us": {str(m): us for m, us in overhead.items()}}
+
+
+def _pick(cells) -> dict[str, Any] | None:
+    """The fastest of ``cells`` (None for none): its candidate, session and us."""
+    best = min(cells, key=lambda c: c["us"], default=None)
+    if best is None:
+        return None
+    return {"candidate": best["candidate"], "session": best["session"], "us": best["us"]}
+
+
+# ------------------------------------------------------------------------------------ exports
+def run_exports(directories: Sequence[str], settings: RowsSettings) -> list[dict[str, Any]]:
+    """Each export's greedy decode step at each of ``settings.export_rows`` rows (a batch of that
+    many prompts of ``settings.context`` random tokens), the exports alternated by
+    ``measurement.measure`` -> one row per export and row count: median step ms, tokens/s, the
+    export's files and the resident memory its loading added."""
+    from tfport.runtime import load_model
+
+    models, loaded = {}, {}
+    for directory in directories:
+        before = _resident_mb()
+        model = load_model(directory, intra_op_threads=settings.threads)
+        after = _resident_mb()
+        models[directory] = model
+        files = sum(f.stat().st_size for f in Path(directory).iterdir() if f.is_file())
+        loaded[directory] = {"files_mib": files / MIB, "quantization": _quantization(model),
+                             "load_mib": None if before is None or after is None else after - before}
+    vocab = min(model.config.vocab_size for model in models.values())
+    rng = np.random.default_rng(settings.seed)
+    results = []
+    for batch in settings.export_rows:
+        prompts = rng.integers(0, vocab, size=(batch, settings.context), dtype=np.int64)  # [B, C]
+        runs = [lambda steps, model=model: time_tfport(model, prompts, steps) for model in models.values()]
+        timings = measure(runs, settings.new_tokens, settings.repeats, settings.settle_ms)
+        for directory, timed in zip(models, timings):
+            row = make_row("tfport", directory, batch, settings.context, timed, kv_bytes=0)
+            results.append({"export": directory, **loaded[directory], "rows": batch, "context": settings.context,
+                            "step_ms": row.step_ms, "tokens_per_s": row.tokens_per_s,
+                            "step_ms_repeats": row.step_ms_repeats, "prefill_ms": row.prefill_ms})
+            log.info("%s rows %d: step %.2f ms", directory, batch, row.step_ms)
+    return results
+
+
+def _quantization(model) -> str:
+    """The export's quantisation format ("int4", "int8", ...) or its dtype when not quantised."""
+    scheme = model.manifest.quantization
+    return model.manifest.dtype if scheme is None else scheme["format"]
+
+
+# ------------------------------------------------------------------------------------- report
+def run_rows(settings: RowsSettings, products: bool, exports: Sequence[str] = ()) -> dict[str, Any]:
+    """The measurements asked for, with the settings and the machine."""
+    result: dict[str, Any] = {"format": JSON_FORMAT, "settings": _settings_dict(settings, products, exports),
+                              "machine": {**machine_info(DEFAULT), "load_average_before": load_average()}}
+    if products:
+        result["products"] = run_products(settings)
+    if exports:
+        result["exports"] = run_exports(exports, settings)
+    result["machine"]["load_average_after"] = load_average()
+    return result
+
+
+def _settings_dict(settings: RowsSettings, products: bool, exports: Sequence[str]) -> dict[str, Any]:
+    data = {name: getattr(settings, name) for name in ("rows", "export_rows", "repeats", "threads", "context",
+                                                       "new_tokens", "settle_ms", "seed", "candidates")}
+    return {**data, "products": products, "exports": list(exports), "block_size": BLOCK_SIZE,
+            "sample_seconds": SAMPLE_SECONDS}
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def format_rows(result: dict[str, Any]) -> str:
+    """The result as text tables: us per product by rows (per shape, then per step), the fastest
+    per row count, and the exports' step times."""
+    settings = result["settings"]
+    lines = []
+    if "products" in result:
+        products = result["products"]
+        rows = settings["rows"]
+        head = f"{'candidate':<14} {'session':<15} {'weights MiB':>11} {'+session MiB':>12} " + \
+            " ".join(f"{m:>8}" for m in rows)
+        for shape in products["shapes"]:
+            lines += ["", f"{shape['name']}: [M, {shape['k']}] @ [{shape['k']}, {shape['n']}], "
+                      f"{shape['count']} per step; us per product by rows M", head, "-" * len(head)]
+            for entry in (e for e in products["memory"] if e["shape"] == shape["name"]):
+                if "skipped" in entry:
+                    lines.append(f"{entry['candidate']:<14} skipped: {entry['skipped'][:100]}")
+                    continue
+                for kind in SESSIONS:
+                    us = {c["rows"]: c["us"] for c in products["cells"] if c["shape"] == shape["name"]
+                          and c["candidate"] == entry["candidate"] and c["session"] == kind}
+                    lines.append(f"{entry['candidate']:<14} {kind:<15} {entry['stored_bytes'] / MIB:>11.2f} "
+                                 f"{_mib(entry[f'{kind}_session_mib']):>12} "
+                                 + " ".join(f"{us[m]:>8.1f}" for m in rows))
+        lines += ["", "one decode step's products (sum of count x us) by rows M; weights: all products' bytes",
+                  head, "-" * len(head)]
+        for name in settings["candidates"]:
+            for kind in SESSIONS:
+                step = {t["rows"]: t for t in products["step"] if t["candidate"] == name and t["session"] == kind}
+                if step:
+                    weight = next(iter(step.values()))["weight_bytes"] / MIB
+                    lines.append(f"{name:<14} {kind:<15} {weight:>11.2f} {'':>12} "
+                                 + " ".join(f"{step[m]['us']:>8.0f}" for m in rows))
+        lines += ["", "fastest by rows M (per step, then per shape)"]
+        for pick in products["fastest"]:
+            best = pick.get("step")
+            shapes = ", ".join(f"{name} {p['candidate']}/{p['session']}" for name, p in pick["per_shape"].items() if p)
+            lines.append(f"M={pick['rows']:<3} step: " + (f"{best['candidate']}/{best['session']} "
+                                                          f"{best['us']:.0f} us" if best else "-") + f"; {shapes}")
+        overhead = ", ".join(f"{us:.1f}" for us in products["overhead_us"].values())
+        lines.append(f"one bound call of an Identity graph (included above): {overhead} us by rows")
+    if "exports" in result:
+        head = f"{'export':<40} {'quant':<7} {'files MiB':>9} {'load MiB':>8} {'rows':>4} {'step ms':>8} " \
+               f"{'tokens/s':>9} {'x rows=1':>8}"
+        lines += ["", f"decode steps, context {settings['context']}, median of {settings['repeats']} runs of "
+                  f"{settings['new_tokens']} steps", head, "-" * len(head)]
+        for row in result["exports"]:
+            one = next((r for r in result["exports"] if r["export"] == row["export"] and r["rows"] == 1), None)
+            ratio = f"{row['tokens_per_s'] / one['tokens_per_s']:.2f}" if one else "-"
+            lines.append(f"{row['export'][-40:]:<40} {row['quantization'][:7]:<7} {row['files_mib']:>9.1f} "
+                         f"{_mib(row['load_mib']):>8} {row['rows']:>4} {row['step_ms']:>8.2f} "
+                         f"{row['tokens_per_s']:>9.1f} {ratio:>8}")
+    lines.append(f"\n{settings['threads']} threads; load average {result['machine']['load_average_before']} -> "
+                 f"{result['machine']['load_average_after']}: timings on a loaded machine mean little")
+    return "\n".join(lines).lstrip("\n")
+
+
+def run_rows_cli(args: argparse.Namespace) -> int:
+    """``tfport bench --rows`` / ``--rows-exports``: measure, print, write ``--json``."""
+    settings = rows_settings(args)
+    result = run_rows(settings, products=args.rows, exports=tuple(args.rows_exports or ()))
+    print(format_rows(result))
+    if args.json:
+        write_text_atomic(args.json, json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0

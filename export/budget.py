@@ -1,0 +1,199 @@
+"""``--quantize int4 --max-loss 10%``: the fastest quantised layout whose measured loss stays
+within a budget, chosen by measuring, not by a table.
+
+The candidates are the format's layouts by block size (128, 64, 32) and head precision (the
+format's bits, then the LM head and token table at 8 bits, as llama.cpp's Q4_K_M keeps its output
+tensor). Each candidate's decode speed is measured on this machine: a round-to-nearest export of
+that layout (the codes do not change the speed), batch 1, the median step of a few greedy runs
+(an encoder: a batch of sentences). Then, fastest first, each layout is quantised as the export
+would be (GPTQ on the calibration text's Hessians, collected once, unless ``calibration="none"``)
+and its loss measured on the module holding the dequantised weights:
+
+- a decoder: perplexity increase over float32 on the loss text (the calibration text unless
+  ``loss_text`` names another file), in sequences of up to 512 tokens;
+- an encoder: 1 - the minimum cosine between the quantised and float32 mean-pooled states of the
+  loss text's sentences.
+
+The first layout within the budget is the export's; none within it is an error listing every
+measured loss. The loss is measured with float activations; the ``ort`` target's int8 activations
+add a little (0.1-1% perplexity on SmolLM2). The manifest records the budget, the layout chosen,
+its loss and every candidate measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .calibrate import PrecomputedQuantization, calibrate, fingerprint
+from .gptq import DAMP
+from .hessians import Calibration, collect_hessians, token_sequences
+from .quantize import QuantScheme, fake_quantize
+
+log = logging.getLogger(__name__)
+
+BLOCKS = (128, 64, 32)  # candidate block sizes, fewest bytes first
+SPEED_STEPS, SPEED_REPEATS = 16, 3
+
+
+def parse_loss(text: str | float) -> float:
+    """"10%" or 0.1 -> 0.1; raises ``ValueError`` naming ``max_loss`` unless positive and finite."""
+    try:
+        value = float(text[:-1]) / 100 if isinstance(text, str) and text.endswith("%") else float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"max_loss={text!r}: expected a fraction or a percentage, e.g. 0.1 or 10%") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"max_loss={text!r}: expected a positive, finite loss")
+    return value
+
+
+@dataclass
+class Candidate:
+    """One layout: its block size and head bits, the measured speed and (once measured) loss."""
+
+    block_size: int
+    head_bits: int | None
+    per_s: float = 0.0  # decode tokens/s (encoders: sentences/s)
+    loss: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"blocks of {self.block_size}" + (f", head int{self.head_bits}" if self.head_bits else "")
+
+    def to_dict(self) -> dict:
+        return {"block_size": self.block_size, "head_bits": self.head_bits, "per_s": round(self.per_s, 2),
+                "loss": None if self.loss is None else float(f"{self.loss:.4g}")}
+
+
+def candidates(scheme: QuantScheme, block_size: int | None, head_bits: int | None) -> list[Candidate]:
+    """The layouts to measure: ``block_size`` / ``head_bits`` when the user fixed them."""
+    blocks = BLOCKS if block_size is None else (block_size,)
+    heads = (None, 8) if head_bits is None and scheme.bits == 4 else (head_bits,)
+    return [Candidate(b, h) for h in heads for b in blocks]
+
+
+def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokenizer,
+                  calibration: Calibration | None, loss_text: str | None, block_size: int | None,
+                  head_bits: int | None, target, scale_dtype: str = "float32") -> PrecomputedQuantization:
+    """The fastest layout of ``scheme``'s format (its symmetry) whose loss is at most
+    ``max_loss`` (module doc), quantised (GPTQ on ``calibration``, or round-to-nearest when None),
+    with the budget recorded. ``block_size`` / ``head_bits`` fix those fields when not None."""
+    if model.config.family not in ("decoder", "encoder"):
+        raise ValueError(f"max_loss={max_loss!r}: measures decoder perplexity or encoder cosine; this is "
+                         f"an {model.config.family} model (quantise it with a fixed layout)")
+    if tokenizer is None:
+        raise ValueError(f"max_loss={max_loss!r}: measuring the loss reads a text, which needs the "
+                         "model's tokenizer (tokenizer=PATH; tfport export --tokenizer)")
+    from tokenizers import Tokenizer
+
+    text_tokenizer = Tokenizer.from_file(str(tokenizer))
+    loss_source = Calibration(loss_text) if loss_text else (calibration or Calibration())
+    loss_sequences = token_sequences(loss_source.read(), text_tokenizer, model.config, loss_source.tokens)
+    hessians, record = {}, {}
+    if calibration is not None:
+        sequences = token_sequences(calibration.read(), text_tokenizer, model.config, calibration.tokens)
+        hessians = collect_hessians(model, sequences)
+        record = {"method": "gptq", "damp": DAMP, "calibration": calibration.to_dict()}
+    layouts = candidates(scheme, block_size, head_bits)
+    for layout in layouts:
+        layout.per_s = _speed(model, QuantScheme(scheme.bits, layout.block_size, scheme.symmetric),
+                              layout.head_bits, target)
+        log.info("max_loss: %s decodes %.1f/s", layout.name, layout.per_s)
+    reference = _outputs(model, loss_sequences)
+
+    def quantize_and_measure(layout: Candidate) -> PrecomputedQuantization:
+        layout_scheme = QuantScheme(scheme.bits, layout.block_size, scheme.symmetric, scheme.embeddings)
+        quantization = calibrate(model, layout_scheme, None, scale_dtype, layout.head_bits,
+                                 record=dict(record), hessians=hessians)
+        layout.loss = _loss(model.config.family, reference,
+                            _outputs(fake_quantize(model, quantization, scale_dtype), loss_sequences))
+        log.info("max_loss: %s loses %.3f%%", layout.name, 100 * layout.loss)
+        return quantization
+
+    chosen_layout, chosen = pick(layouts, quantize_and_measure, max_loss, scheme.name)
+    chosen.record["budget"] = {"max_loss": max_loss, "loss": float(f"{chosen_layout.loss:.4g}"),
+                               "metric": "perplexity increase" if model.config.family == "decoder"
+                               else "1 - minimum cosine", "text": loss_source.to_dict()["text"],
+                               "candidates": [c.to_dict() for c in layouts]}
+    chosen.record["sha256"] = fingerprint(chosen.index)
+    return chosen
+
+
+def pick(layouts: list[Candidate], quantize: Callable[[Candidate], Any], max_loss: float, name: str) -> tuple:
+    """(layout, its quantisation): fastest first, ``quantize(layout)`` sets ``layout.loss``; the
+    first within ``max_loss`` wins. Raises ``ValueError`` listing every measured loss if none is."""
+    for layout in sorted(layouts, key=lambda c: -c.per_s):
+        quantization = quantize(layout)
+        if layout.loss <= max_loss:
+            return layout, quantization
+    raise ValueError(f"max_loss={max_loss:.3%}: no {name} layout stays within it on this model; measured: "
+                     + "; ".join(f"{c.name}: {c.loss:.3%}" for c in layouts))
+
+
+@torch.no_grad()
+def _outputs(model: nn.Module, sequences: list[np.ndarray]) -> list[torch.Tensor]:
+    """Per sequence: a decoder's log-probabilities of each next token [S - 1], an encoder's
+    mean-pooled last states [E]."""
+    model = model.eval()
+    out = []
+    for ids in sequences:
+        x = torch.from_numpy(ids)[None]
+        mask = torch.ones_like(x)
+        if model.config.family == "decoder":
+            logits, _ = model(x, mask)
+            logp = torch.log_softmax(logits[0, :-1].double(), dim=-1)
+            out.append(logp.gather(1, x[0, 1:, None])[:, 0])
+        else:
+            out.append(model(x, mask).last_hidden_state[0].double().mean(0))
+    return out
+
+
+def _loss(family: str, reference: list[torch.Tensor], quantized: list[torch.Tensor]) -> float:
+    """Perplexity increase (decoders) or 1 - minimum cosine (encoders)."""
+    if family == "decoder":
+        nll = lambda parts: -torch.cat(parts).mean().item()  # noqa: E731
+        return float(np.exp(nll(quantized) - nll(reference)) - 1)
+    cosines = [torch.nn.functional.cosine_similarity(a, b, dim=0).item() for a, b in zip(reference, quantized)]
+    return 1.0 - min(cosines)
+
+
+def _speed(model: nn.Module, scheme: QuantScheme, head_bits: int | None, target) -> float:
+    """Decode tokens/s (encoders: sentences/s) of a round-to-nearest export of this layout."""
+    from tfport.runtime import load_model
+
+    from .exporter import export_model
+    from .options import ExportOptions
+
+    config = model.config
+    with tempfile.TemporaryDirectory(prefix="tfport-max-loss-") as tmp:
+        out = Path(tmp) / "candidate"
+        export_model(model, out, ExportOptions(target=target, quantize=scheme, calibration="none",
+                                               head_bits=head_bits, validate=False))
+        runtime = load_model(out)
+        rng = np.random.default_rng(0)
+        if config.family == "decoder":
+            from .bench.measurement import time_tfport
+
+            prompt = rng.integers(min(100, config.vocab_size // 2), config.vocab_size, size=(1, 16))
+            time_tfport(runtime, prompt, 2)  # warm-up
+            steps = [statistics.median(time_tfport(runtime, prompt, SPEED_STEPS).step_ms)
+                     for _ in range(SPEED_REPEATS)]
+            return 1e3 / statistics.median(steps)
+        batch = rng.integers(min(100, config.vocab_size // 2), config.vocab_size, size=(8, 64))
+        runtime.encode(batch)  # warm-up
+        times = []
+        for _ in range(SPEED_REPEATS):
+            start = time.perf_counter()
+            runtime.encode(batch)
+            times.append(time.perf_counter() - start)
+        return len(batch) / statistics.median(times)

@@ -1,0 +1,187 @@
+"""The default int4 codes and ``--max-loss`` (export/calibrate.py ``resolve_calibration``,
+export/budget.py) on tiny models that read the built-in text with a word-level tokenizer.
+
+The budget's recorded losses are checked against an independent measurement: the exported
+graph's perplexity through ONNX Runtime (portable target: float activations) against the float
+module's on the same text, computed here with numpy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from tests.export.text_models import perturbed, word_tokenizer
+from tests.matrix import matrix_config
+from tfport.manifest import Manifest
+from tfport.export import ExportOptions, export_model
+from tfport.export import hessians as activations
+from tfport.export.budget import Candidate, parse_loss, pick
+from tfport.export.calibrate import recorded_scheme
+from tfport.export.parity.accuracy import export_logits, perplexity, reference_logits
+from tfport.export.quantize import fake_quantize
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    """(model, tokenizer.json path): d_model 64, so blocks of 32, 64 and 128 differ."""
+    config = matrix_config("decoder", "rope", "gqa").replace(d_model=64, max_positions=256, tie_embeddings=True)
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    word_tokenizer(config.vocab_size, path)
+    return perturbed(config), path
+
+
+def loss_ids(tokenizer_path, tokens: int = 256) -> np.ndarray:
+    """The first ``tokens`` ids of the built-in text (what the budget measures on by default)."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(tokenizer_path)).encode(activations.Calibration().read()).ids
+    return np.array(ids[:tokens], dtype=np.int64)
+
+
+# --------------------------------------------------------------------------- the default codes
+def test_int4_defaults_to_gptq_with_a_tokenizer_and_says_so_without(decoder, tmp_path, caplog):
+    model, tokenizer = decoder
+    manifest = export_model(model, tmp_path / "auto", ExportOptions(quantize="int4", tokenizer=tokenizer))
+    assert manifest.quantization["method"] == "gptq"
+    assert manifest.quantization["calibration"]["text"] == "builtin"
+    rtn = export_model(model, tmp_path / "none", ExportOptions(quantize="int4", tokenizer=tokenizer,
+                                                               calibration="none"))
+    assert "method" not in rtn.quantization
+    with caplog.at_level(logging.WARNING, logger="tfport.export.calibrate"):
+        bare = export_model(model, tmp_path / "bare", ExportOptions(quantize="int4"))
+    assert "method" not in bare.quantization
+    assert "without a tokenizer: round-to-nearest" in caplog.text
+    int8 = export_model(model, tmp_path / "int8", ExportOptions(quantize="int8", tokenizer=tokenizer))
+    assert "method" not in int8.quantization  # int8 stays round-to-nearest (within 0.1% on SmolLM2)
+
+
+# --------------------------------------------------------------------------- --max-loss
+def test_pick_takes_the_fastest_layout_within_the_budget():
+    """The search order and the stop, on made-up speeds and losses."""
+    layouts = [Candidate(128, None, per_s=90), Candidate(64, None, per_s=95), Candidate(32, None, per_s=80),
+               Candidate(32, 8, per_s=70)]
+    losses = {(128, None): 0.30, (64, None): 0.25, (32, None): 0.08, (32, 8): 0.05}
+    measured = []
+
+    def quantize(layout):
+        measured.append(layout.block_size)
+        layout.loss = losses[layout.block_size, layout.head_bits]
+        return f"quantised {layout.name}"
+
+    chosen, quantization = pick(layouts, quantize, 0.10, "int4")
+    assert (chosen.block_size, chosen.head_bits, quantization) == (32, None, "quantised blocks of 32")
+    assert measured == [64, 128, 32]  # fastest first, stopping at the first within the budget
+    with pytest.raises(ValueError, match=r"max_loss=1\.000%: no int4 layout stays within it on this model; "
+                                         r"measured: blocks of 128: 30\.000%; .*blocks of 32, head int8: 5\.000%"):
+        pick(layouts, quantize, 0.01, "int4")
+
+
+def test_max_loss_records_what_the_export_loses(decoder, tmp_path):
+    """Every candidate timed; with a budget every layout meets, the fastest is chosen, and its
+    recorded loss is the exported graph's perplexity increase on the loss text."""
+    from tokenizers import Tokenizer
+
+    model, tokenizer = decoder
+    loss_text = tmp_path / "loss.txt"
+    loss_text.write_text(Tokenizer.from_file(str(tokenizer)).decode(loss_ids(tokenizer, 512).tolist()))
+    manifest = export_model(model, tmp_path / "q", ExportOptions(
+        quantize="int4", tokenizer=tokenizer, max_loss=1e9, loss_text=loss_text))
+    quantization = manifest.quantization
+    budget = quantization["budget"]
+    candidates = budget["candidates"]
+    assert budget["max_loss"] == 1e9 and budget["text"] == "loss.txt" and quantization["method"] == "gptq"
+    assert {(c["block_size"], c["head_bits"]) for c in candidates} == {(b, h) for b in (128, 64, 32) for h in (None, 8)}
+    assert all(c["per_s"] > 0 for c in candidates)
+    fastest = max(candidates, key=lambda c: c["per_s"])
+    assert (quantization["block_size"], quantization.get("head_bits")) == (fastest["block_size"], fastest["head_bits"])
+    assert [c for c in candidates if c["loss"] is not None] == [fastest]
+    ids = np.array(Tokenizer.from_file(str(tokenizer)).encode(loss_text.read_text()).ids, dtype=np.int64)
+    windows = [ids[i:i + 256] for i in range(0, len(ids), 256)]  # the loss text read in max_positions windows
+
+    def increase(logits_of) -> float:
+        """Perplexity increase over the float module on the loss text, token-weighted over windows."""
+        nll = [np.log(perplexity(logits_of(w), w)) * (len(w) - 1) for w in windows]
+        reference = [np.log(perplexity(reference_logits(model, w), w)) * (len(w) - 1) for w in windows]
+        return float(np.exp((sum(nll) - sum(reference)) / sum(len(w) - 1 for w in windows)) - 1)
+
+    # the manifest's layout recomputed as tfport parity does it (the codes' sha256 checked), its
+    # dequantised weights in the module: the loss the budget measured
+    recomputed = fake_quantize(model, recorded_scheme(quantization, model, tokenizer, "float32"))
+    assert increase(lambda w: reference_logits(recomputed, w)) == pytest.approx(budget["loss"], rel=1e-3)
+    # the export as shipped adds ONNX Runtime's int8 activations (the budget's documented caveat)
+    assert increase(lambda w: export_logits(tmp_path / "q", w)) == pytest.approx(budget["loss"], abs=0.02)
+
+
+def test_max_loss_for_an_encoder_measures_the_cosine(tmp_path):
+    """1 - the minimum cosine of mean-pooled states; a budget nothing meets names every layout."""
+    config = matrix_config("encoder", "learned", "mha").replace(d_model=64)
+    model = perturbed(config)
+    tokenizer = tmp_path / "tokenizer.json"
+    word_tokenizer(config.vocab_size, tokenizer)
+    manifest = export_model(model, tmp_path / "q", ExportOptions(
+        quantize="int8", tokenizer=tokenizer, max_loss=1e9, calibration="none"))
+    budget = manifest.quantization["budget"]
+    assert budget["metric"] == "1 - minimum cosine" and "method" not in manifest.quantization
+    assert {c["head_bits"] for c in budget["candidates"]} == {None}  # int8: no 8-bit head to add
+    from tfport.runtime import load_model
+
+    sentences = activations.token_sequences(activations.Calibration().read(), word_tokenizer(config.vocab_size),
+                                            config, activations.DEFAULT_TOKENS)
+    exported = load_model(tmp_path / "q")
+    cosines = []
+    for ids in sentences:
+        x = torch.from_numpy(ids)[None]
+        with torch.no_grad():
+            expected = model(x, torch.ones_like(x)).last_hidden_state[0].double().mean(0).numpy()
+        got = exported.encode(ids[None]).last_hidden_state[0].astype(np.float64).mean(0)
+        cosines.append(expected @ got / np.linalg.norm(expected) / np.linalg.norm(got))
+    assert 1 - min(cosines) == pytest.approx(budget["loss"], abs=5e-4)  # the export's int8 activations add a little
+    with pytest.raises(ValueError, match=r"no int4 layout stays within it on this model; measured: "
+                                         r"blocks of 128: .*; blocks of 64: .*; blocks of 32: "):
+        export_model(model, tmp_path / "n", ExportOptions(quantize="int4", tokenizer=tokenizer, max_loss=1e-12,
+                                                          calibration="none"))
+    assert not (tmp_path / "n").exists()
+
+
+def test_refusals_name_the_option(decoder, tmp_path, capsys):
+    from tfport.cli import main
+
+    model, tokenizer = decoder
+    for text in ("ten", "0", "inf", "-5%"):
+        with pytest.raises(ValueError, match=f"max_loss={text!r}: expected"):
+            parse_loss(text)
+    assert parse_loss("10%") == pytest.approx(0.1) and parse_loss("0.25") == 0.25
+    with pytest.raises(ValueError, match="max_loss=0.1: chooses the layout of quantize='int4' or 'int8', "
+                                         "got no quantisation"):
+        export_model(model, tmp_path / "a", ExportOptions(max_loss=0.1, tokenizer=tokenizer))
+    with pytest.raises(ValueError, match="loss_text='missing.txt': no such file"):
+        export_model(model, tmp_path / "b", ExportOptions(quantize="int4", max_loss=0.1, loss_text="missing.txt",
+                                                          tokenizer=tokenizer))
+    with pytest.raises(ValueError, match="loss_text=.*: applies with max_loss"):
+        export_model(model, tmp_path / "c", ExportOptions(quantize="int4", loss_text=str(tokenizer)))
+    with pytest.raises(ValueError, match="max_loss=0.1: measuring the loss reads a text, which needs"):
+        export_model(model, tmp_path / "d", ExportOptions(quantize="int4", max_loss=0.1))
+    assert main(["export", "tiny-decoder", "--out", str(tmp_path / "e"), "--quantize", "int4",
+                 "--max-loss", "lots"]) == 2
+    assert "max_loss='lots': expected a fraction or a percentage" in capsys.readouterr().err
+    assert not any((tmp_path / n).exists() for n in "abcde")
+
+
+def test_cli_reports_the_choice(decoder, tmp_path, capsys):
+    from tfport.cli import main
+    from tfport.models.checkpoint import save_checkpoint
+
+    model, tokenizer = decoder
+    checkpoint = tmp_path / "checkpoint"
+    save_checkpoint(model, checkpoint)
+    (checkpoint / "tokenizer.json").write_text(tokenizer.read_text())
+    assert main(["export", str(checkpoint), "--out", str(tmp_path / "q"), "--quantize", "int4",
+                 "--max-loss", "3000%", "--head-bits", "8", "--calibration", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "the fastest of 3 layouts within --max-loss 3000.0%" in out, out
+    quantization = Manifest.read(tmp_path / "q").quantization
+    assert quantization["head_bits"] == 8 and "method" not in quantization
