@@ -23,7 +23,11 @@ buffers do not count in the decode rows' peak RSS).
 
 Modules: ``measurement`` (settings, memory marks, timed runs, rows), ``roofline`` (bandwidth,
 weight and KV bytes, the roofline), ``report`` (the result, table, JSON, plot), ``run`` (one
-benchmark run), ``cli`` (``tfport bench``; ``python -m tfport.export.bench``).
+benchmark run), ``rows`` (``tfport bench --rows``: which weight product a decode step with many
+rows should run, and each one's memory; ``--rows-exports``: whole exports by rows), ``products``
+(its one-node candidate graphs, their sessions and timed calls), ``pareto`` (``tfport bench
+--pareto``: tokens/s against perplexity for tfport's quantised layouts and the peers), ``cli``
+(``tfport bench``; ``python -m tfport.export.bench``).
 
 Shapes: B batch, C context (prompt length, then cached tokens), V vocabulary.
 """

@@ -1,7 +1,7 @@
-"""``tfport bench --rows``: every candidate graph computes x @ W^T for the weights its initializers
-hold, read back here by the operators' documented layouts (not by tfport's packing code), and
-those weights are W within its quantisation error; then one quick run of each measurement and the
-shape of its JSON (never a speed)."""
+"""``tfport bench --rows``: every candidate graph (``products``) computes x @ W^T for the weights
+its initializers hold, read back here by the operators' documented layouts (not by tfport's
+packing code), and those weights are W within its quantisation error; then one quick run of each
+measurement (``rows``) and the shape of its JSON (never a speed)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from onnx import numpy_helper
 
 from tfport.cli import main
 from tfport.export.bench import rows
+from tfport.export.bench.products import (CANDIDATES, MIN_SAMPLES, ORT_ERRORS, SESSIONS, bound_call, get_candidate,
+                                           open_session)
 
 MIB = 2**20
 K, N = 80, 48  # K = 2.5 blocks of 32: a short last block, padded in MatMulNBits' B
@@ -74,7 +76,7 @@ def relative(error: np.ndarray, scale: np.ndarray) -> float:
     return float(np.abs(error).max() / np.abs(scale).max())
 
 
-@pytest.mark.parametrize("candidate", rows.CANDIDATES, ids=lambda c: c.name)
+@pytest.mark.parametrize("candidate", CANDIDATES, ids=lambda c: c.name)
 def test_candidate_computes_the_product_of_its_weights(candidate):
     rng = np.random.default_rng(1)
     weight = rng.standard_normal((N, K)).astype(np.float32)  # [N, K]
@@ -86,10 +88,10 @@ def test_candidate_computes_the_product_of_its_weights(candidate):
     assert np.linalg.norm(decoded - weight) <= weight_tol * np.linalg.norm(weight)
     xin = x.astype(product.dtype)
     reference = np.einsum("mk,nk->mn", xin.astype(np.float64), decoded)  # [M, N]
-    for kind in rows.SESSIONS:
+    for kind in SESSIONS:
         try:
-            session = rows.open_session(product, threads=1, session=kind)
-        except rows.ORT_ERRORS as err:
+            session = open_session(product, threads=1, session=kind)
+        except ORT_ERRORS as err:
             if candidate.name in OPTIONAL:
                 pytest.skip(f"{OPTIONAL[candidate.name]}: {err}")
             raise
@@ -99,7 +101,7 @@ def test_candidate_computes_the_product_of_its_weights(candidate):
             assert relative(y.astype(np.float64) - reference[:m], reference[:m]) <= product_tol, \
                 (candidate.name, kind, m)
             bound = np.full((m, N), np.nan, product.dtype)  # the timed path writes here
-            rows.bound_call(session, xin[:m], bound)()
+            bound_call(session, xin[:m], bound)()
             np.testing.assert_array_equal(bound, y)
 
 
@@ -111,14 +113,14 @@ def test_stored_bytes_follow_the_documented_layouts():
                 "nbits4": N * kb * 16 + 4 * N * kb + N * 2,  # codes, scales, zero points 2 per byte
                 "nbits8": N * kb * 32 + 4 * N * kb + N * kb,
                 "int8": K * N + 4 * N}  # int8 codes, one float32 scale per column
-    for candidate in rows.CANDIDATES:
+    for candidate in CANDIDATES:
         family = candidate.name.split("-")[0]
         assert candidate.build(weight).stored_bytes == expected[family], candidate.name
 
 
 def test_settings_name_the_bad_value():
     with pytest.raises(ValueError, match="session='mine'"):
-        rows.open_session(rows.get_candidate("f32").build(np.ones((N, K), np.float32)), 1, "mine")
+        open_session(get_candidate("f32").build(np.ones((N, K), np.float32)), 1, "mine")
     with pytest.raises(ValueError, match=r"rows=\(0,\)"):
         rows.RowsSettings(rows=(0,))
     with pytest.raises(ValueError, match="candidate='nbits3'"):
@@ -137,22 +139,22 @@ def test_quick_products_cover_every_cell(products_json):
     settings, products = products_json["settings"], products_json["products"]
     assert products_json["format"] == rows.JSON_FORMAT and "exports" not in products_json
     assert settings["rows"] == list(rows.QUICK_ROWS.rows) and settings["repeats"] == rows.QUICK_ROWS.repeats
-    names = [c.name for c in rows.CANDIDATES]
+    names = [c.name for c in CANDIDATES]
     assert [c["name"] for c in products["candidates"]] == names
     shapes = [s["name"] for s in products["shapes"]]
     assert [(e["shape"], e["candidate"]) for e in products["memory"]] == [(s, c) for s in shapes for c in names]
     measured = [(e["shape"], e["candidate"]) for e in products["memory"] if "skipped" not in e]
     assert {name for _, name in measured} >= set(names) - set(OPTIONAL)
     cells = {(c["shape"], c["candidate"], c["session"], c["rows"]) for c in products["cells"]}
-    assert cells == {(s, c, kind, m) for s, c in measured for kind in rows.SESSIONS for m in settings["rows"]}
+    assert cells == {(s, c, kind, m) for s, c in measured for kind in SESSIONS for m in settings["rows"]}
     for cell in products["cells"]:
-        assert min(rows.MIN_SAMPLES, settings["repeats"]) <= len(cell["us_samples"]) <= settings["repeats"]
+        assert min(MIN_SAMPLES, settings["repeats"]) <= len(cell["us_samples"]) <= settings["repeats"]
         assert min(cell["us_samples"]) > 0
         assert cell["us"] == pytest.approx(float(np.median(cell["us_samples"])))
     for entry in products["memory"]:
         assert entry["stored_bytes"] > 0
         if "skipped" not in entry:
-            assert all(isinstance(entry[f"{kind}_session_mib"], float) for kind in rows.SESSIONS)
+            assert all(isinstance(entry[f"{kind}_session_mib"], float) for kind in SESSIONS)
 
 
 def test_quick_step_totals_and_picks_follow_the_cells(products_json):
