@@ -22,13 +22,14 @@ from tqdm.auto import tqdm
 
 from .blocks import BlockQuantized, concat_rows
 from .gptq import DAMP, gptq_rows
-from .hessians import AUTO, BUILTIN, NONE, Calibration, collect_hessians, token_sequences
+from .hessians import AUTO, BUILTIN, NONE, Calibration, collect_hessians, hessian_bytes, token_sequences
 from .quantize import QuantScheme, token_table_paths
 from .row_index import RowIndex
 
 log = logging.getLogger(__name__)
 
 HEAD_BITS = (4, 8)
+HESSIAN_BUDGET = 2 * 2**30  # bytes of Hessians held at once (float64; see hessian_groups)
 
 
 class PrecomputedQuantization:
@@ -72,8 +73,6 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     result) replaces ``sequences`` when several layouts are calibrated on the same text."""
     if head_bits is not None and head_bits not in HEAD_BITS:
         raise ValueError(f"head_bits={head_bits!r}: expected None or one of {list(HEAD_BITS)}")
-    if hessians is None:
-        hessians = collect_hessians(model, sequences, progress) if sequences else {}
     tables = [model.get_parameter(path) for path in token_table_paths(model)]
     head = getattr(model, "lm_head", None)
     heads = {id(p) for p in tables} | ({id(head.weight)} if isinstance(head, nn.Linear) else set())
@@ -84,28 +83,57 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     matrices = {f"{path}.weight": m.weight for path, m in model.named_modules() if isinstance(m, nn.Linear)}
     matrices.update({path: p for path, p in zip(token_table_paths(model), tables) if scheme.embeddings})
     index, done = RowIndex(), set(skipped)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # GPTQ is many small steps: one thread is faster, and the same on any machine
-    try:
-        for name, weight in tqdm(matrices.items(), desc="calibrate: quantise", unit="matrix", disable=not progress):
-            if id(weight) in done:  # a tied table is quantised once, with the head's Hessian
-                continue
-            done.add(id(weight))
-            bits = head_bits if head_bits is not None and id(weight) in heads else scheme.bits
-            rows = weight.detach().float().cpu().numpy()
-            if name not in hessians:  # a token table (untied), or no calibration
-                quantized = QuantScheme(bits, scheme.block_size, scheme.symmetric).quantize(rows, scale_dtype)
-            else:
-                quantized = concat_rows([gptq_rows(rows[start:end], hessian, bits, scheme.block_size,
-                                                   scheme.symmetric, scale_dtype, damp)
-                                         for start, end, hessian in hessians[name]])
-            index.add(rows, quantized)
-    finally:
-        torch.set_num_threads(threads)
+    groups = [list(matrices)] if hessians is not None or not sequences else hessian_groups(model, list(matrices))
+    with tqdm(total=len(matrices), desc="calibrate: quantise", unit="matrix", disable=not progress) as bar:
+        for group in groups:
+            group_hessians = hessians
+            if group_hessians is None:  # one forward pass per group of layers: bounded memory
+                group_hessians = collect_hessians(model, sequences, progress, set(group)) if sequences else {}
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # GPTQ is many small steps: one thread is faster, and the same anywhere
+            try:
+                for name in group:
+                    weight = matrices[name]
+                    bar.update()
+                    if id(weight) in done:  # a tied table is quantised once, with the head's Hessian
+                        continue
+                    done.add(id(weight))
+                    bits = head_bits if head_bits is not None and id(weight) in heads else scheme.bits
+                    rows = weight.detach().float().cpu().numpy()
+                    if name not in group_hessians:  # a token table (untied), or no calibration
+                        quantized = QuantScheme(bits, scheme.block_size, scheme.symmetric).quantize(rows, scale_dtype)
+                    else:
+                        quantized = concat_rows([gptq_rows(rows[start:end], hessian, bits, scheme.block_size,
+                                                           scheme.symmetric, scale_dtype, damp)
+                                                 for start, end, hessian in group_hessians[name]])
+                    index.add(rows, quantized)
+            finally:
+                torch.set_num_threads(threads)
+            del group_hessians
     record = dict(record or {})
     if head_bits is not None:
         record["head_bits"] = head_bits
     return PrecomputedQuantization(scheme, index, scale_dtype, record)
+
+
+def hessian_groups(model: nn.Module, names: list[str], budget: int | None = None) -> list[list[str]]:
+    """``names`` (weights, in module order) cut into consecutive groups whose Hessians
+    (``hessian_bytes``) fit in ``budget`` bytes (default ``HESSIAN_BUDGET``; a matrix larger
+    than the budget is a group of its own): one calibration pass each. The codes do not depend
+    on the grouping (every pass runs the unquantised module), only the time: SmolLM2's Hessians
+    (about 0.2 GB) are one group, a 1.2B LLaMA's (11 GB in float64) six."""
+    budget = HESSIAN_BUDGET if budget is None else budget
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name in names:
+        linear = isinstance(model.get_submodule(name.removesuffix(".weight")), nn.Linear)
+        size = hessian_bytes(model, name) if linear else 0  # a token table has no Hessian
+        if groups[-1] and used + size > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    return groups
 
 
 def fingerprint(index: RowIndex) -> str:

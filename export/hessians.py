@@ -144,10 +144,24 @@ class _Mean:
 RowHessians = list[tuple[int, int, torch.Tensor]]  # (first row, end row, H [K, K]) covering a weight
 
 
+def hessian_bytes(model: nn.Module, name: str) -> int:
+    """Bytes of the float64 Hessians ``collect_hessians`` keeps for the weight ``name`` [N, K]:
+    one [K, K], plus one per key/value head for the value rows of an attention's qkv / kv."""
+    from tfport.models.attention import Attention
+
+    k = model.get_parameter(name).shape[1]
+    path, _, product = name.removesuffix(".weight").rpartition(".")
+    owner = model.get_submodule(path) if path else model
+    extra = owner.kv_heads if isinstance(owner, Attention) and product == ("kv" if owner.cross else "qkv") else 0
+    return (1 + extra) * k * k * 8
+
+
 @torch.no_grad()
-def collect_hessians(model: nn.Module, sequences: list[np.ndarray], progress: bool = False) -> dict[str, RowHessians]:
+def collect_hessians(model: nn.Module, sequences: list[np.ndarray], progress: bool = False,
+                     names: set[str] | None = None) -> dict[str, RowHessians]:
     """Weight name (module path + ".weight") -> the Hessians its rows are quantised with, for
-    every ``nn.Linear`` of ``model`` on ``sequences`` (token id arrays [S]), from forward hooks.
+    every ``nn.Linear`` of ``model`` (or those of ``names``: one pass per group of layers keeps
+    the memory bounded on large models) on ``sequences`` (token id arrays [S]), from forward hooks.
 
     Rows of a product see H = mean of x x^T over its inputs x [K]. The value rows of attention
     (``qkv``, cross-attention ``kv``) see, per key/value head, the mean of z z^T over the query
@@ -183,11 +197,13 @@ def collect_hessians(model: nn.Module, sequences: list[np.ndarray], progress: bo
         return hook
 
     for path, module in model.named_modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and (names is None or f"{path}.weight" in names):
             handles.append(module.register_forward_hook(on_input(f"{path}.weight")))
         if isinstance(module, Attention):
             source = module.kv if module.cross else module.qkv  # the product with the value rows
             name = f"{path}.{'kv' if module.cross else 'qkv'}.weight"
+            if names is not None and name not in names:
+                continue
             kv_dim = module.kv_heads * module.head_dim
             first = kv_dim if module.cross else module.n_heads * module.head_dim + kv_dim
             values[name] = (first, module.head_dim, _Mean())

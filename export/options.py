@@ -102,7 +102,7 @@ def plan_export(options: ExportOptions, config: ModelConfig, out_dir: str | os.P
         _require_validator()
     dtype, kv_dtype = options.dtype, options.kv_dtype
     target = get_target(options.target)
-    scheme = resolve_scheme(options.quantize, options.block_size, options.symmetric)
+    scheme = resolve_scheme(options.quantize, options.block_size, options.symmetric, config.has_decoder)
     opset = options.opset
     if opset is None:
         opset = target.default_opset if scheme is None else target.quantized_opset(target.default_opset)

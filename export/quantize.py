@@ -117,10 +117,14 @@ def fake_quantize(model, scheme: QuantScheme, dtype: str = "float32"):
     return reference
 
 
-def resolve_scheme(quantize, block_size: int | None = None, symmetric: bool | None = None) -> QuantScheme | None:
+def resolve_scheme(quantize, block_size: int | None = None, symmetric: bool | None = None,
+                   generates: bool = False) -> QuantScheme | None:
     """``export_model``'s ``quantize`` argument: None, "int4" / "int8" (with ``block_size``, default
-    32, and ``symmetric``, default False) or a ``QuantScheme`` (taken as is: ``block_size`` and
-    ``symmetric`` are refused with it, as without quantisation)."""
+    32, and ``symmetric``) or a ``QuantScheme`` (taken as is: ``block_size`` and ``symmetric``
+    are refused with it, as without quantisation). ``symmetric`` defaults to True for int4 of a
+    model that ``generates`` (a decoder: zero points cost 10-12% of SmolLM2's decode speed for
+    0.7 points of perplexity) and to False otherwise (an encoder's embeddings need them:
+    all-MiniLM-L6-v2's cosine 0.985 against 0.978; int8 loses 0.1% with them, 0.8% without)."""
     if quantize is None or isinstance(quantize, QuantScheme) or hasattr(quantize, "quantize"):
         for option, value in (("block_size", block_size), ("symmetric", symmetric)):
             if value is not None:
@@ -134,4 +138,6 @@ def resolve_scheme(quantize, block_size: int | None = None, symmetric: bool | No
                          "export.gguf_keep.KeptQuantization)")
     if not isinstance(quantize, str):
         raise TypeError(f"quantize={quantize!r}: expected None, one of {list(BITS)} or a QuantScheme")
-    return QuantScheme.parse(quantize, 32 if block_size is None else block_size, False if symmetric is None else symmetric)
+    if symmetric is None:
+        symmetric = generates and quantize == "int4"
+    return QuantScheme.parse(quantize, 32 if block_size is None else block_size, symmetric)

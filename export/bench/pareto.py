@@ -33,26 +33,27 @@ from .measurement import BenchSettings, load_average, machine_info, measure, tim
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LAYOUTS = ("default", "rtn32", "gptq32-h8", "gptq64", "gptq128", "int8")
-_LAYOUT = re.compile(r"(rtn|gptq)(\d+)(-h8)?")
+DEFAULT_LAYOUTS = ("default", "rtn32-sym", "gptq32-zp", "gptq32-sym-h8", "gptq64-sym", "int8")
+_LAYOUT = re.compile(r"(rtn|gptq)(\d+)-(sym|zp)(-h8)?")
 
 
 def layout_options(name: str) -> dict[str, Any]:
     """``ExportOptions`` fields of a layout name: "default" (``--quantize int4`` alone), "int8"
-    (round-to-nearest, blocks of 32), or ``{rtn|gptq}{block}[-h8]``: int4 with zero points,
-    round-to-nearest or GPTQ on the built-in text, that block size, the head and token table
-    at 8 bits with ``-h8``."""
+    (the int8 default: round-to-nearest, blocks of 32), or ``{rtn|gptq}{block}-{sym|zp}[-h8]``:
+    int4, round-to-nearest or GPTQ on the built-in text, that block size, symmetric or with zero
+    points, the head and token table at 8 bits with ``-h8``."""
     if name == "default":
         return {"quantize": "int4"}
     if name == "int8":
         return {"quantize": "int8", "calibration": "none"}
     match = _LAYOUT.fullmatch(name)
     if match is None or int(match[2]) not in BLOCK_SIZES:
-        raise ValueError(f"--layouts {name!r}: expected default, int8 or rtn|gptq followed by a block "
-                         f"size ({', '.join(map(str, BLOCK_SIZES))}) and optionally -h8, e.g. gptq32-h8")
-    options = {"quantize": "int4", "block_size": int(match[2]),
+        raise ValueError(f"--layouts {name!r}: expected default, int8 or rtn|gptq, a block size "
+                         f"({', '.join(map(str, BLOCK_SIZES))}), -sym or -zp and optionally -h8, "
+                         "e.g. gptq32-sym-h8")
+    options = {"quantize": "int4", "block_size": int(match[2]), "symmetric": match[3] == "sym",
                "calibration": "none" if match[1] == "rtn" else "builtin"}
-    if match[3]:
+    if match[4]:
         options["head_bits"] = 8
     return options
 
@@ -180,7 +181,8 @@ def write_svg(result: dict[str, Any], path: str | Path) -> str:
     points = result["points"]
     xs = [100 * p["increase"] for p in points]
     ys = [p["tokens_per_s"] for p in points]
-    x0, x1 = min(0.0, min(xs)), max(xs) * 1.08 + 1e-9
+    x0 = min(xs) if min(xs) < -0.5 else 0.0  # float32's own -0.0001% is drawn at 0
+    x1 = max(xs) * 1.08 + 1e-9
     y0, y1 = 0.0, max(ys) * 1.12
 
     def sx(x: float) -> float:

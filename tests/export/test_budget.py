@@ -59,6 +59,19 @@ def test_int4_defaults_to_gptq_with_a_tokenizer_and_says_so_without(decoder, tmp
     assert "method" not in int8.quantization  # int8 stays round-to-nearest (within 0.1% on SmolLM2)
 
 
+def test_zero_points_by_default_only_where_they_pay(decoder, tmp_path):
+    """int4 of a decoder is symmetric unless asked (zero points cost decode speed); an encoder's
+    int4 and any int8 keep them; ``symmetric`` given wins."""
+    model, _ = decoder
+    encoder = perturbed(matrix_config("encoder", "learned", "mha"))
+    cases = {"dec-int4": (model, "int4", None, True), "dec-int8": (model, "int8", None, False),
+             "enc-int4": (encoder, "int4", None, False), "dec-int4-zp": (model, "int4", False, False)}
+    for name, (module, quantize, symmetric, expected) in cases.items():
+        manifest = export_model(module, tmp_path / name, ExportOptions(quantize=quantize, symmetric=symmetric,
+                                                                       calibration="none", validate=False))
+        assert manifest.quantization["symmetric"] is expected, name
+
+
 # --------------------------------------------------------------------------- --max-loss
 def test_pick_takes_the_fastest_layout_within_the_budget():
     """The search order and the stop, on made-up speeds and losses."""

@@ -226,3 +226,20 @@ def test_cli_refusals(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["export", "tiny-decoder", "--out", out, "--quantize", "int4", "--head-bits", "3"])
     assert not Path(out).exists()
+
+
+def test_calibrating_in_groups_of_layers_gives_the_same_codes(decoder, monkeypatch):
+    """A Hessian budget smaller than one layer's: one pass per group, the same codes as one pass
+    (every pass runs the unquantised module), each group's Hessians within the budget."""
+    model, fit, _ = decoder
+    names = [f"{path}.weight" for path, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    budget = max(activations.hessian_bytes(model, name) for name in names)
+    groups = C.hessian_groups(model, names, budget)
+    assert len(groups) > 2 and [n for g in groups for n in g] == names
+    assert all(sum(activations.hessian_bytes(model, n) for n in g) <= budget for g in groups)
+    whole = C.fingerprint(C.calibrate(model, QuantScheme(4, 16), fit).index)
+    monkeypatch.setattr(C, "HESSIAN_BUDGET", budget)
+    passes = []
+    monkeypatch.setattr(C, "collect_hessians", lambda *a, **k: passes.append(1) or activations.collect_hessians(*a, **k))
+    assert C.fingerprint(C.calibrate(model, QuantScheme(4, 16), fit).index) == whole
+    assert len(passes) == len(groups)
