@@ -310,3 +310,41 @@ def written_once(cases: dict[str, GGUFCase], tmp_path_factory) -> Callable[[str]
             cache[name] = (tiny, load_gguf(tiny.path, tokenizer=False).model)
         return cache[name]
     return get
+
+
+PROMPT = 9  # longer than tests.hf.cases.WINDOW, so the sliding-window layers drop keys
+
+
+def references(case: GGUFCase, tiny: Written) -> dict[str, torch.nn.Module]:
+    """What a file's import is compared with: the source model, and transformers' own GGUF
+    loading of the file unless the case says why it differs."""
+    found = {"source model": tiny.hf}
+    if case.transformers_differs is None:
+        from transformers import AutoModelForCausalLM
+
+        found["transformers GGUF"] = AutoModelForCausalLM.from_pretrained(
+            str(tiny.path.parent), gguf_file=tiny.path.name, dtype=torch.float32,
+            attn_implementation="eager").eval()
+    return found
+
+
+@torch.no_grad()
+def assert_import_matches(name: str, case: GGUFCase, tiny: Written, ours: torch.nn.Module, seed: int) -> None:
+    """tfport's import of a tiny file against each reference: logits on left- and right-padded
+    batches, then 8 greedy tokens."""
+    from tfport.models.generate import generate
+    from tfport.models.positions import positions_from_mask
+
+    from ..hf.cases import SMALL, assert_close, batch
+
+    for what, reference in references(case, tiny).items():
+        for padding in ("left", "right"):
+            ids, mask = batch(padding, seed=seed, length=PROMPT)
+            logits, _ = ours(ids, mask)
+            expected = reference(input_ids=ids, attention_mask=mask,
+                                 position_ids=positions_from_mask(mask, ids.shape[1])).logits
+            assert_close(logits, expected, mask.bool().numpy(), f"{name} vs {what}, {padding} padding")
+        ids = batch("none", seed=seed + 1, length=PROMPT)[0][:1]
+        tokens = reference.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                    pad_token_id=SMALL["pad_token_id"])[0, ids.shape[1]:]
+        assert generate(ours, ids, max_new_tokens=8)[0].tolist() == tokens.tolist(), what

@@ -11,15 +11,12 @@ source model only.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tfport.models.generate import generate
 from tfport.models.gguf import ARCHITECTURES
 from tfport.models.gguf.architectures import NOT_YET_SUPPORTED, gemma_query_scalar
-from tfport.models.positions import positions_from_mask
 
-from ..hf.cases import SMALL, WINDOW, HFCase, assert_close, batch
-from .from_hf import GGUFCase, written_once
+from ..hf.cases import WINDOW, HFCase
+from .from_hf import GGUFCase, assert_import_matches, written_once
 
 _SIZE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -83,7 +80,6 @@ CASES = {case.name: case for case in [
         transformers_differs="transformers' GGUF loader drops starcoder2.rope.freq_base"),
 ]}
 # (rtol, atol): tests.hf.cases.TOLERANCE, float32 on CPU (same function, different op order).
-PROMPT = 9  # longer than WINDOW, so the sliding-window layers drop keys
 
 
 @pytest.fixture(scope="module")
@@ -101,33 +97,9 @@ def test_every_architecture_has_a_case():
     assert not set(ARCHITECTURES) & set(NOT_YET_SUPPORTED)
 
 
-def _references(case: GGUFCase, tiny) -> dict[str, torch.nn.Module]:
-    references = {"source model": tiny.hf}
-    if case.transformers_differs is None:
-        from transformers import AutoModelForCausalLM
-
-        references["transformers GGUF"] = AutoModelForCausalLM.from_pretrained(
-            str(tiny.path.parent), gguf_file=tiny.path.name, dtype=torch.float32,
-            attn_implementation="eager").eval()
-    return references
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
-@torch.no_grad()
 def test_import_matches(written, name):
-    case = CASES[name]
-    tiny, ours = written(name)
-    for what, reference in _references(case, tiny).items():
-        for padding in ("left", "right"):
-            ids, mask = batch(padding, seed=50, length=PROMPT)
-            logits, _ = ours(ids, mask)
-            expected = reference(input_ids=ids, attention_mask=mask,
-                                 position_ids=positions_from_mask(mask, ids.shape[1])).logits
-            assert_close(logits, expected, mask.bool().numpy(), f"{name} vs {what}, {padding} padding")
-        ids = batch("none", seed=51, length=PROMPT)[0][:1]
-        tokens = reference.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
-                                    pad_token_id=SMALL["pad_token_id"])[0, ids.shape[1]:]
-        assert generate(ours, ids, max_new_tokens=8)[0].tolist() == tokens.tolist(), what
+    assert_import_matches(name, CASES[name], *written(name), seed=50)
 
 
 def test_gguf_config_fields(written):

@@ -20,15 +20,12 @@ import torch
 from tfport.config_moe import MoeConfig
 from tfport.export import ExportOptions, export_checkpoint_or_preset
 from tfport.export.gguf_keep import KeptQuantization
-from tfport.models.generate import generate
 from tfport.models.gguf import load_gguf, read_gguf
-from tfport.models.positions import positions_from_mask
 from tfport.runtime import load_model
 
-from ..hf.cases import SMALL, HFCase, assert_close, batch
+from ..hf.cases import HFCase
 from ..hf.test_decoders import _hf_greedy
-from .from_hf import GGUFCase, write_from_hf, written_once
-from .test_architectures import PROMPT, _references
+from .from_hf import PROMPT, GGUFCase, assert_import_matches, write_from_hf, written_once
 from .test_tiny import encoder
 from .tiny import write_tiny_llama
 
@@ -90,21 +87,8 @@ def test_file_holds_stacked_experts(written, name):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-@torch.no_grad()
 def test_import_matches(written, name):
-    case = CASES[name]
-    tiny, ours = written(name)
-    for what, reference in _references(case, tiny).items():
-        for padding in ("left", "right"):
-            ids, mask = batch(padding, seed=63, length=PROMPT)
-            logits, _ = ours(ids, mask)
-            expected = reference(input_ids=ids, attention_mask=mask,
-                                 position_ids=positions_from_mask(mask, ids.shape[1])).logits
-            assert_close(logits, expected, mask.bool().numpy(), f"{name} vs {what}, {padding} padding")
-        ids = batch("none", seed=64, length=PROMPT)[0][:1]
-        tokens = reference.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
-                                    pad_token_id=SMALL["pad_token_id"])[0, ids.shape[1]:]
-        assert generate(ours, ids, max_new_tokens=8)[0].tolist() == tokens.tolist(), what
+    assert_import_matches(name, CASES[name], *written(name), seed=63)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
