@@ -6,7 +6,8 @@ format's bits, then the LM head and token table at 8 bits, as llama.cpp's Q4_K_M
 tensor). Each candidate's decode speed is measured on this machine: a round-to-nearest export of
 that layout (the codes do not change the speed), batch 1, the median step of a few greedy runs
 (an encoder: a batch of sentences). Then, fastest first, each layout is quantised as the export
-would be (GPTQ on the calibration text's Hessians, collected once, unless ``calibration="none"``)
+would be (GPTQ on the calibration text's Hessians, collected once when they fit
+``calibrate.HESSIAN_BUDGET``, else per layout in groups; round-to-nearest with ``calibration=None``)
 and its loss measured on the module holding the dequantised weights:
 
 - a decoder: perplexity increase over float32 on the loss text (the calibration text unless
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .calibrate import PrecomputedQuantization, calibrate, fingerprint
+from .calibrate import PrecomputedQuantization, calibrate, fingerprint, hessian_groups
 from .gptq import DAMP
 from .hessians import Calibration, collect_hessians, token_sequences
 from .quantize import QuantScheme, fake_quantize
@@ -99,10 +100,12 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
     text_tokenizer = Tokenizer.from_file(str(tokenizer))
     loss_source = Calibration(loss_text) if loss_text else (calibration or Calibration())
     loss_sequences = token_sequences(loss_source.read(), text_tokenizer, model.config, loss_source.tokens)
-    hessians, record = {}, {}
+    sequences, hessians, record = None, {}, {}
     if calibration is not None:
         sequences = token_sequences(calibration.read(), text_tokenizer, model.config, calibration.tokens)
-        hessians = collect_hessians(model, sequences)
+        linear = [f"{path}.weight" for path, m in model.named_modules() if isinstance(m, nn.Linear)]
+        # Hessians kept for every layout when they fit the budget; else collected per layout, in groups
+        hessians = collect_hessians(model, sequences) if len(hessian_groups(model, linear)) == 1 else None
         record = {"method": "gptq", "damp": DAMP, "calibration": calibration.to_dict()}
     layouts = candidates(scheme, block_size, head_bits)
     for layout in layouts:
@@ -113,7 +116,7 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
 
     def quantize_and_measure(layout: Candidate) -> PrecomputedQuantization:
         layout_scheme = QuantScheme(scheme.bits, layout.block_size, scheme.symmetric, scheme.embeddings)
-        quantization = calibrate(model, layout_scheme, None, scale_dtype, layout.head_bits,
+        quantization = calibrate(model, layout_scheme, sequences, scale_dtype, layout.head_bits,
                                  record=dict(record), hessians=hessians)
         layout.loss = _loss(model.config.family, reference,
                             _outputs(fake_quantize(model, quantization, scale_dtype), loss_sequences))

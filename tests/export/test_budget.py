@@ -93,11 +93,17 @@ def test_pick_takes_the_fastest_layout_within_the_budget():
         pick(layouts, quantize, 0.01, "int4")
 
 
-def test_max_loss_records_what_the_export_loses(decoder, tmp_path):
+@pytest.mark.parametrize("hessians", ["kept", "per group"])
+def test_max_loss_records_what_the_export_loses(decoder, tmp_path, monkeypatch, hessians):
     """Every candidate timed; with a budget every layout meets, the fastest is chosen, and its
-    recorded loss is the exported graph's perplexity increase on the loss text."""
+    recorded loss is the exported graph's perplexity increase on the loss text. "per group":
+    Hessians over the budget are collected again per layout, a group of layers at a time."""
     from tokenizers import Tokenizer
 
+    from tfport.export import calibrate
+
+    if hessians == "per group":
+        monkeypatch.setattr(calibrate, "HESSIAN_BUDGET", 1)
     model, tokenizer = decoder
     loss_text = tmp_path / "loss.txt"
     loss_text.write_text(Tokenizer.from_file(str(tokenizer)).decode(loss_ids(tokenizer, 512).tolist()))
