@@ -28,7 +28,8 @@ from fastapi.responses import JSONResponse
 
 from ..classify import Classification, classify_encoded
 from .protocol import ApiError, ClassifyRequest, RerankRequest, ScoreRequest, check_text
-from .served import ServedModel, text_lengths
+from .request_limits import text_lengths
+from .served import ServedModel
 
 
 def require_head(served: ServedModel, endpoint: str, one_label: bool = True) -> None:

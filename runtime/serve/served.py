@@ -17,7 +17,6 @@ import asyncio
 import functools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 
@@ -34,6 +33,7 @@ from ..tokenizer import TextStream, TextTokenizer
 from ..tools import ToolRequest
 from .batcher import EmbeddingBatcher
 from .options import ServeOptions
+from .request_limits import Inputs, RequestLimits, text_lengths
 from .protocol import ApiError, ChatRequest, CompletionRequest, DecodingRequest, check_text, quote
 from .handles import GenerationRequest, Handle, QueueFull
 from .request_queue import Stopped
@@ -41,19 +41,7 @@ from .scheduler import Scheduler
 from .seq2seq import Seq2SeqScheduler, refuse_for_seq2seq
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-# A completion prompt or an embedding input: a text, texts, token ids or token id lists.
-Inputs = Union[str, list[str], list[int], list[list[int]]]
-
-
-def text_lengths(inputs: Inputs, param: str) -> dict[str, int]:
-    """Where each text of a prompt or an embedding input is (``param``, ``param[i]``) -> its
-    length in characters."""
-    if isinstance(inputs, str):
-        return {param: len(inputs)}
-    return {f"{param}[{index}]": len(text) for index, text in enumerate(inputs) if isinstance(text, str)}
-
-
-class ServedModel:
+class ServedModel(RequestLimits):
     """One export behind the server: ``name`` is its id in the API."""
 
     def __init__(self, name: str, model: Model, options: ServeOptions, observer=None):
@@ -143,35 +131,6 @@ class ServedModel:
         """Tokens a row may hold: the scheduler's ``max_length`` (decoders), else the model's
         ``max_positions``."""
         return self.model.config.max_positions if self.scheduler is None else self.scheduler.max_length
-
-    def limit_chars(self, lengths: dict[str, int], param: str) -> None:
-        """``ApiError`` 400 naming ``--max-prompt-chars`` for a text over it: ``lengths`` maps
-        where each text is (``prompt[1]``) to its length, known before anything tokenises it."""
-        limit = self.options.max_prompt_chars
-        for where, chars in lengths.items():
-            if chars > limit:
-                raise ApiError(400, f"{where}: {chars:,} characters, more than this server's "
-                                    f"limit of {limit:,} per prompt (--max-prompt-chars)", param)
-
-    def limit_prompt_tokens(self, rows: list[list[int]], param: str) -> None:
-        """``ApiError`` 400 for a tokenised prompt over ``--max-prompt-tokens`` (default and at
-        most the context)."""
-        limit = min(self.options.max_prompt_tokens or self.context, self.context)
-        for index, row in enumerate(rows):
-            if len(row) > limit:
-                where = param if len(rows) == 1 else f"{param}[{index}]"
-                raise ApiError(400, f"{where}: {len(row):,} tokens, more than this server's limit of "
-                                    f"{limit:,} per prompt (--max-prompt-tokens; the model's context "
-                                    f"is {self.context:,})", param)
-
-    def limit_request_tokens(self, tokens: int, what: str, param: str | None = None) -> None:
-        """``ApiError`` 400 for a request taking more than ``--max-request-tokens`` tokens
-        (``what`` says how they add up)."""
-        limit = self.options.max_request_tokens
-        if tokens > limit:
-            raise ApiError(400, f"this request takes {tokens:,} tokens ({what}), more than this "
-                                f"server's limit of {limit:,} per request (--max-request-tokens)",
-                           param)
 
     # ------------------------------------------------------------------------------ token ids
     def _tokenizer(self, param: str) -> TextTokenizer:
@@ -318,15 +277,6 @@ class ServedModel:
         self.limit_generation(prompts, body.n, max_tokens)
         return prompts, max_tokens, stop_ids
 
-    def limit_generation(self, prompts: list[list[int]], n: int, max_tokens: int) -> None:
-        """``--max-request-tokens`` for ``n`` sequences of each prompt, each up to ``max_tokens``
-        new tokens."""
-        prompt_tokens = sum(len(p) for p in prompts)
-        sequences = len(prompts) * n
-        self.limit_request_tokens(prompt_tokens * n + sequences * max_tokens,
-                                  f"{prompt_tokens:,} prompt tokens x n={n} + {sequences} "
-                                  f"sequence(s) x max_tokens={max_tokens:,}")
-
     def chat_inputs(self, body: ChatRequest) -> tuple[list[list[int]], int, tuple[int, ...]]:
         """A chat request -> ([prompt ids], max_tokens, stop ids): the messages rendered with
         the export's template, stops at its end of turn. Tokenises: call it in a worker thread."""
@@ -421,11 +371,3 @@ class ServedModel:
             raise ApiError(400, f"input: {err}", "input") from None
         self._limit_inputs(encoded.ids)
         return encoded
-
-    def _limit_inputs(self, rows: Sequence[Sequence[int]]) -> int:
-        """The tokens of tokenised embedding inputs, within ``--max-prompt-tokens`` each and
-        ``--max-request-tokens`` together."""
-        self.limit_prompt_tokens(rows, "input")
-        tokens = sum(len(row) for row in rows)
-        self.limit_request_tokens(tokens, f"{len(rows):,} inputs", "input")
-        return tokens
