@@ -132,8 +132,11 @@ def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tu
     return sides
 
 
-def _peer_sides(settings: BenchSettings, genai: tuple[str, ...], gguf: tuple[str, ...],
-                peer_threads: tuple[int, ...] = ()) -> tuple[list[Side], list[str]]:
+def peer_sides(settings: BenchSettings, genai: tuple[str, ...], gguf: tuple[str, ...],
+               peer_threads: tuple[int, ...] = ()) -> tuple[list[Side], list[str]]:
+    """The peers' sides (onnxruntime-genai directories, GGUF files under llama.cpp; each at each
+    of ``peer_threads``, default the bench's threads) and why any were skipped (not installed);
+    the comparison and the Pareto view (``pareto``) time the same sides."""
     from .peers import GenaiPeer, LlamaCppPeer, available
 
     sides, skipped = [], []
@@ -177,7 +180,7 @@ def run_compare(settings: BenchSettings, source_name: str, formats: tuple[str, .
     context, steps = settings.contexts[0], settings.new_tokens
     with tempfile.TemporaryDirectory(prefix="tfport-compare-") as tmp:
         sides = _tfport_sides(source, source_name, settings, formats, Path(tmp), thread_sweep)
-        peers, skipped = _peer_sides(settings, genai, gguf, peer_threads)
+        peers, skipped = peer_sides(settings, genai, gguf, peer_threads)
         sides += peers
         vocab = source.model.config.vocab_size
         prompts = np.random.default_rng(settings.seed).integers(min(100, vocab // 2), vocab, size=(1, context))

@@ -99,7 +99,7 @@ def run_pareto(settings: BenchSettings, source_name: str, layouts: tuple[str, ..
     from ..options import ExportOptions
     from ..parity.accuracy import PERPLEXITY_TEXT, export_logits, perplexity, reference_logits
     from ..source import load_source
-    from .compare import _peer_sides
+    from .compare import peer_sides
 
     options = {name: layout_options(name) for name in layouts}
     if len(settings.targets) != 1:
@@ -128,7 +128,7 @@ def run_pareto(settings: BenchSettings, source_name: str, layouts: tuple[str, ..
             labels.append(f"tfport {name}")
             engines.append("float32" if name == "float32" else "tfport")
             log.info("pareto: %s perplexity %.3f", name, perplexities[-1])
-        peers, skipped = _peer_sides(settings, genai, gguf)
+        peers, skipped = peer_sides(settings, genai, gguf)
         for side in peers:
             perplexities.append(perplexity(side.run.logits(ids), ids))
             sides.append(side.run)
