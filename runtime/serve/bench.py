@@ -1,7 +1,10 @@
 """``tfport bench-serve``: a bounded load test of a server on this machine.
 
 For each concurrency level N, N clients send ``requests`` streamed greedy completions in total
-(``prompt_len`` random ids, exactly ``new_tokens`` new tokens with ``ignore_eos``) over loopback.
+(random ids, exactly ``new_tokens`` new tokens with ``ignore_eos``) over loopback. Prompt lengths
+are ``prompt_len`` = (shortest, longest): every prompt that long when they are equal, else each
+drawn log-uniformly between them (seeded; the same prompts at every level), as chat traffic mixes
+short questions with long pasted documents.
 Every response is checked: HTTP 200, the SSE stream ends with ``[DONE]``, ``new_tokens`` ids with
 finish reason "length", and the same ids for the same prompt at every level (a row's tokens do not
 depend on its neighbours). Reported per level: generated tokens/s over the level's wall time,
@@ -37,7 +40,7 @@ class BenchConfig:
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
     requests: int = 32
     new_tokens: int = 64
-    prompt_len: int = 16
+    prompt_len: tuple[int, int] = (16, 16)  # (shortest, longest) prompt tokens
     time_limit: float = 600.0
     seed: int = 0
 
@@ -82,11 +85,7 @@ def start_server(model_dir: str, options, name: str | None, wait: float = 120.0
 
     port = _free_port()
     command = [sys.executable, "-m", "tfport.cli", "serve", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(port), "--max-rows", str(options.max_rows),
-               "--max-queue", str(options.max_queue), "--timeout", str(options.timeout),
-               "--provider", options.provider, "--threads", str(options.threads)]
-    if options.max_length:
-        command += ["--max-length", str(options.max_length)]
+               "--port", str(port), *serve_arguments(options)]
     if name:
         command += ["--name", name]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -105,6 +104,54 @@ def start_server(model_dir: str, options, name: str | None, wait: float = 120.0
         time.sleep(0.2)
     process.kill()
     raise RuntimeError(f"tfport serve did not become healthy within {wait:g} s")
+
+
+# The ``tfport serve`` options that decide how a started server decodes: (flag, ServeOptions field).
+DECODING_FLAGS = (("--max-rows", "max_rows"), ("--max-queue", "max_queue"), ("--max-tokens", "max_tokens"),
+                  ("--timeout", "timeout"), ("--max-length", "max_length"), ("--provider", "provider"),
+                  ("--threads", "threads"), ("--max-prompt-tokens", "max_prompt_tokens"),
+                  ("--max-request-tokens", "max_request_tokens"), ("--speculative", "speculative"),
+                  ("--draft-tokens", "draft_tokens"), ("--speculative-inexact", "speculative_inexact"),
+                  ("--prefix-cache-mb", "prefix_cache_mb"), ("--prefill-chunk", "prefill_chunk"))
+
+
+def serve_arguments(options) -> list[str]:
+    """The ``tfport serve`` arguments that give a started server ``options``' decoding settings
+    (``DECODING_FLAGS``; a flag whose value is the default is left out, ``prefill_chunk`` None is
+    ``--prefill-chunk 0``)."""
+    from .options import ServeOptions
+
+    default = ServeOptions()
+    command = []
+    for flag, name in DECODING_FLAGS:
+        value = getattr(options, name)
+        if name == "prefill_chunk" and value is None:
+            value = 0
+        if value == getattr(default, name):
+            continue
+        command += [flag] if isinstance(value, bool) else [flag, str(value)]
+    return command
+
+
+def parse_prompt_len(text: str) -> tuple[int, int]:
+    """``--prompt-len``: "N" (every prompt N tokens) or "MIN-MAX" -> (shortest, longest)."""
+    parts = text.split("-")
+    if len(parts) > 2 or not all(p.isascii() and p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"--prompt-len={text!r}: expected a positive integer such as 16, or a range "
+                         "such as 16-1024")
+    shortest, longest = int(parts[0]), int(parts[-1])
+    if shortest > longest:
+        raise ValueError(f"--prompt-len={text!r}: the range's first length must not exceed its second")
+    return shortest, longest
+
+
+def random_prompts(config: BenchConfig, vocab: int) -> list[list[int]]:
+    """``config.requests`` prompts of random ids in [3, vocab), their lengths in
+    ``config.prompt_len`` (log-uniform; see the module doc), seeded by ``config.seed``."""
+    rng = np.random.default_rng(config.seed)
+    shortest, longest = config.prompt_len
+    lengths = np.rint(np.exp(rng.uniform(np.log(shortest), np.log(longest), config.requests)))
+    return [rng.integers(3, vocab, size=int(n)).tolist() for n in lengths]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -195,14 +242,11 @@ def run_bench_serve(model_dir: str | Path, config: BenchConfig, options, url: st
     manifest = Manifest.read(Path(model_dir))
     if manifest.config.family != "decoder":
         raise ValueError(f"{model_dir}: bench-serve generates; expected a decoder export")
-    need = config.prompt_len + config.new_tokens - 1
+    need = config.prompt_len[1] + config.new_tokens - 1
     if need > manifest.config.max_positions:
         raise ValueError(f"--prompt-len + --max-new - 1 = {need} exceeds the model's "
                          f"max_positions={manifest.config.max_positions}")
-    rng = np.random.default_rng(config.seed)
-    vocab = manifest.config.vocab_size
-    prompts = [rng.integers(3, vocab, size=config.prompt_len).tolist()
-               for _ in range(config.requests)]
+    prompts = random_prompts(config, manifest.config.vocab_size)
     process = None
     if url is None:
         process, url = start_server(str(model_dir), options, name)

@@ -158,8 +158,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                        help="requests per concurrency level (default 32)")
     bench.add_argument("--max-new", type=_positive, default=64, dest="new_tokens",
                        help="tokens generated per request (default 64; ignore_eos)")
-    bench.add_argument("--prompt-len", type=_positive, default=16,
-                       help="prompt tokens per request (default 16)")
+    bench.add_argument("--prompt-len", default="16", metavar="N|MIN-MAX",
+                       help="prompt tokens per request, or a range whose lengths are drawn "
+                            "log-uniformly per request, e.g. 16-1024 (default 16)")
     bench.add_argument("--time-limit", type=float, default=600.0,
                        help="seconds for the whole run; stops sending after (default 600)")
     bench.add_argument("--json", help="write the results to this file")
@@ -258,7 +259,7 @@ def _port(text: str) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from .bench import BenchConfig, format_table, run_bench_serve
+    from .bench import BenchConfig, format_table, parse_prompt_len, run_bench_serve
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
     parts = [c.strip() for c in args.concurrency.split(",") if c.strip()]
     if not parts or not all(c.isascii() and c.isdigit() for c in parts):
@@ -267,7 +268,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if min(levels) < 1:
         raise ValueError(f"--concurrency={args.concurrency!r}: expected positive integers")
     config = BenchConfig(concurrency=levels, requests=args.requests, new_tokens=args.new_tokens,
-                         prompt_len=args.prompt_len, time_limit=args.time_limit)
+                         prompt_len=parse_prompt_len(args.prompt_len), time_limit=args.time_limit)
     results = run_bench_serve(args.model_dirs[0], config, _options(args), url=args.url,
                               name=(args.names or [None])[0])
     print(format_table(results))

@@ -41,3 +41,38 @@ def test_serve_reports_a_bad_export_or_port_before_starting(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["serve", str(tmp_path), "--port", "99999"])
     assert "port='99999': expected an integer in [0, 65535]" in capsys.readouterr().err
+
+
+def test_prompt_lengths_are_drawn_from_the_range_and_seeded():
+    from tfport.runtime.serve.bench import BenchConfig, parse_prompt_len, random_prompts
+
+    assert parse_prompt_len("16") == (16, 16) and parse_prompt_len("16-1024") == (16, 1024)
+    for bad in ("0", "1024-16", "16-", "a-b", "1-2-3", "-5"):
+        with pytest.raises(ValueError, match="--prompt-len="):
+            parse_prompt_len(bad)
+    config = BenchConfig(requests=200, prompt_len=(16, 1024))
+    lengths = [len(p) for p in random_prompts(config, vocab=100)]
+    assert min(lengths) >= 16 and max(lengths) <= 1024
+    # log-uniform: as many prompts under the geometric mean (128) as over it, give or take
+    assert 70 < sum(n < 128 for n in lengths) < 130, lengths
+    assert random_prompts(config, vocab=100) == random_prompts(config, vocab=100)
+    assert all(3 <= i < 100 for p in random_prompts(config, vocab=100) for i in p)
+    assert {len(p) for p in random_prompts(BenchConfig(requests=5, prompt_len=(7, 7)), 100)} == {7}
+
+
+def test_a_started_server_gets_the_decoding_options():
+    """``serve_arguments`` parsed back by ``tfport serve``'s own parser gives the same settings."""
+    import argparse
+
+    from tfport.runtime.serve.bench import DECODING_FLAGS, serve_arguments
+    from tfport.runtime.serve.cli import _options, add_parsers
+    from tfport.runtime.serve.options import ServeOptions
+
+    wanted = ServeOptions(max_rows=4, threads=2, max_length=300, prefix_cache_mb=0, prefill_chunk=None,
+                          speculative="lookup", draft_tokens=3, speculative_inexact=True, timeout=30.0)
+    parser = argparse.ArgumentParser()
+    add_parsers(parser.add_subparsers(dest="command"))
+    got = _options(parser.parse_args(["serve", "some-export", *serve_arguments(wanted)]))
+    for _, name in DECODING_FLAGS:
+        assert getattr(got, name) == getattr(wanted, name), name
+    assert serve_arguments(ServeOptions()) == []
