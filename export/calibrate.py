@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -21,8 +24,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .blocks import BlockQuantized, concat_rows
-from .gptq import DAMP, gptq_rows
-from .hessians import AUTO, BUILTIN, NONE, Calibration, collect_hessians, hessian_bytes, token_sequences
+from .gptq import DAMP, gptq_bytes, gptq_rows
+from .hessians import (AUTO, BUILTIN, NONE, Calibration, RowHessians, collect_hessians, hessian_bytes,
+                       token_sequences)
 from .quantize import QuantScheme, token_table_paths
 from .row_index import RowIndex
 
@@ -30,6 +34,7 @@ log = logging.getLogger(__name__)
 
 HEAD_BITS = (4, 8)
 HESSIAN_BUDGET = 2 * 2**30  # bytes of Hessians held at once (float64; see hessian_groups)
+WORK_BUDGET = 2 * 2**30  # bytes of GPTQ working memory (gptq.gptq_bytes) in flight across threads
 
 
 class PrecomputedQuantization:
@@ -64,15 +69,20 @@ class PrecomputedQuantization:
 def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray] | None,
               scale_dtype: str = "float32", head_bits: int | None = None, damp: float = DAMP,
               progress: bool = False, record: dict | None = None,
-              hessians: dict | None = None) -> PrecomputedQuantization:
+              hessians: dict | None = None, threads: int | None = None) -> PrecomputedQuantization:
     """Quantise every weight matrix of ``model`` with ``scheme``'s block layout: GPTQ on each
     ``nn.Linear`` with the Hessian of its inputs on ``sequences`` (token id arrays [S]; None:
     round-to-nearest everywhere), the token tables (when ``scheme.embeddings``) with
     round-to-nearest, and the LM head and token table with ``head_bits`` (None: the scheme's bits).
     ``record`` is added to the manifest's quantisation entry. ``hessians`` (``collect_hessians``'
-    result) replaces ``sequences`` when several layouts are calibrated on the same text."""
+    result) replaces ``sequences`` when several layouts are calibrated on the same text.
+    ``threads`` matrices are quantised at once (None: ``default_threads()``), each on one thread,
+    with at most ``WORK_BUDGET`` bytes of working memory in flight: the codes do not depend on it."""
     if head_bits is not None and head_bits not in HEAD_BITS:
         raise ValueError(f"head_bits={head_bits!r}: expected None or one of {list(HEAD_BITS)}")
+    threads = default_threads() if threads is None else threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"calibration_threads={threads!r}: expected a positive integer (or None: the machine's cores)")
     tables = [model.get_parameter(path) for path in token_table_paths(model)]
     head = getattr(model, "lm_head", None)
     heads = {id(p) for p in tables} | ({id(head.weight)} if isinstance(head, nn.Linear) else set())
@@ -84,36 +94,88 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     matrices.update({path: p for path, p in zip(token_table_paths(model), tables) if scheme.embeddings})
     index, done = RowIndex(), set(skipped)
     groups = [list(matrices)] if hessians is not None or not sequences else hessian_groups(model, list(matrices))
-    with tqdm(total=len(matrices), desc="calibrate: quantise", unit="matrix", disable=not progress) as bar:
-        for group in groups:
-            group_hessians = hessians
-            if group_hessians is None:  # one forward pass per group of layers: bounded memory
-                group_hessians = collect_hessians(model, sequences, progress, set(group)) if sequences else {}
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)  # GPTQ is many small steps: one thread is faster, and the same anywhere
-            try:
+    torch_threads = torch.get_num_threads()  # set to 1 by the workers, and global: restored after
+    try:
+        with (tqdm(total=len(matrices), desc="calibrate: quantise", unit="matrix", disable=not progress) as bar,
+              ThreadPoolExecutor(threads, thread_name_prefix="gptq", initializer=torch.set_num_threads,
+                                 initargs=(1,)) as pool):  # one thread per matrix: the same codes anywhere
+            for group in groups:
+                group_hessians = hessians
+                if group_hessians is None:  # one forward pass per group of layers: bounded memory
+                    group_hessians = collect_hessians(model, sequences, progress, set(group)) if sequences else {}
+                jobs = []  # (rows [N, K], their Hessians or None, bits)
                 for name in group:
                     weight = matrices[name]
-                    bar.update()
                     if id(weight) in done:  # a tied table is quantised once, with the head's Hessian
+                        bar.update()
                         continue
                     done.add(id(weight))
                     bits = head_bits if head_bits is not None and id(weight) in heads else scheme.bits
-                    rows = weight.detach().float().cpu().numpy()
-                    if name not in group_hessians:  # a token table (untied), or no calibration
-                        quantized = QuantScheme(bits, scheme.block_size, scheme.symmetric).quantize(rows, scale_dtype)
-                    else:
-                        quantized = concat_rows([gptq_rows(rows[start:end], hessian, bits, scheme.block_size,
-                                                           scheme.symmetric, scale_dtype, damp)
-                                                 for start, end, hessian in group_hessians[name]])
-                    index.add(rows, quantized)
-            finally:
-                torch.set_num_threads(threads)
-            del group_hessians
+                    jobs.append((weight.detach().float().cpu().numpy(), group_hessians.get(name), bits))
+                quantized = _run_bounded(pool, [
+                    (_work_bytes(rows, row_hessians), _quantise_matrix,
+                     (rows, row_hessians, QuantScheme(bits, scheme.block_size, scheme.symmetric), scale_dtype, damp))
+                    for rows, row_hessians, bits in jobs], bar.update)
+                for (rows, _, _), matrix in zip(jobs, quantized):
+                    index.add(rows, matrix)
+                del group_hessians, jobs
+    finally:
+        torch.set_num_threads(torch_threads)
     record = dict(record or {})
     if head_bits is not None:
         record["head_bits"] = head_bits
     return PrecomputedQuantization(scheme, index, scale_dtype, record)
+
+
+def default_threads() -> int:
+    """The cores this process may run on: how many matrices ``calibrate`` quantises at once."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _quantise_matrix(rows: np.ndarray, hessians: RowHessians | None, scheme: QuantScheme, scale_dtype: str,
+                     damp: float) -> BlockQuantized:
+    """``rows`` [N, K] with GPTQ on each row range's Hessian, or round-to-nearest without one (a
+    token table, or no calibration). Runs on a worker thread with one torch thread."""
+    if hessians is None:
+        return scheme.quantize(rows, scale_dtype)
+    return concat_rows([gptq_rows(rows[start:end], hessian, scheme.bits, scheme.block_size, scheme.symmetric,
+                                  scale_dtype, damp) for start, end, hessian in hessians])
+
+
+def _work_bytes(rows: np.ndarray, hessians: RowHessians | None) -> int:
+    """The working memory ``_quantise_matrix`` needs for ``rows`` (the largest of its GPTQ calls)."""
+    if hessians is None:
+        return 4 * rows.size
+    return max(gptq_bytes(end - start, hessian.shape[0]) for start, end, hessian in hessians)
+
+
+def _run_bounded(pool: ThreadPoolExecutor, jobs: list[tuple[int, Callable, tuple]], on_done: Callable[[], object],
+                 budget: int | None = None) -> list:
+    """``fn(*args)`` of every job ``(bytes, fn, args)`` on ``pool``, starting each once the bytes
+    of the jobs running with it fit in ``budget`` (default ``WORK_BUDGET``; one job always runs);
+    ``on_done()`` after each job. The results, in the jobs' order."""
+    budget = WORK_BUDGET if budget is None else budget
+    running: dict[Future, int] = {}
+    futures = []
+
+    def finish(return_when: str) -> None:
+        finished, _ = wait(running, return_when=return_when)
+        for future in finished:
+            del running[future]
+            on_done()
+
+    try:
+        for size, fn, args in jobs:
+            while running and sum(running.values()) + size > budget:
+                finish(FIRST_COMPLETED)
+            future = pool.submit(fn, *args)
+            running[future] = size
+            futures.append(future)
+        finish(ALL_COMPLETED)
+    finally:
+        for future in running:
+            future.cancel()
+    return [future.result() for future in futures]
 
 
 def hessian_groups(model: nn.Module, names: list[str], budget: int | None = None) -> list[list[str]]:

@@ -14,7 +14,7 @@ taken in order k = 0 .. K-1:
 Here the columns go in order of decreasing H diagonal ("act-order", GPTQ's option for small
 models) with "static groups": each block of ``block_size`` columns gets its scale (and zero
 point) up front from the original weights, by the clipping search of round-to-nearest
-(``rounding.best_rtn``) with each column's error weighted by H's diagonal, and every column is
+(``rounding.search_scales``) with each column's error weighted by H's diagonal, and every column is
 rounded with its own block's scale wherever the order reaches it. So the result is an ordinary
 ``BlockQuantized``: the same codes, scales and zero points in the same layout, which every
 export target lowers unchanged; only which codes (and scales) are chosen differs. On SmolLM2
@@ -31,9 +31,10 @@ import torch
 from tfport.dtypes import NUMPY_DTYPES
 
 from .blocks import BlockQuantized
-from .rounding import SEARCH_FACTORS, best_rtn, nearest_codes
+from .rounding import SEARCH_FACTORS, nearest_codes, search_scales
 
 LAZY_COLUMNS = 128  # columns whose errors are applied to the rest at once
+CHUNK_ROWS = 2048  # rows whose lazy batch of columns is updated at once (1 MB: kept in cache)
 DAMP = 0.1  # H += DAMP * mean(diag H) * I: well conditioned, and less fitted to a short text
 
 
@@ -65,29 +66,47 @@ def gptq_rows(rows: np.ndarray, hessian: torch.Tensor, bits: int, block_size: in
     u = torch.linalg.cholesky(inverse_factor.T @ inverse_factor, upper=True).float()  # H^-1 = U^T U
     order = order.numpy()
     w = torch.from_numpy(rows[:, order])  # [N, K] in quantisation order, updated as columns are done
-    step = scales.astype(np.float32)  # [N, Kb]
-    zero = (np.full(scales.shape, 1 << (bits - 1), np.float32) if zero_points is None
-            else zero_points.astype(np.float32))
-    codes = np.zeros((n, k), np.uint8)
+    blocks = order // block_size  # [K]: the block of the column quantised at step i
+    steps = np.ascontiguousarray(scales.T, np.float32)  # [Kb, N]
+    zeros = (np.full(steps.shape, 1 << (bits - 1), np.float32) if zero_points is None
+             else np.ascontiguousarray(zero_points.T, np.float32))
+    codes = np.zeros((k, n), np.uint8)  # [K, N] in quantisation order
+    u_numpy = u.numpy()
     for c0 in range(0, k, LAZY_COLUMNS):  # errors reach later columns in lazy batches (GPTQ's trick)
         c1 = min(k, c0 + LAZY_COLUMNS)
-        errors = torch.zeros((n, c1 - c0))
-        for i in range(c0, c1):
-            column, block = order[i], order[i] // block_size
-            code = nearest_codes(w[:, i].numpy(), step[:, block],
-                                 None if zero_points is None else zero_points[:, block], bits)
-            codes[:, column] = code
-            err = (w[:, i] - torch.from_numpy((code - zero[:, block]) * step[:, block])) / u[i, i]  # [N]
-            w[:, i + 1:c1] -= err[:, None] * u[i, i + 1:c1][None, :]
-            errors[:, i - c0] = err
-        w[:, c1:] -= errors @ u[c0:c1, c1:]
+        errors = np.empty((c1 - c0, n), np.float32)  # [C, N]
+        for r0 in range(0, n, CHUNK_ROWS):  # rows are independent: a chunk's columns stay in cache
+            r1 = min(n, r0 + CHUNK_ROWS)
+            columns = np.ascontiguousarray(w[r0:r1, c0:c1].numpy().T)  # [C, R]
+            _quantise_columns(columns, u_numpy[c0:c1, c0:c1], steps[blocks[c0:c1], r0:r1],
+                              zeros[blocks[c0:c1], r0:r1], zero_points is not None, bits,
+                              codes[c0:c1, r0:r1], errors[:, r0:r1])
+        w[:, c1:] -= torch.from_numpy(np.ascontiguousarray(errors.T)) @ u[c0:c1, c1:]
+    codes = np.ascontiguousarray(codes[np.argsort(order)].T)  # [N, K] in column order
     return BlockQuantized(codes, scales, zero_points, bits, block_size)
+
+
+def _quantise_columns(columns: np.ndarray, u: np.ndarray, steps: np.ndarray, zeros: np.ndarray,
+                      asymmetric: bool, bits: int, codes: np.ndarray, errors: np.ndarray) -> None:
+    """GPTQ's inner loop over one lazy batch of C columns for R rows: ``columns`` [C, R] (the
+    weights, transposed; updated in place), ``u`` [C, C] (that batch's block of U), ``steps`` and
+    ``zeros`` [C, R] (each column's block scale and zero point, float32); writes ``codes`` [C, R]
+    and the scaled errors ``errors`` [C, R] the later columns are updated with."""
+    product = np.empty_like(columns)
+    for i in range(len(columns)):
+        code = nearest_codes(columns[i], steps[i], zeros[i] if asymmetric else None, bits)
+        codes[i] = code
+        err = (columns[i] - (code - zeros[i]) * steps[i]) / u[i, i]  # [R]
+        rest = product[i + 1:]
+        np.multiply(u[i, i + 1:, None], err, out=rest)
+        columns[i + 1:] -= rest
+        errors[i] = err
 
 
 def _block_scales(rows: np.ndarray, importance: np.ndarray, bits: int, block_size: int, symmetric: bool,
                   dtype) -> tuple[np.ndarray, np.ndarray | None]:
     """Scales [N, Kb] (``dtype``) and zero points (uint8 [N, Kb] or None) of ``rows`` [N, K] by the
-    importance-weighted clipping search (``rounding.best_rtn``); a short last block is padded
+    importance-weighted clipping search (``rounding.search_scales``); a short last block is padded
     with zeros of no importance."""
     n, k = rows.shape
     n_blocks = -(-k // block_size)
@@ -96,6 +115,11 @@ def _block_scales(rows: np.ndarray, importance: np.ndarray, bits: int, block_siz
     weights = np.zeros(n_blocks * block_size, np.float32)
     weights[:k] = importance
     factors = SEARCH_FACTORS if bits == 4 else (1.0,)
-    scales, zero_points, _ = best_rtn(padded.reshape(n, n_blocks, block_size), bits, symmetric, dtype, factors,
-                                       weights.reshape(n_blocks, block_size))
-    return scales, zero_points
+    return search_scales(padded.reshape(n, n_blocks, block_size), bits, symmetric, dtype, factors,
+                         weights.reshape(n_blocks, block_size))
+
+
+def gptq_bytes(n: int, k: int) -> int:
+    """Working memory of ``gptq_rows`` for rows [N, K] (measured: about five float64 [K, K]
+    matrices at once, and three float32 copies of the rows)."""
+    return 5 * 8 * k * k + 3 * 4 * n * k

@@ -271,11 +271,12 @@ def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:
     if speculation.exact and quantization is not None:
         raise ValueError(
             f"speculative: this export's weights are quantised ({quantization.get('format', 'int')}); "
-            "ONNX Runtime's CPU kernel for them (MatMulNBits at accuracy level 4) computes a row "
-            "differently when several rows run together (int8 activations) than alone (measured up "
-            "to 1.25 logits apart on SmolLM2-135M int4), so verified tokens can differ from plain "
-            "greedy decoding. Speculate on a float export (a quantised export can be its draft), or "
-            "accept inexact tokens: Speculation(..., exact=False), --speculative-inexact")
+            "ONNX Runtime's CPU kernel for them (MatMulNBits at accuracy level 4) rounds a step of "
+            "one row differently from a step of several (SmolLM2-135M int4 logits 3e-5 apart on an "
+            "AVX2 CPU, 1.25 on another; greedy tokens diverged within 200 on both), so verified "
+            "tokens can differ from plain greedy decoding. Speculate on a float export (a quantised "
+            "export can be its draft), or accept inexact tokens: Speculation(..., exact=False), "
+            "--speculative-inexact")
     if not batch.all_logits:
         raise ValueError("speculative: this export returns the last position's logits only "
                          "(logits='last'); verifying proposals needs every position's (re-export "

@@ -7,7 +7,11 @@ drawn log-uniformly between them (seeded; the same prompts at every level), as c
 short questions with long pasted documents.
 Every response is checked: HTTP 200, the SSE stream ends with ``[DONE]``, ``new_tokens`` ids with
 finish reason "length", and the same ids for the same prompt at every level (a row's tokens do not
-depend on its neighbours). Reported per level: generated tokens/s over the level's wall time,
+depend on its neighbours) for a float export that the bench starts. A quantised export's tokens may
+differ between levels: ONNX Runtime's ``MatMulNBits`` rounds a step with a single row differently
+from one with several (measured 3e-5 logits apart on an AVX2 CPU, 1.25 on another), enough to
+change a greedy token now and then; so may another server's (``url``). Those differences are counted
+(``differ``), not failed. Reported per level: generated tokens/s over the level's wall time,
 p50/p99 time to first token and latency. Level 1 is the one-at-a-time baseline.
 
 The server is started in a child process (``tfport serve`` on 127.0.0.1, a free port) unless
@@ -59,6 +63,7 @@ class LevelResult:
     latency_p50: float
     latency_p99: float
     errors: list[str] = field(default_factory=list)
+    differ: int = 0  # responses whose tokens differ from the same prompt's at another level (not exact)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -199,23 +204,26 @@ async def _one(client, url: str, model: str, prompt: list[int], config: BenchCon
 
 
 async def _level(url: str, model: str, prompts: list[list[int]], clients: int,
-                 config: BenchConfig, deadline: float, reference: dict[int, list[int]]
-                 ) -> LevelResult:
+                 config: BenchConfig, deadline: float, reference: dict[int, list[int]],
+                 exact: bool) -> LevelResult:
     import httpx
 
     todo = list(range(len(prompts)))
     ttfts, latencies, errors = [], [], []
-    tokens = sent = 0
+    tokens = sent = differ = 0
 
     async def worker(client) -> None:
-        nonlocal tokens, sent
+        nonlocal tokens, sent, differ
         while todo and time.monotonic() < deadline:
             index = todo.pop(0)
             sent += 1
             ttft, latency, ids, error = await _one(client, url, model, prompts[index], config,
                                                    deadline)
             if error is None and reference.setdefault(index, ids) != ids:
-                error = f"prompt {index}: tokens differ from the same prompt at another level"
+                if exact:
+                    error = f"prompt {index}: tokens differ from the same prompt at another level"
+                else:
+                    differ += 1
             if error is None:
                 ttfts.append(ttft)
                 latencies.append(latency)
@@ -231,12 +239,13 @@ async def _level(url: str, model: str, prompts: list[list[int]], clients: int,
     return LevelResult(clients, sent, len(latencies), len(errors), seconds, tokens,
                        tokens / seconds if seconds else 0.0, _percentile(ttfts, 50),
                        _percentile(ttfts, 99), _percentile(latencies, 50),
-                       _percentile(latencies, 99), errors[:10])
+                       _percentile(latencies, 99), errors[:10], differ)
 
 
 def run_bench_serve(model_dir: str | Path, config: BenchConfig, options, url: str | None = None,
                     name: str | None = None) -> list[LevelResult]:
-    """Run every concurrency level against ``url`` (or a server started for ``model_dir``)."""
+    """Run every concurrency level against ``url`` (or a server started for ``model_dir``).
+    Tokens must match across levels only for a float export the bench starts (module doc)."""
     import httpx
 
     manifest = Manifest.read(Path(model_dir))
@@ -247,6 +256,7 @@ def run_bench_serve(model_dir: str | Path, config: BenchConfig, options, url: st
         raise ValueError(f"--prompt-len + --max-new - 1 = {need} exceeds the model's "
                          f"max_positions={manifest.config.max_positions}")
     prompts = random_prompts(config, manifest.config.vocab_size)
+    exact = url is None and manifest.quantization is None
     process = None
     if url is None:
         process, url = start_server(str(model_dir), options, name)
@@ -261,7 +271,7 @@ def run_bench_serve(model_dir: str | Path, config: BenchConfig, options, url: st
             if time.monotonic() >= deadline:
                 break
             results.append(asyncio.run(_level(url, model, prompts, clients, config, deadline,
-                                              reference)))
+                                              reference, exact)))
         return results
     finally:
         if process is not None:
@@ -285,4 +295,9 @@ def format_table(results: list[LevelResult]) -> str:
     for r in results:
         for error in r.errors:
             lines.append(f"  {r.concurrency} clients: {error}")
+    for r in results:
+        if r.differ:
+            lines.append(f"  {r.concurrency} clients: {r.differ} of {r.ok} responses' tokens differ from "
+                         "the same prompt's at another level (a quantised export or another server: "
+                         "not checked; see tfport.runtime.serve.bench)")
     return "\n".join(lines)

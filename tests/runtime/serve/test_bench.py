@@ -76,3 +76,32 @@ def test_a_started_server_gets_the_decoding_options():
     for _, name in DECODING_FLAGS:
         assert getattr(got, name) == getattr(wanted, name), name
     assert serve_arguments(ServeOptions()) == []
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_tokens_that_differ_between_levels_fail_only_an_exact_run(monkeypatch, exact):
+    """A float export's tokens must not depend on the level; a quantised export's (or another
+    server's) may, and are counted instead (``differ``)."""
+    import asyncio
+
+    from tfport.runtime.serve import bench
+
+    answers = {1: [5, 6], 4: [5, 7]}  # prompt 0 continues differently at 4 clients
+
+    async def one(client, url, model, prompt, config, deadline):
+        return 0.1, 0.2, answers[current], None
+
+    monkeypatch.setattr(bench, "_one", one)
+    reference, config = {}, bench.BenchConfig(requests=2, new_tokens=2)
+    results = []
+    for current in (1, 4):
+        results.append(asyncio.run(bench._level("http://127.0.0.1:1", "m", [[3], [4]], current, config,
+                                                float("inf"), reference, exact)))
+    first, second = results
+    assert (first.ok, first.failed, first.differ) == (2, 0, 0)
+    if exact:
+        assert (second.ok, second.failed, second.differ) == (0, 2, 0)
+        assert "tokens differ" in second.errors[0]
+    else:
+        assert (second.ok, second.failed, second.differ) == (2, 0, 2)
+        assert "2 of 2 responses' tokens differ" in bench.format_table(results)
