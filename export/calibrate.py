@@ -76,13 +76,11 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     round-to-nearest, and the LM head and token table with ``head_bits`` (None: the scheme's bits).
     ``record`` is added to the manifest's quantisation entry. ``hessians`` (``collect_hessians``'
     result) replaces ``sequences`` when several layouts are calibrated on the same text.
-    ``threads`` matrices are quantised at once (None: ``default_threads()``), each on one thread,
+    ``threads`` matrices are quantised at once (None: ``resolve_threads``), each on one thread,
     with at most ``WORK_BUDGET`` bytes of working memory in flight: the codes do not depend on it."""
     if head_bits is not None and head_bits not in HEAD_BITS:
         raise ValueError(f"head_bits={head_bits!r}: expected None or one of {list(HEAD_BITS)}")
-    threads = default_threads() if threads is None else threads
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"calibration_threads={threads!r}: expected a positive integer (or None: the machine's cores)")
+    threads = resolve_threads(threads)
     tables = [model.get_parameter(path) for path in token_table_paths(model)]
     head = getattr(model, "lm_head", None)
     heads = {id(p) for p in tables} | ({id(head.weight)} if isinstance(head, nn.Linear) else set())
@@ -127,9 +125,15 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     return PrecomputedQuantization(scheme, index, scale_dtype, record)
 
 
-def default_threads() -> int:
-    """The cores this process may run on: how many matrices ``calibrate`` quantises at once."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def resolve_threads(threads: int | None) -> int:
+    """``calibration_threads``: how many matrices ``calibrate`` quantises at once (None: the cores
+    this process may run on); ``ValueError`` unless a positive integer or None."""
+    if threads is None:
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"calibration_threads={threads!r}: expected a positive integer, or None for the "
+                         "machine's cores")
+    return threads
 
 
 def _quantise_matrix(rows: np.ndarray, hessians: RowHessians | None, scheme: QuantScheme, scale_dtype: str,
@@ -232,11 +236,11 @@ def resolve_calibration(scheme, calibration: str | Calibration | None, tokenizer
 
 def calibrated_scheme(model: nn.Module, scheme, calibration: str | Calibration | None, tokenizer,
                       scale_dtype: str = "float32", head_bits: int | None = None,
-                      progress: bool | None = None) -> PrecomputedQuantization:
+                      progress: bool | None = None, threads: int | None = None) -> PrecomputedQuantization:
     """``export_model``'s ``calibration`` and ``head_bits``: ``scheme`` (a ``QuantScheme``)
     calibrated with GPTQ on ``calibration`` ("builtin", a text file's path or a ``Calibration``;
     None: round-to-nearest) read with ``tokenizer`` (a tokenizer.json path), the LM head and
-    token table at ``head_bits``."""
+    token table at ``head_bits``, ``threads`` matrices at once (``calibrate``)."""
     if scheme is None or not isinstance(scheme, QuantScheme):
         option = f"calibration={calibration!r}" if calibration is not None else f"head_bits={head_bits!r}"
         got = "no quantisation" if scheme is None else f"quantize={scheme.name!r}"
@@ -261,7 +265,8 @@ def calibrated_scheme(model: nn.Module, scheme, calibration: str | Calibration |
         log.info("calibrate: GPTQ on %d tokens of %s (%d sequences)", sum(map(len, sequences)),
                  calibration.text, len(sequences))
         record = {"method": "gptq", "damp": DAMP, "calibration": calibration.to_dict()}
-    quantization = calibrate(model, scheme, sequences, scale_dtype, head_bits, progress=progress, record=record)
+    quantization = calibrate(model, scheme, sequences, scale_dtype, head_bits, progress=progress, record=record,
+                             threads=threads)
     quantization.record["sha256"] = fingerprint(quantization.index)
     return quantization
 

@@ -30,7 +30,7 @@ def run_export(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer, overwrite=args.force, show_progress=None if not args.progress else True,
         quantize=args.quantize, block_size=args.block_size, symmetric=args.symmetric, logits=args.logits,
         kv_dtype=args.kv_dtype, calibration=calibration, head_bits=args.head_bits, max_loss=args.max_loss,
-        loss_text=args.loss_text)
+        loss_text=args.loss_text, calibration_threads=args.calibration_threads)
     manifest = export_checkpoint_or_preset(args.source, args.out, options, seed=args.seed)
     graphs = ", ".join(g.file for g in manifest.graphs.values())
     cache = f", KV cache {manifest.kv_dtype}" if manifest.kv_dtype != manifest.dtype and "decoder" in manifest.graphs else ""
@@ -99,6 +99,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration-tokens", type=int, metavar="N",
                    help=f"tokens of the calibration text to read (default {DEFAULT_TOKENS}, or all of a "
                         f"shorter text)")
+    p.add_argument("--calibration-threads", type=int, metavar="N",
+                   help="weight matrices GPTQ quantises at once, one thread each (default: the machine's "
+                        "cores); the codes are the same for any N")
     p.add_argument("--head-bits", type=int, choices=HEAD_BITS,
                    help="bits of the LM head and token table (mixed precision: 8 keeps them int8 while "
                         "the other products are int4; default: as --quantize)")

@@ -83,7 +83,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
                                options.dtype)
     elif calibration is not None or options.head_bits is not None:  # GPTQ, mixed precision
         scheme = calibrated_scheme(model, scheme, calibration, options.tokenizer, options.dtype,
-                                   options.head_bits, options.show_progress)
+                                   options.head_bits, options.show_progress, options.calibration_threads)
     manifest = Manifest(config=config, dtype=options.dtype, opset=plan.opset, target=plan.target.name,
                         layout=plan.target.layout,
                         device_refusals=plan.target.device_refusals(options.dtype, plan.kv_dtype),

@@ -20,6 +20,7 @@ from tfport.embedding import EmbeddingSettings
 from tfport.files import check_output_dir
 from tfport.generation import GenerationDefaults
 
+from .calibrate import resolve_threads
 from .hessians import AUTO, Calibration
 from .quantize import QuantScheme, resolve_scheme
 from .targets import DEFAULT_TARGET, Target, get_target
@@ -50,6 +51,8 @@ class ExportOptions:
     float16 exports, else float32). ``max_loss`` (a fraction or "10%") picks the fastest int4 /
     int8 layout whose measured loss on ``loss_text`` (default: the calibration text) is within it
     (``export.budget``); ``block_size`` / ``head_bits`` then fix those fields of the search.
+    ``calibration_threads``: weight matrices GPTQ quantises at once, one thread each (None: the
+    machine's cores); the codes do not depend on it.
     """
 
     dtype: str = "float32"
@@ -72,6 +75,7 @@ class ExportOptions:
     head_bits: int | None = None
     max_loss: float | str | None = None
     loss_text: str | os.PathLike | None = None
+    calibration_threads: int | None = None
 
     def replace(self, **changes) -> "ExportOptions":
         return dataclasses.replace(self, **changes)
@@ -119,6 +123,7 @@ def plan_export(options: ExportOptions, config: ModelConfig, out_dir: str | os.P
             check_keep_dtype(dtype)
         target.check_quantized(scheme, opset)
     _check_budget(options, scheme)
+    resolve_threads(options.calibration_threads)
     out_dir = check_output_dir(out_dir, "out_dir", options.overwrite)
     embedding = options.embedding
     if embedding is not None and (config.family != "encoder" or not isinstance(embedding, EmbeddingSettings)):

@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -163,14 +164,25 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def _one(client, url: str, model: str, prompt: list[int], config: BenchConfig,
-               deadline: float) -> tuple[float, float, list[int], str | None]:
-    """One streamed request -> (ttft s, latency s, token ids, error or None)."""
+async def _one(client, url: str, model: str, prompt: list[int] | str, config: BenchConfig,
+               deadline: float, avoid: Sequence[int] = ()) -> tuple[float, float, list, str | None]:
+    """One streamed request -> (ttft s, latency s, its tokens, error or None).
+
+    ``prompt`` as token ids: tfport's request (``ignore_eos``; the tokens are the streamed
+    ``token_ids``). As text: plain OpenAI fields only, for another server (``--url``): the end
+    ids ``avoid`` get a logit bias of -100 instead of ``ignore_eos``, and the tokens are the
+    streamed text pieces (a server may hold back a partial character, so the count is
+    ``max_tokens`` when the finish reason is "length")."""
+    ids_mode = not isinstance(prompt, str)
     body = {"model": model, "prompt": prompt, "max_tokens": config.new_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+            "stream": True}
+    if ids_mode:
+        body["ignore_eos"] = True
+    else:
+        body["logit_bias"] = {str(i): -100 for i in avoid}
     start = time.perf_counter()
     first = None
-    ids: list[int] = []
+    tokens: list = []
     reason = None
     done = False
     try:
@@ -187,25 +199,26 @@ async def _one(client, url: str, model: str, prompt: list[int], config: BenchCon
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    return 0.0, 0.0, ids, f"error event: {chunk['error'].get('message')}"
+                    return 0.0, 0.0, tokens, f"error event: {chunk['error'].get('message')}"
                 for choice in chunk["choices"]:
-                    if choice["token_ids"] and first is None:
+                    new = choice["token_ids"] if ids_mode else [choice["text"]] if choice.get("text") else []
+                    if new and first is None:
                         first = time.perf_counter() - start
-                    ids.extend(choice["token_ids"])
+                    tokens.extend(new)
                     reason = choice["finish_reason"] or reason
     except Exception as err:  # noqa: BLE001 -- counted as a failed response
-        return 0.0, 0.0, ids, f"{type(err).__name__}: {err}"
+        return 0.0, 0.0, tokens, f"{type(err).__name__}: {err}"
     latency = time.perf_counter() - start
     if not done:
-        return 0.0, 0.0, ids, "the stream ended without [DONE]"
-    if len(ids) != config.new_tokens or reason != "length":
-        return 0.0, 0.0, ids, f"{len(ids)} tokens, finish_reason {reason!r}"
-    return first or latency, latency, ids, None
+        return 0.0, 0.0, tokens, "the stream ended without [DONE]"
+    if reason != "length" or (ids_mode and len(tokens) != config.new_tokens):
+        return 0.0, 0.0, tokens, f"{len(tokens)} tokens, finish_reason {reason!r}"
+    return first or latency, latency, tokens, None
 
 
-async def _level(url: str, model: str, prompts: list[list[int]], clients: int,
-                 config: BenchConfig, deadline: float, reference: dict[int, list[int]],
-                 exact: bool) -> LevelResult:
+async def _level(url: str, model: str, prompts: list, clients: int,
+                 config: BenchConfig, deadline: float, reference: dict[int, list],
+                 exact: bool, avoid: Sequence[int] = ()) -> LevelResult:
     import httpx
 
     todo = list(range(len(prompts)))
@@ -218,7 +231,7 @@ async def _level(url: str, model: str, prompts: list[list[int]], clients: int,
             index = todo.pop(0)
             sent += 1
             ttft, latency, ids, error = await _one(client, url, model, prompts[index], config,
-                                                   deadline)
+                                                   deadline, avoid)
             if error is None and reference.setdefault(index, ids) != ids:
                 if exact:
                     error = f"prompt {index}: tokens differ from the same prompt at another level"
@@ -227,7 +240,7 @@ async def _level(url: str, model: str, prompts: list[list[int]], clients: int,
             if error is None:
                 ttfts.append(ttft)
                 latencies.append(latency)
-                tokens += len(ids)
+                tokens += config.new_tokens  # checked by _one
             else:
                 errors.append(error)
 
@@ -257,6 +270,17 @@ def run_bench_serve(model_dir: str | Path, config: BenchConfig, options, url: st
                          f"max_positions={manifest.config.max_positions}")
     prompts = random_prompts(config, manifest.config.vocab_size)
     exact = url is None and manifest.quantization is None
+    avoid: list[int] = []
+    if url is not None:  # another server: text prompts, plain OpenAI fields (_one)
+        from tfport.generation import GenerationDefaults
+        from tfport.runtime.defaults import RequestDefaults
+        from tfport.runtime.tokenizer import TextTokenizer
+        if manifest.tokenizer is None:
+            raise ValueError(f"--url: another server takes text prompts, so {str(model_dir)!r} "
+                             "needs a tokenizer (re-export with --tokenizer)")
+        tokenizer = TextTokenizer(Path(model_dir) / manifest.tokenizer)
+        prompts = [tokenizer.decode(p) for p in prompts]
+        avoid = sorted(RequestDefaults(manifest.config, GenerationDefaults.read(model_dir)).stop_ids())
     process = None
     if url is None:
         process, url = start_server(str(model_dir), options, name)
@@ -271,7 +295,7 @@ def run_bench_serve(model_dir: str | Path, config: BenchConfig, options, url: st
             if time.monotonic() >= deadline:
                 break
             results.append(asyncio.run(_level(url, model, prompts, clients, config, deadline,
-                                              reference, exact)))
+                                              reference, exact, avoid)))
         return results
     finally:
         if process is not None:

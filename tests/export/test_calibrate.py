@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ from tfport.export import gptq
 from tfport.export import hessians as activations
 from tfport.export.parity.accuracy import PERPLEXITY_TEXT
 from tfport.export.quantize import QuantScheme, fake_quantize
+from tfport.export import rounding
 from tfport.manifest import Manifest
 from tfport.models import build_model
 
@@ -118,6 +121,68 @@ def test_gptq_rows_keeps_the_layout_and_rounds_scales_first():
     assert q.zero_points.shape == (6, 3) and int(q.codes.max()) <= 15
     with pytest.raises(ValueError, match=r"hessian: expected shape \(40, 40\)"):
         gptq.gptq_rows(rows, torch.eye(8), 4, 16, False)
+
+
+def _textbook_gptq(rows: np.ndarray, hessian: np.ndarray, scales: np.ndarray, block_size: int) -> np.ndarray:
+    """Symmetric 4-bit GPTQ as the paper's Algorithm 1 writes it, in float64 with numpy: act-order,
+    the given static block ``scales`` [N, Kb], every later column updated after each column (no
+    lazy batches, no row chunks). The codes [N, K] (stored, 0..15)."""
+    h = hessian.copy()
+    k = len(h)
+    dead = np.diag(h) <= 0
+    h[dead, dead] = 1.0
+    h[np.diag_indices(k)] += gptq.DAMP * np.diag(h).mean()
+    order = np.argsort(-np.diag(h), kind="stable")
+    u = np.linalg.cholesky(np.linalg.inv(h[np.ix_(order, order)])).T  # H^-1 = U^T U, U upper
+    w = rows[:, order].astype(np.float64)
+    codes = np.zeros(rows.shape, np.int64)
+    for i, column in enumerate(order):
+        step = scales[:, column // block_size].astype(np.float64)
+        q = np.clip(np.rint(w[:, i] / step), -8, 7)
+        codes[:, column] = q + 8
+        w[:, i + 1:] -= np.outer((w[:, i] - q * step) / u[i, i], u[i, i + 1:])
+    return codes
+
+
+def test_gptq_rows_agrees_with_the_textbook_algorithm(monkeypatch):
+    """Lazy batches of columns and chunks of rows (several of each here) change only the order of
+    the float32 work: the codes are those of the plain float64 algorithm (up to a rare rounding
+    tie), and do not depend on the row chunk at all."""
+    rng = np.random.default_rng(0)
+    k = 80
+    x = rng.standard_normal((400, k)) @ rng.standard_normal((k, k)) * 0.3 + rng.standard_normal(k)
+    hessian = x.T @ x / 400
+    hessian[5, :] = hessian[:, 5] = 0  # an input that is always 0
+    rows = rng.standard_normal((24, k)).astype(np.float32)
+    monkeypatch.setattr(gptq, "LAZY_COLUMNS", 32)  # 80 columns: batches of 32, 32 and 16
+    whole = gptq.gptq_rows(rows, torch.from_numpy(hessian), 4, 16, True)
+    monkeypatch.setattr(gptq, "CHUNK_ROWS", 7)  # 24 rows: chunks of 7, 7, 7 and 3
+    chunked = gptq.gptq_rows(rows, torch.from_numpy(hessian), 4, 16, True)
+    assert np.array_equal(chunked.codes, whole.codes) and np.array_equal(chunked.scales, whole.scales)
+    reference = _textbook_gptq(rows, hessian, whole.scales, 16)
+    assert np.mean(whole.codes == reference) >= 0.99 and np.abs(whole.codes - reference).max() <= 1
+    nearest = rounding.nearest_codes(rows, np.repeat(whole.scales, 16, axis=1)[:, :k], None, 4)
+    assert np.mean(whole.codes != nearest) > 0.05  # GPTQ moved codes off round-to-nearest's
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_scale_search_does_not_depend_on_the_row_chunk(symmetric, monkeypatch):
+    """The clipping search runs a chunk of rows at a time (for the cache): 37 rows in chunks of 5
+    give the scales and codes of one chunk, with importance weights (GPTQ) and without (RTN)."""
+    rng = np.random.default_rng(1)
+    rows = rng.standard_normal((37, 70)).astype(np.float32)
+    blocks = np.pad(rows, ((0, 0), (0, 10))).reshape(37, 5, 16)
+    importance = rng.random((5, 16)).astype(np.float32)
+
+    def search():
+        quantized = rounding.quantize_rows(rows, 4, 16, symmetric)
+        return (quantized.codes, quantized.scales, quantized.zero_points,
+                *rounding.search_scales(blocks, 4, symmetric, np.float16, rounding.SEARCH_FACTORS, importance))
+
+    whole = search()
+    monkeypatch.setattr(rounding, "SEARCH_CHUNK", 5)
+    for a, b in zip(search(), whole):
+        assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b))
 
 
 def test_head_bits_hold_when_a_head_row_also_occurs_in_a_layer():
@@ -243,3 +308,38 @@ def test_calibrating_in_groups_of_layers_gives_the_same_codes(decoder, monkeypat
     monkeypatch.setattr(C, "collect_hessians", lambda *a, **k: passes.append(1) or activations.collect_hessians(*a, **k))
     assert C.fingerprint(C.calibrate(model, QuantScheme(4, 16), fit).index) == whole
     assert len(passes) == len(groups)
+
+
+def test_threads_give_the_codes_of_one_thread(decoder, monkeypatch):
+    """Matrices quantised on several threads at once (each with one torch thread), or one at a
+    time when the working-memory budget admits only one: the codes of one thread, in order."""
+    model, fit, _ = decoder
+    hessians = activations.collect_hessians(model, fit)
+    one = C.fingerprint(C.calibrate(model, QuantScheme(4, 16), fit, hessians=hessians, threads=1).index)
+    assert C.fingerprint(C.calibrate(model, QuantScheme(4, 16), fit, hessians=hessians, threads=4).index) == one
+    monkeypatch.setattr(C, "WORK_BUDGET", 1)
+    assert C.fingerprint(C.calibrate(model, QuantScheme(4, 16), fit, hessians=hessians, threads=4).index) == one
+    with pytest.raises(ValueError, match=r"calibration_threads=0: expected a positive integer"):
+        C.calibrate(model, QuantScheme(4, 16), fit, hessians=hessians, threads=0)
+
+
+def test_jobs_run_at_once_within_the_memory_budget():
+    """Two jobs of 1 byte under a budget of 2 run together (each waits for the other at a
+    barrier, which breaks after 10 s if they do not); a third waits for a free byte. Results come
+    in the jobs' order and every job is counted done once."""
+    barrier, lock = threading.Barrier(2, timeout=10), threading.Lock()
+    running, most, done = [0], [0], []
+
+    def job(value: int) -> int:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        if value < 2:
+            barrier.wait()  # the first two: together
+        with lock:
+            running[0] -= 1
+        return value * 10
+
+    with ThreadPoolExecutor(3) as pool:
+        results = C._run_bounded(pool, [(1, job, (value,)) for value in range(5)], lambda: done.append(1), budget=2)
+    assert results == [0, 10, 20, 30, 40] and len(done) == 5 and most[0] == 2

@@ -88,7 +88,7 @@ def test_tokens_that_differ_between_levels_fail_only_an_exact_run(monkeypatch, e
 
     answers = {1: [5, 6], 4: [5, 7]}  # prompt 0 continues differently at 4 clients
 
-    async def one(client, url, model, prompt, config, deadline):
+    async def one(client, url, model, prompt, config, deadline, avoid=()):
         return 0.1, 0.2, answers[current], None
 
     monkeypatch.setattr(bench, "_one", one)
@@ -105,3 +105,20 @@ def test_tokens_that_differ_between_levels_fail_only_an_exact_run(monkeypatch, e
     else:
         assert (second.ok, second.failed, second.differ) == (2, 0, 2)
         assert "2 of 2 responses' tokens differ" in bench.format_table(results)
+
+
+def test_another_server_is_driven_with_plain_openai_fields(serve_exports):
+    """``--url``: text prompts, the end ids biased away instead of tfport's ``ignore_eos``, tokens
+    counted from a "length" finish; run here against tfport's own server on 127.0.0.1, which
+    would refuse an unknown field."""
+    from tfport.runtime.serve.bench import BenchConfig, run_bench_serve
+    from tfport.runtime.serve.options import ServeOptions
+
+    from .conftest import running_server
+
+    config = BenchConfig(concurrency=[1, 2], requests=3, new_tokens=6, prompt_len=(4, 12))
+    with running_server([serve_exports["dec-ort"]]) as (url, _):
+        results = run_bench_serve(serve_exports["dec-ort"], config, ServeOptions(), url=url)
+    for r in results:
+        assert (r.sent, r.ok, r.failed, r.tokens) == (3, 3, 0, 18), r
+        assert 0 < r.ttft_p50 <= r.latency_p50
