@@ -134,5 +134,3 @@ def pack_nibbles(values: np.ndarray) -> np.ndarray:
         values = np.concatenate([values, np.zeros((*values.shape[:-1], 1), np.uint8)], axis=-1)
     return (values[..., 0::2] & 0x0F) | ((values[..., 1::2] & 0x0F) << 4)
 
-
-# Range factors tried per block by ``quantize_rows(search=True)``: 1 is plain min/max

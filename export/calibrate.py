@@ -157,7 +157,8 @@ def _run_bounded(pool: ThreadPoolExecutor, jobs: list[tuple[int, Callable, tuple
                  budget: int | None = None) -> list:
     """``fn(*args)`` of every job ``(bytes, fn, args)`` on ``pool``, starting each once the bytes
     of the jobs running with it fit in ``budget`` (default ``WORK_BUDGET``; one job always runs);
-    ``on_done()`` after each job. The results, in the jobs' order."""
+    ``on_done()`` after each job. The results, in the jobs' order; a job's error is raised as soon
+    as it is seen, and the jobs not started yet are cancelled."""
     budget = WORK_BUDGET if budget is None else budget
     running: dict[Future, int] = {}
     futures = []
@@ -166,6 +167,7 @@ def _run_bounded(pool: ThreadPoolExecutor, jobs: list[tuple[int, Callable, tuple
         finished, _ = wait(running, return_when=return_when)
         for future in finished:
             del running[future]
+            future.result()  # raises the job's error
             on_done()
 
     try:
@@ -187,7 +189,7 @@ def hessian_groups(model: nn.Module, names: list[str], budget: int | None = None
     (``hessian_bytes``) fit in ``budget`` bytes (default ``HESSIAN_BUDGET``; a matrix larger
     than the budget is a group of its own): one calibration pass each. The codes do not depend
     on the grouping (every pass runs the unquantised module), only the time: SmolLM2's Hessians
-    (about 0.2 GB) are one group, a 1.2B LLaMA's (11 GB in float64) six."""
+    (about 1.1 GB) are one group, a 1.2B LLaMA's (11 GB in float64) six."""
     budget = HESSIAN_BUDGET if budget is None else budget
     groups: list[list[str]] = [[]]
     used = 0

@@ -66,7 +66,7 @@ def gptq_rows(rows: np.ndarray, hessian: torch.Tensor, bits: int, block_size: in
     u = torch.linalg.cholesky(inverse_factor.T @ inverse_factor, upper=True).float()  # H^-1 = U^T U
     order = order.numpy()
     w = torch.from_numpy(rows[:, order])  # [N, K] in quantisation order, updated as columns are done
-    blocks = order // block_size  # [K]: the block of the column quantised at step i
+    block_of = order // block_size  # [K]: the block of the column quantised at step i
     steps = np.ascontiguousarray(scales.T, np.float32)  # [Kb, N]
     zeros = (np.full(steps.shape, 1 << (bits - 1), np.float32) if zero_points is None
              else np.ascontiguousarray(zero_points.T, np.float32))
@@ -78,8 +78,8 @@ def gptq_rows(rows: np.ndarray, hessian: torch.Tensor, bits: int, block_size: in
         for r0 in range(0, n, CHUNK_ROWS):  # rows are independent: a chunk's columns stay in cache
             r1 = min(n, r0 + CHUNK_ROWS)
             columns = np.ascontiguousarray(w[r0:r1, c0:c1].numpy().T)  # [C, R]
-            _quantise_columns(columns, u_numpy[c0:c1, c0:c1], steps[blocks[c0:c1], r0:r1],
-                              zeros[blocks[c0:c1], r0:r1], zero_points is not None, bits,
+            _quantise_columns(columns, u_numpy[c0:c1, c0:c1], steps[block_of[c0:c1], r0:r1],
+                              zeros[block_of[c0:c1], r0:r1], zero_points is not None, bits,
                               codes[c0:c1, r0:r1], errors[:, r0:r1])
         w[:, c1:] -= torch.from_numpy(np.ascontiguousarray(errors.T)) @ u[c0:c1, c1:]
     codes = np.ascontiguousarray(codes[np.argsort(order)].T)  # [N, K] in column order

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,37 @@ class _Mean:
         return self.total / self.count
 
 
+class _Stop(Exception):
+    """Raised by the last hook of a calibration pass: the rest of the forward pass is not needed."""
+
+
+class _Passes:
+    """Where a calibration pass may stop. A first pass over two tokens (the probe) lists the hooks
+    in the order they run, doing none of their work; when each ran once, every later pass stops
+    after the last one (``ran`` raises ``_Stop``), skipping what no hook reads: the LM head's
+    product, and the layers after a group's (``calibrate.hessian_groups``). The hooks a module
+    runs do not depend on the sequence length, so the probe's last is every pass's last."""
+
+    def __init__(self):
+        self.order: list[str] | None = []  # the probe's hooks, in order; None once it ended
+        self.last: str | None = None
+
+    def probing(self, hook: str) -> bool:
+        """True (and the hook is noted) while the probe runs: the hook does nothing then."""
+        if self.order is not None:
+            self.order.append(hook)
+        return self.order is not None
+
+    def end_probe(self) -> None:
+        order, self.order = self.order, None
+        if order and len(set(order)) == len(order):  # a hook that runs twice in a pass: never stop
+            self.last = order[-1]
+
+    def ran(self, hook: str) -> None:
+        if hook == self.last:
+            raise _Stop
+
+
 RowHessians = list[tuple[int, int, torch.Tensor]]  # (first row, end row, H [K, K]) covering a weight
 
 
@@ -169,36 +201,52 @@ def collect_hessians(model: nn.Module, sequences: list[np.ndarray], progress: bo
     attention probabilities (the ``probs`` tap), because a value's error reaches the output only
     through that average -- an error along an input every query attends to (the first token,
     which most heads attend to) is never averaged away, and the plain H weighs it as one token.
+    Products that read the same input tensor (a gated FFN's gate and up, a mixture's router and
+    experts) share one running mean and one H.
     """
     from tfport.models.attention import Attention
 
     inputs: dict[str, _Mean] = {}
     values: dict[str, tuple[int, int, _Mean]] = {}  # weight -> (first value row, head dim, [Hkv, K, K])
     seen: dict[str, torch.Tensor] = {}  # attention path -> its value rows' input [B, T, K]
+    read: dict[int, tuple[weakref.ref, int, _Mean]] = {}  # id(input) -> (input, its version, its mean)
+    passes = _Passes()
     handles = []
 
     def on_input(name: str):
-        def hook(module, args, output):
-            inputs.setdefault(name, _Mean()).add(args[0].reshape(-1, args[0].shape[-1]).float())
+        def hook(module, args):
+            if passes.probing(name):
+                return
+            x = args[0]
+            known = read.get(id(x))
+            if known and known[0]() is x and known[1] == x._version and inputs.get(name, known[2]) is known[2]:
+                inputs[name] = known[2]  # the input another product read (gate and up, experts): one mean
+            else:
+                inputs.setdefault(name, _Mean()).add(x.reshape(-1, x.shape[-1]).float())
+                read[id(x)] = (weakref.ref(x), x._version, inputs[name])
+            passes.ran(name)
         return hook
 
     def on_value_input(path: str):
-        def hook(module, args, output):
+        def hook(module, args):
             seen[path] = args[0].float()
         return hook
 
     def on_probs(path: str, attn: Attention, name: str):
         def hook(module, args, probs):  # probs [B, H, S, T]
+            if passes.probing(f"{name} values"):
+                return
             x = seen[path]  # [B, T, K]
             b, h, s, t = probs.shape
             groups = probs.float().reshape(b, attn.kv_heads, h // attn.kv_heads, s, t)
             z = torch.einsum("bjgst,btk->jbgsk", groups, x)  # [Hkv, B, G, S, K]
             values[name][2].add(z.reshape(attn.kv_heads, -1, x.shape[-1]))
+            passes.ran(f"{name} values")
         return hook
 
     for path, module in model.named_modules():
         if isinstance(module, nn.Linear) and (names is None or f"{path}.weight" in names):
-            handles.append(module.register_forward_hook(on_input(f"{path}.weight")))
+            handles.append(module.register_forward_pre_hook(on_input(f"{path}.weight")))
         if isinstance(module, Attention):
             source = module.kv if module.cross else module.qkv  # the product with the value rows
             name = f"{path}.{'kv' if module.cross else 'qkv'}.weight"
@@ -207,21 +255,27 @@ def collect_hessians(model: nn.Module, sequences: list[np.ndarray], progress: bo
             kv_dim = module.kv_heads * module.head_dim
             first = kv_dim if module.cross else module.n_heads * module.head_dim + kv_dim
             values[name] = (first, module.head_dim, _Mean())
-            handles.append(source.register_forward_hook(on_value_input(path)))
+            handles.append(source.register_forward_pre_hook(on_value_input(path)))
             handles.append(module.probs.register_forward_hook(on_probs(path, module, name)))
     try:
         model.eval()
+        _run(model, sequences[0][:2])  # the probe: which hook runs last
+        passes.end_probe()
         for ids in tqdm(batches(sequences), desc="calibrate: activations", unit="batch", disable=not progress):
-            _run(model, ids)
+            try:
+                _run(model, ids)
+            except _Stop:
+                pass
     finally:
         for handle in handles:
             handle.remove()
-    hessians = {}
+    hessians, means = {}, {}
     for name, moments in inputs.items():
         n = model.get_parameter(name).shape[0]
-        hessians[name] = [(0, n, moments.mean())]
+        mean = means.setdefault(id(moments), moments.mean())  # one tensor for products of one input
+        hessians[name] = [(0, n, mean)]
         if name in values and values[name][2].count:
             first, head_dim, value_moments = values[name]
-            hessians[name] = [(0, first, moments.mean())] + [
+            hessians[name] = [(0, first, mean)] + [
                 (first + j * head_dim, first + (j + 1) * head_dim, h) for j, h in enumerate(value_moments.mean())]
     return hessians

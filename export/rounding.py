@@ -37,8 +37,10 @@ def quantize_rows(rows: np.ndarray, bits: int, block_size: int, symmetric: bool,
     blocks = padded.reshape(n, n_blocks, block_size)
     factors = SEARCH_FACTORS if search and bits == 4 else (1.0,)  # 8 bits: nothing to gain
     scale, zero_points = search_scales(blocks, bits, symmetric, NUMPY_DTYPES[scale_dtype], factors)
-    codes = nearest_codes(blocks, scale.astype(np.float32)[..., None],
-                          None if zero_points is None else zero_points[..., None], bits)
+    codes = np.empty(blocks.shape, np.uint8)  # [N, Kb, bs]
+    for chunk in (slice(i, i + SEARCH_CHUNK) for i in range(0, n, SEARCH_CHUNK)):  # bounded temporaries
+        codes[chunk] = nearest_codes(blocks[chunk], scale[chunk, :, None].astype(np.float32),
+                                     None if zero_points is None else zero_points[chunk, :, None], bits)
     return BlockQuantized(np.ascontiguousarray(codes.reshape(n, -1)[:, :k]), scale, zero_points, bits, block_size)
 
 

@@ -326,7 +326,7 @@ def test_threads_give_the_codes_of_one_thread(decoder, monkeypatch):
 def test_jobs_run_at_once_within_the_memory_budget():
     """Two jobs of 1 byte under a budget of 2 run together (each waits for the other at a
     barrier, which breaks after 10 s if they do not); a third waits for a free byte. Results come
-    in the jobs' order and every job is counted done once."""
+    in the jobs' order and every job is counted done once; a job's error is raised."""
     barrier, lock = threading.Barrier(2, timeout=10), threading.Lock()
     running, most, done = [0], [0], []
 
@@ -343,3 +343,60 @@ def test_jobs_run_at_once_within_the_memory_budget():
     with ThreadPoolExecutor(3) as pool:
         results = C._run_bounded(pool, [(1, job, (value,)) for value in range(5)], lambda: done.append(1), budget=2)
     assert results == [0, 10, 20, 30, 40] and len(done) == 5 and most[0] == 2
+    with ThreadPoolExecutor(2) as pool, pytest.raises(ZeroDivisionError):
+        C._run_bounded(pool, [(1, lambda: 1, ()), (1, lambda: 1 / 0, ())], lambda: None)
+
+
+HESSIAN_MODELS = {  # family, position, attention; a mixture of experts on top of the decoder
+    "decoder": ("decoder", "rope", "gqa", None),
+    "mixture": ("decoder", "rope", "gqa", dict(n_experts=4, top_k=2, d_expert=32, layers=(1,))),
+    "encoder-decoder": ("encoder-decoder", "relative", "mha", None),
+    "encoder": ("encoder", "learned", "mha", None),
+}
+
+
+@pytest.mark.parametrize("kind", list(HESSIAN_MODELS))
+def test_hessians_are_the_mean_input_products(kind):
+    """collect_hessians against a plain reference: each product's inputs caught by ordinary forward
+    hooks over the same batches, H = mean of x x^T in float64. Passes stop after the last hook
+    (the LM head's product runs only in the two-token probe), and products that read one input
+    (gate and up, a mixture's router and experts) share one H."""
+    from tfport.config_moe import MoeConfig
+
+    family, position, attention, moe = HESSIAN_MODELS[kind]
+    config = matrix_config(family, position, attention)
+    if moe:
+        config = config.replace(gated_ffn=True, activation="silu", moe=MoeConfig(**moe))
+    model = perturbed(config)
+    sequences = activations.token_sequences(activations.Calibration().read(), word_tokenizer(config.vocab_size),
+                                            config, 96)
+    linear = {f"{path}.weight": m for path, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    sums: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def catch(name: str):
+        def hook(module, args, output):
+            x = args[0].double().flatten(0, -2)  # [n, K]
+            total, count = sums.get(name, (0.0, 0))
+            sums[name] = (total + x.T @ x, count + len(x))
+        return hook
+
+    hooks = [m.register_forward_hook(catch(name)) for name, m in linear.items()]
+    with torch.no_grad():
+        for ids in activations.batches(sequences):
+            activations._run(model, ids)
+    reference = {name: total / count for name, (total, count) in sums.items()}
+    head_calls = sums.get("lm_head.weight", (0.0, 0))[1]
+    hessians = activations.collect_hessians(model, sequences)
+    for hook in hooks:
+        hook.remove()
+    assert set(hessians) == set(linear)
+    for name, rows in hessians.items():
+        h = rows[0][2]
+        assert torch.allclose(h, reference[name], rtol=1e-4, atol=1e-6 * float(reference[name].abs().max())), name
+    if "lm_head.weight" in linear:  # the reference's tokens, then only the probe's 2 more
+        assert sums["lm_head.weight"][1] == head_calls + 2
+    if moe:
+        layer = "decoder.layers.1.ffn"
+        shared = {hessians[f"{layer}.{p}.weight"][0][2] is hessians[f"{layer}.router.weight"][0][2]
+                  for p in ("experts.0.gate", "experts.0.up", "experts.3.up")}
+        assert shared == {True}
