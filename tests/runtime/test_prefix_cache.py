@@ -234,3 +234,30 @@ def test_generate_over_a_conversation_reuses_the_previous_turns(models, key, sam
     finally:
         model.prefix_cache = saved
     assert cache.hit_tokens > cache.miss_tokens  # most of each later turn's history was reused
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_inplace_rows_grow_their_slots_without_changing_tokens(models, cached, monkeypatch):
+    """``InplaceRows`` starts with few KV slots per row and doubles them as rows grow (the CPU
+    attention kernel works over the whole buffer): rows that cross the growth, decoding together,
+    get the tokens of a batch allocated at its full length from the start."""
+    from tfport.runtime.decoding import inplace
+
+    model = models["ort", "tiny-decoder"]
+    conversations = [_conversation(model.config.vocab_size, seed) for seed in range(4)]
+    monkeypatch.setattr(inplace, "INITIAL_SLOTS", 128)  # the batches' max_length: never grows
+    expected = _run_rows(model, conversations, PrefixCache(1 << 24, block_size=BLOCK) if cached else None)
+    grown = []
+    original = inplace.InplaceRows._reserve
+
+    def reserve(self, length):
+        before = self.slots
+        original(self, length)
+        if self.slots != before:
+            grown.append((before, self.slots))
+
+    monkeypatch.setattr(inplace, "INITIAL_SLOTS", 4)
+    monkeypatch.setattr(inplace.InplaceRows, "_reserve", reserve)
+    got = _run_rows(model, conversations, PrefixCache(1 << 24, block_size=BLOCK) if cached else None)
+    assert got == expected
+    assert grown and grown[0][0] == 4 and all(b >= min(2 * a, 128) for a, b in grown), grown
