@@ -85,10 +85,12 @@ def candidates(scheme: QuantScheme, block_size: int | None, head_bits: int | Non
 
 def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokenizer,
                   calibration: Calibration | None, loss_text: str | None, block_size: int | None,
-                  head_bits: int | None, target, scale_dtype: str = "float32") -> PrecomputedQuantization:
+                  head_bits: int | None, target, scale_dtype: str = "float32",
+                  threads: int | None = None) -> PrecomputedQuantization:
     """The fastest layout of ``scheme``'s format (its symmetry) whose loss is at most
-    ``max_loss`` (module doc), quantised (GPTQ on ``calibration``, or round-to-nearest when None),
-    with the budget recorded. ``block_size`` / ``head_bits`` fix those fields when not None."""
+    ``max_loss`` (module doc), quantised (GPTQ on ``calibration``, or round-to-nearest when None,
+    ``threads`` matrices at once: ``calibrate``), with the budget recorded. ``block_size`` /
+    ``head_bits`` fix those fields when not None."""
     if model.config.family not in ("decoder", "encoder"):
         raise ValueError(f"max_loss={max_loss!r}: measures decoder perplexity or encoder cosine; this is "
                          f"an {model.config.family} model (quantise it with a fixed layout)")
@@ -117,7 +119,7 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
     def quantize_and_measure(layout: Candidate) -> PrecomputedQuantization:
         layout_scheme = QuantScheme(scheme.bits, layout.block_size, scheme.symmetric, scheme.embeddings)
         quantization = calibrate(model, layout_scheme, sequences, scale_dtype, layout.head_bits,
-                                 record=dict(record), hessians=hessians)
+                                 record=dict(record), hessians=hessians, threads=threads)
         layout.loss = _loss(model.config.family, reference,
                             _outputs(fake_quantize(model, quantization, scale_dtype), loss_sequences))
         log.info("max_loss: %s loses %.3f%%", layout.name, 100 * layout.loss)

@@ -80,7 +80,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
         scheme = choose_layout(model, scheme, parse_loss(options.max_loss), options.tokenizer,
                                Calibration(calibration) if isinstance(calibration, str) else calibration,
                                options.loss_text, options.block_size, options.head_bits, plan.target,
-                               options.dtype)
+                               options.dtype, options.calibration_threads)
     elif calibration is not None or options.head_bits is not None:  # GPTQ, mixed precision
         scheme = calibrated_scheme(model, scheme, calibration, options.tokenizer, options.dtype,
                                    options.head_bits, options.show_progress, options.calibration_threads)

@@ -204,3 +204,21 @@ def test_cli_reports_the_choice(decoder, tmp_path, capsys):
     assert "the fastest of 3 layouts within --max-loss 3000.0%" in out, out
     quantization = Manifest.read(tmp_path / "q").quantization
     assert quantization["head_bits"] == 8 and "method" not in quantization
+
+
+def test_max_loss_quantises_with_the_calibration_threads_asked(decoder, tmp_path, monkeypatch):
+    """``calibration_threads`` reaches the layout search's GPTQ, as it reaches a fixed layout's."""
+    from tfport.export import budget
+
+    seen = []
+    original = budget.calibrate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("threads"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(budget, "calibrate", spy)
+    model, tokenizer = decoder
+    export_model(model, tmp_path / "q", ExportOptions(quantize="int4", tokenizer=tokenizer, max_loss=1e9,
+                                                      calibration_threads=1, validate=False))
+    assert seen == [1]  # one layout measured (every layout meets the budget), on one thread
