@@ -207,7 +207,9 @@ class InplaceRows:
         rows, valid until the next step with n rows (NaN is refused where tokens are picked)."""
         tokens = check_step(self, tokens)
         n = len(self.rows)
-        self._reserve(max((row.length for row in self.rows), default=0) + 1)
+        lengths = [row.length for row in self.rows]  # each new token's index
+        total = max(lengths, default=0) + 1
+        self._reserve(total)
         feeds = self._steps.get(n)
         if feeds is None:
             feeds = self._steps[n] = StepFeeds(n, self.vocab, self.logits_dtype)
@@ -216,8 +218,8 @@ class InplaceRows:
             feeds.bind(binding)
             self._step_bound.add(n)
         feeds.input_ids[:, 0] = tokens
-        feeds.seqlens_k[:] = [row.length for row in self.rows]  # the new token's index
-        feeds.total_sequence_length[()] = int(feeds.seqlens_k.max()) + 1
+        feeds.seqlens_k[:] = lengths
+        feeds.total_sequence_length[()] = total
         self.runner.session.run_with_iobinding(binding)
         for row, token in zip(self.rows, tokens.tolist()):
             row.length += 1
