@@ -273,8 +273,8 @@ def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:
             f"speculative: this export's weights are quantised ({quantization.get('format', 'int')}); "
             "ONNX Runtime's CPU kernel for them (MatMulNBits at accuracy level 4) rounds a step of "
             "one row differently from a step of several (SmolLM2-135M int4 logits 3e-5 apart on an "
-            "AVX2 CPU, 1.25 on another; greedy tokens diverged within 200 on both), so verified "
-            "tokens can differ from plain greedy decoding. Speculate on a float export (a quantised "
+            "AVX2 CPU, 1.25 on another; greedy tokens diverged on both), so verified tokens can "
+            "differ from plain greedy decoding. Speculate on a float export (a quantised "
             "export can be its draft), or accept inexact tokens: Speculation(..., exact=False), "
             "--speculative-inexact")
     if not batch.all_logits:
