@@ -66,11 +66,20 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 class KPolicy:
     """K per row: argmax over k in 0..``k_max`` of expected_tokens(alpha, k) / (cost(k + 1) +
-    drafts(k) * draft_cost), where alpha is the row's running acceptance rate (exponential average,
+    k * draft_cost), where alpha is the row's running acceptance rate (exponential average,
     starting at ``prior``), ``cost(s)`` the measured time of feeding s tokens per row relative to
-    one, ``draft_cost`` the measured time of a draft model's forward relative to the same (0 for
-    prompt lookup), and drafts(k) = k + 1 draft forwards for k > 0 (the row's new tokens are fed
-    first), 0 for k = 0. Without a cost function, always ``k_max``."""
+    one, and ``draft_cost`` the measured time of a draft model's forward relative to the same (0
+    for prompt lookup; drafting k tokens takes k forwards: the first also feeds the row's new
+    tokens). Without a cost function, always ``k_max``.
+
+    A row whose best k is 0 would never update its alpha again, so it probes: after
+    ``PROBE_AFTER`` plain steps it proposes ``PROBE_TOKENS``, and each probe that does not make
+    speculation pay doubles the wait (up to ``PROBE_MAX``). Without probes (SmolLM2 float32
+    target, its int4 export as the draft), a draft cost measured too high at the start fixed k = 0
+    for the rest of a request whose 6 proposals had all been accepted.
+    """
+
+    PROBE_AFTER, PROBE_MAX, PROBE_TOKENS = 8, 128, 2
 
     def __init__(self, k_max: int, cost: Callable[[int], float] | None, prior: float = 0.6,
                  decay: float = 0.7):
@@ -79,20 +88,33 @@ class KPolicy:
         self.k_max, self.cost, self.prior, self.decay = k_max, cost, prior, decay
         self.draft_cost = 0.0
         self.alpha: dict[Hashable, float] = {}
+        self.waits: dict[Hashable, tuple[int, int]] = {}  # key -> (plain steps since a proposal, wait)
 
     def k(self, key: Hashable) -> int:
         if self.cost is None:
             return self.k_max
         alpha = self.alpha.get(key, self.prior)
-        # A draft model also feeds the row's new tokens before drafting: one forward more.
-        gains = [expected_tokens(alpha, k) / (self.cost(k + 1) + (k + (k > 0)) * self.draft_cost)
+        gains = [expected_tokens(alpha, k) / (self.cost(k + 1) + k * self.draft_cost)
                  for k in range(self.k_max + 1)]
-        return int(np.argmax(gains))
+        best = int(np.argmax(gains))
+        if best:
+            self.waits.pop(key, None)
+            return best
+        plain, wait = self.waits.get(key, (0, self.PROBE_AFTER))
+        if plain + 1 < wait:
+            self.waits[key] = (plain + 1, wait)
+            return 0
+        self.waits[key] = (0, min(2 * wait, self.PROBE_MAX))
+        return min(self.k_max, self.PROBE_TOKENS)
 
     def record(self, key: Hashable, proposed: int, accepted: int) -> None:
         if proposed:
             alpha = self.alpha.get(key, self.prior)
             self.alpha[key] = self.decay * alpha + (1 - self.decay) * accepted / proposed
+
+    def forget(self, key: Hashable) -> None:
+        self.alpha.pop(key, None)
+        self.waits.pop(key, None)
 
 
 def measure_costs(batch: RowBatch, k_max: int, repeats: int = 3) -> tuple[Callable[[int], float], float]:
@@ -176,7 +198,7 @@ class Speculator:
 
     def forget(self, key: Hashable) -> None:
         self.drafts.forget(key)
-        self.policy.alpha.pop(key, None)
+        self.policy.forget(key)
 
 
 def speculative_steps(batch: RowBatch, prompts: Sequence[np.ndarray], states: Sequence[SequenceState],

@@ -6,6 +6,9 @@ logits); bad arguments are refused."""
 
 from __future__ import annotations
 
+import collections
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -14,8 +17,8 @@ from tfport.export import ExportOptions, export_model
 from tfport.models import build_model
 from tfport.presets import get_preset
 from tfport.runtime import load_model
-from tfport.runtime.decoding.drafters import PromptLookup, Proposal
-from tfport.runtime.decoding.speculative import Speculation, SpeculationStats, expected_tokens
+from tfport.runtime.decoding.drafters import DraftModelRows, PromptLookup, Proposal
+from tfport.runtime.decoding.speculative import KPolicy, Speculation, SpeculationStats, expected_tokens
 from tfport.runtime.sampling import SamplingParams, distribution
 
 # (target, preset): both cache layouts; on concat, each way positions enter (RoPE, learned
@@ -285,3 +288,44 @@ def test_adaptive_k_keeps_the_plain_tokens(models, key):
     for drafter in ("lookup", models["draft"]):
         np.testing.assert_array_equal(
             model.generate(rows, max_new_tokens=30, stop_token_ids=(), speculative=drafter), plain)
+
+
+def test_the_policy_counts_k_draft_forwards_for_k_tokens():
+    """Drafting k tokens takes k draft forwards (the first also feeds the row's new tokens): the
+    policy's k is the argmax of the expected tokens over that cost, computed here directly."""
+    cost = lambda size: 1.0 + 0.05 * (size - 1)  # noqa: E731
+    policy = KPolicy(8, cost)
+    for alpha, draft_cost in [(0.8, 0.35), (0.95, 0.2), (0.6, 0.1), (0.9, 0.6)]:
+        policy.alpha["row"], policy.draft_cost = alpha, draft_cost
+        rates = [sum(alpha ** i for i in range(k + 1)) / (cost(k + 1) + k * draft_cost) for k in range(9)]
+        want = int(np.argmax(rates))
+        assert want > 0 and policy.k("row") == want, (alpha, draft_cost, rates)
+
+
+def test_a_row_that_stopped_speculating_probes_again():
+    """k = 0 never updates a row's acceptance, so a row probes with PROBE_TOKENS after
+    PROBE_AFTER plain steps, each failed probe doubling the wait; a probe whose tokens were
+    accepted brings speculation back."""
+    policy = KPolicy(8, lambda size: 1.0 + 0.05 * (size - 1))
+    policy.draft_cost = 0.4
+    policy.alpha["row"] = 0.2  # speculation does not pay at this acceptance
+    ks = [policy.k("row") for _ in range(KPolicy.PROBE_AFTER * 7)]
+    probes = [i for i, k in enumerate(ks) if k]
+    assert all(ks[i] == KPolicy.PROBE_TOKENS for i in probes)
+    waits = np.diff([-1] + probes).tolist()
+    assert waits == [KPolicy.PROBE_AFTER * 2 ** n for n in range(len(waits))] and len(waits) == 3
+    for _ in range(4):  # probes whose tokens were all accepted
+        policy.record("row", 2, 2)
+    assert policy.k("row") > 0
+    policy.forget("row")
+    assert "row" not in policy.alpha and "row" not in policy.waits
+
+
+def test_the_draft_cost_is_a_median_not_swayed_by_one_slow_forward():
+    """``DraftModelRows.step_seconds`` (the policy's draft cost) is the median of the recent
+    forwards: a first forward that binds anew measured 1.7x the later ones."""
+    rows = DraftModelRows.__new__(DraftModelRows)  # the timing alone, no model
+    rows.seconds = collections.deque(maxlen=15)
+    for pause in [0.2, 0.001, 0.001, 0.001, 0.001]:
+        rows._timed(time.sleep, pause)
+    assert 0.001 <= rows.step_seconds < 0.1
