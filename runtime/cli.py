@@ -224,8 +224,10 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _load(args: argparse.Namespace) -> Model:
+    # A draft export takes turns with the target: one thread pool for both (threads.py).
+    drafting = getattr(args, "speculative", None) not in (None, "lookup")
     return load_model(args.model_dir, args.provider, intra_op_threads=args.threads,
-                      verify=args.verify)
+                      verify=args.verify, shared_threads=drafting)
 
 
 def _open(args: argparse.Namespace) -> tuple[Model, list[list[int]]]:

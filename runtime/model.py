@@ -346,10 +346,10 @@ class Model(EncoderMethods, TextMethods):
 
 def load_model(model_dir: str | Path, provider: str = "cpu", *, intra_op_threads: int = 0,
                inter_op_threads: int = 0, graph_optimization: str = "all",
-               device_id: int = 0, verify: str = "full") -> Model:
+               device_id: int = 0, verify: str = "full", shared_threads: bool = False) -> Model:
     """Open an export directory; see ``Model.load`` (``verify``) and ``SessionSettings``."""
     settings = SessionSettings(provider=provider, device_id=device_id,
                                intra_op_threads=intra_op_threads,
                                inter_op_threads=inter_op_threads,
-                               graph_optimization=graph_optimization)
+                               graph_optimization=graph_optimization, shared_threads=shared_threads)
     return Model.load(model_dir, settings=settings, verify=verify)

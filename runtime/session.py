@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 from tfport.contract import GraphSpec
 
-from .threads import thread_policy
+from .threads import share_pool, shared_pool, thread_policy
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ class SessionSettings:
     ``intra_op_threads`` 0 takes tfport's measured default (``threads.thread_policy``: one per
     usable CPU, the pool spinning); ``inter_op_threads`` 0 leaves
     ONNX Runtime's default;
-    ``graph_optimization`` is one of ``GRAPH_OPTIMIZATIONS``.
+    ``graph_optimization`` is one of ``GRAPH_OPTIMIZATIONS``; ``shared_threads`` runs the
+    sessions on one process-wide pool (``threads.share_pool``) instead of a pool each: for
+    sessions that take turns, such as a speculative target and its draft.
     """
 
     provider: str = "cpu"
@@ -61,6 +63,7 @@ class SessionSettings:
     intra_op_threads: int = 0
     inter_op_threads: int = 0
     graph_optimization: str = "all"
+    shared_threads: bool = False
 
     def __post_init__(self) -> None:
         if self.provider not in PROVIDERS:
@@ -72,6 +75,8 @@ class SessionSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}={value!r}: expected a non-negative integer")
+        if not isinstance(self.shared_threads, bool):
+            raise ValueError(f"shared_threads={self.shared_threads!r}: expected True or False")
         if self.device_id > MAX_DEVICE_ID:
             raise ValueError(f"device_id={self.device_id!r}: expected at most {MAX_DEVICE_ID}")
         limit = max_threads()
@@ -86,9 +91,16 @@ class SessionSettings:
         options.graph_optimization_level = GRAPH_OPTIMIZATIONS[self.graph_optimization]
         # intra_op_threads 0: one per usable CPU, spinning (threads.py)
         policy = thread_policy(self.intra_op_threads)
-        options.intra_op_num_threads = policy.intra_op_threads
-        for key, value in policy.config_entries().items():
-            options.add_session_config_entry(key, value)
+        if self.shared_threads or shared_pool() is not None:  # once made, every session uses it
+            if not policy.allow_spinning:
+                logger.warning("TFPORT_SPIN=0 does not reach the shared pool: ONNX Runtime's "
+                               "process-wide pool always spins")
+            share_pool(policy.intra_op_threads)
+            options.use_per_session_threads = False
+        else:
+            options.intra_op_num_threads = policy.intra_op_threads
+            for key, value in policy.config_entries().items():
+                options.add_session_config_entry(key, value)
         if self.inter_op_threads:
             options.inter_op_num_threads = self.inter_op_threads
         return options

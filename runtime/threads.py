@@ -19,12 +19,23 @@ to 2x. A load-average rule (half the CPUs, no spinning, at load >= CPUs) was tri
 the 1-minute average lags (it still counted the export that had just finished) and picked one
 thread on a quiet machine, 34% slower. Pin it where the machine is shared: ``--threads`` /
 ``intra_op_threads``, or ``TFPORT_THREADS`` / ``TFPORT_SPIN`` (``0`` / ``1``) for a process.
+
+**Sessions that take turns share one pool** (``SessionSettings(shared_threads=True)``, which
+``--speculative DRAFT_DIR`` sets for the target and its draft): each session's own pool spins
+after its run, on the cores the other session's next run needs. Measured on the 2-core VM
+(SmolLM2-135M float32 target, its int4 export drafting, 128 tokens): the draft's forwards took
+8-25 ms with a pool each and a steady 8.5 ms sharing one; the whole generation 22 against 31
+tokens/s (plain decoding 36-39 either way). The shared pool is ONNX Runtime's process-wide one
+(``set_global_thread_pool_sizes``): made once, with the first shared session's thread count,
+always spinning, and once it exists every later session of the process runs on it.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+import onnxruntime as ort
 
 
 @dataclass(frozen=True)
@@ -52,3 +63,29 @@ def thread_policy(intra_op_threads: int = 0) -> ThreadPolicy:
     CPU; spinning unless ``TFPORT_SPIN=0``."""
     threads = intra_op_threads or int(os.environ.get("TFPORT_THREADS", 0)) or usable_cpus()
     return ThreadPolicy(threads, os.environ.get("TFPORT_SPIN", "1") != "0")
+
+
+_shared_threads: int | None = None  # the process-wide pool's size, once made
+
+
+def shared_pool() -> int | None:
+    """The size of this process's shared pool, None until ``share_pool`` makes it."""
+    return _shared_threads
+
+
+def share_pool(threads: int) -> None:
+    """Make ONNX Runtime's process-wide intra-op pool with ``threads`` threads, once per process.
+    From then on every session of the process must run on it (ONNX Runtime refuses a pool of a
+    session's own once the process-wide one exists), so ``SessionSettings`` opens them all that
+    way, and a session asking for another thread count gets a ``ValueError``: the pool cannot be
+    resized."""
+    global _shared_threads
+    if _shared_threads is None:
+        ort.set_global_thread_pool_sizes(threads, 1)
+        _shared_threads = threads
+    elif threads != _shared_threads:
+        raise ValueError(f"intra_op_threads={threads}: this process runs its sessions on a shared "
+                         f"pool of {_shared_threads} threads (made for sessions that take turns, "
+                         "shared_threads=True), and ONNX Runtime can neither resize it nor give a "
+                         "session a pool of its own once it exists; open every session of the "
+                         "process with the same thread count")

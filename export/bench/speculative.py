@@ -59,10 +59,11 @@ def run_speculative(export: str | Path, drafters: tuple[str, ...], threads: int,
     from tfport.runtime.chat import chat_format
     from tfport.runtime.decoding import Speculation, SpeculationStats
 
-    model = load_model(export, intra_op_threads=threads)
+    shared = any(name != "lookup" for name in drafters)  # a draft takes turns with the target
+    model = load_model(export, intra_op_threads=threads, shared_threads=shared)
     fmt = chat_format(model)
     exact = model.manifest.quantization is None  # quantised targets: tokens may differ (reported)
-    drafts = {name: name if name == "lookup" else load_model(name, intra_op_threads=threads)
+    drafts = {name: name if name == "lookup" else load_model(name, intra_op_threads=threads, shared_threads=True)
               for name in drafters}
     peers = [(f"{GenaiPeer.name} {Path(d).name}", lambda d=d: GenaiPeer(d, threads), "onnxruntime_genai")
              for d in genai] + [(f"{LlamaCppPeer.name} {Path(g).name}", lambda g=g: LlamaCppPeer(g, threads), "llama_cpp")

@@ -93,7 +93,9 @@ class ServedModel(RequestLimits):
     @classmethod
     def load(cls, directory: str | Path, options: ServeOptions, name: str | None = None,
              observer_for=None) -> "ServedModel":
-        settings = SessionSettings(provider=options.provider, intra_op_threads=options.threads)
+        drafting = options.speculative not in (None, "lookup")  # target and draft share a pool
+        settings = SessionSettings(provider=options.provider, intra_op_threads=options.threads,
+                                   shared_threads=drafting)
         model = Model.load(directory, settings=settings)
         name = name or Path(directory).resolve().name
         return cls(name, model, options, observer_for(name) if observer_for else None)

@@ -7,6 +7,9 @@ logits); bad arguments are refused."""
 from __future__ import annotations
 
 import collections
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -329,3 +332,55 @@ def test_the_draft_cost_is_a_median_not_swayed_by_one_slow_forward():
     for pause in [0.2, 0.001, 0.001, 0.001, 0.001]:
         rows._timed(time.sleep, pause)
     assert 0.001 <= rows.step_seconds < 0.1
+
+
+SHARED_POOL_SCRIPT = """
+import os, sys
+import numpy as np
+from tfport.runtime import load_model
+from tfport.runtime.decoding import Speculation
+from tfport.runtime.threads import share_pool
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+target_dir, draft_dir, plain_file = sys.argv[1:]
+own = load_model(draft_dir, intra_op_threads=2)  # a pool of its own, made before the shared one
+target = load_model(target_dir, intra_op_threads=2, shared_threads=True)
+before = threads()
+draft = load_model(draft_dir, intra_op_threads=2, shared_threads=True)
+later = load_model(draft_dir, intra_op_threads=2)  # after: on the shared pool too
+assert threads() == before, (before, threads())
+rows = [[int(t) for t in row.split()] for row in open(plain_file).read().split(",")[1:]]
+plain = np.array([[int(t) for t in row.split()] for row in open(plain_file).read().split(",")[0].split(";")])
+for drafter in (draft, own, later):
+    out = target.generate(rows, max_new_tokens=12, stop_token_ids=(), speculative=Speculation(drafter, 3))
+    assert np.array_equal(out, plain), (out, plain)
+for call in (lambda: share_pool(3), lambda: load_model(draft_dir, intra_op_threads=1)):
+    try:
+        call()
+    except ValueError as err:
+        assert "shared pool of 2 threads" in str(err), err
+    else:
+        raise AssertionError("another pool size was accepted")
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_target_and_its_draft_share_one_thread_pool(models, tmp_path):
+    """``shared_threads``: a target and its draft run on ONNX Runtime's process-wide pool (a
+    second shared model starts no thread), decode the tokens the target decodes alone, and a
+    session asking for another thread count afterwards is refused. In a child process: the
+    pool is process-wide and every later session must run on it."""
+    target, draft = models[("ort", "tiny-decoder")], models["draft"]
+    rows = prompts(target.config.vocab_size)
+    plain = target.generate(rows, max_new_tokens=12, stop_token_ids=())
+    data = tmp_path / "rows.txt"
+    data.write_text(";".join(" ".join(map(str, row)) for row in plain.tolist()) + ","
+                    + ",".join(" ".join(map(str, row)) for row in rows))
+    result = subprocess.run([sys.executable, "-c", SHARED_POOL_SCRIPT, str(target.directory),
+                             str(draft.directory), str(data)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+    with pytest.raises(ValueError, match="shared_threads='yes'"):
+        load_model(draft.directory, shared_threads="yes")
