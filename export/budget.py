@@ -15,14 +15,17 @@ and its loss measured on the module holding the dequantised weights:
 - an encoder: 1 - the minimum cosine between the quantised and float32 mean-pooled states of the
   loss text's sentences.
 
-The first layout within the budget is the export's; none within it is an error listing every
-measured loss. The loss is measured with float activations; the ``ort`` target's int8 activations
+The first layout within the budget is the export's, unless a faster layout over it, with its
+most sensitive layers at ``PROMOTED_BITS`` (``promote_layers``), is within it and still faster
+(timed like the others); none within it is an error listing every measured loss. The loss is measured with float activations; the ``ort`` target's int8 activations
 add a little (0.1-1% perplexity on SmolLM2). The manifest records the budget, the layout chosen,
 its loss and every candidate measured.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import statistics
 import tempfile
@@ -36,14 +39,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from .calibrate import PrecomputedQuantization, calibrate, fingerprint, hessian_groups
+from .calibrate import PROMOTED_BITS, PrecomputedQuantization, calibrate, fingerprint, hessian_groups
 from .gptq import DAMP
 from .hessians import Calibration, collect_hessians, token_sequences
-from .quantize import QuantScheme, fake_quantize
+from .quantize import QuantScheme, fake_quantize, quantized_weights
+from .row_index import RowIndex
 
 log = logging.getLogger(__name__)
 
 BLOCKS = (128, 64, 32)  # candidate block sizes, fewest bytes first
+SENSITIVITY_TOKENS = 1024  # of the loss text, to rank layers for promotion (the search reads it all)
 SPEED_STEPS, SPEED_REPEATS = 16, 3
 
 
@@ -66,14 +71,17 @@ class Candidate:
     head_bits: int | None
     per_s: float = 0.0  # decode tokens/s (encoders: sentences/s)
     loss: float | None = None
+    promoted: tuple[str, ...] = ()  # layers whose matrices are at PROMOTED_BITS
 
     @property
     def name(self) -> str:
-        return f"blocks of {self.block_size}" + (f", head int{self.head_bits}" if self.head_bits else "")
+        return (f"blocks of {self.block_size}" + (f", head int{self.head_bits}" if self.head_bits else "")
+                + (f", {len(self.promoted)} layers int{PROMOTED_BITS}" if self.promoted else ""))
 
     def to_dict(self) -> dict:
-        return {"block_size": self.block_size, "head_bits": self.head_bits, "per_s": round(self.per_s, 2),
-                "loss": None if self.loss is None else float(f"{self.loss:.4g}")}
+        out = {"block_size": self.block_size, "head_bits": self.head_bits, "per_s": round(self.per_s, 2),
+               "loss": None if self.loss is None else float(f"{self.loss:.4g}")}
+        return {**out, "promoted": list(self.promoted)} if self.promoted else out
 
 
 def candidates(scheme: QuantScheme, block_size: int | None, head_bits: int | None) -> list[Candidate]:
@@ -116,16 +124,47 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
         log.info("max_loss: %s decodes %.1f/s", layout.name, layout.per_s)
     reference = _outputs(model, loss_sequences)
 
+    def quantize(layout: Candidate, bits: int | None = None) -> PrecomputedQuantization:
+        layout_scheme = QuantScheme(bits or scheme.bits, layout.block_size, scheme.symmetric, scheme.embeddings)
+        return calibrate(model, layout_scheme, sequences, scale_dtype, layout.head_bits,
+                         record=dict(record), hessians=hessians, threads=threads)
+
     def quantize_and_measure(layout: Candidate) -> PrecomputedQuantization:
-        layout_scheme = QuantScheme(scheme.bits, layout.block_size, scheme.symmetric, scheme.embeddings)
-        quantization = calibrate(model, layout_scheme, sequences, scale_dtype, layout.head_bits,
-                                 record=dict(record), hessians=hessians, threads=threads)
+        quantization = quantize(layout)
         layout.loss = _loss(model.config.family, reference,
                             _outputs(fake_quantize(model, quantization, scale_dtype), loss_sequences))
         log.info("max_loss: %s loses %.3f%%", layout.name, 100 * layout.loss)
         return quantization
 
-    chosen_layout, chosen = pick(layouts, quantize_and_measure, max_loss, scheme.name)
+    def promote(layout: Candidate, base: PrecomputedQuantization) -> tuple[Candidate, PrecomputedQuantization] | None:
+        """``layout`` (over the budget) with its most sensitive layers at PROMOTED_BITS, as few as
+        keep the loss within it and timed, or None when all of them do not."""
+        high = quantize(layout, PROMOTED_BITS)  # every matrix at PROMOTED_BITS, the same blocks
+        swaps = LayerSwaps(fake_quantize(model, base, scale_dtype), quantized_weights(model, high, scale_dtype))
+
+        def loss_of(layers: tuple[str, ...], count: int = len(loss_sequences)) -> float:
+            """The loss with ``layers`` promoted, on the first ``count`` loss sequences."""
+            with swaps(layers) as module:
+                loss = _loss(model.config.family, reference[:count], _outputs(module, loss_sequences[:count]))
+            log.info("max_loss: %s with %s int%d loses %.3f%%%s", layout.name,
+                     layers[0] if len(layers) == 1 else f"{len(layers)} layers", PROMOTED_BITS, 100 * loss,
+                     "" if count == len(loss_sequences) else f" (first {count} sequences)")
+            return loss
+
+        lengths = np.cumsum([len(ids) for ids in loss_sequences])  # rank layers on a shorter text
+        ranked = max(1, int(np.searchsorted(lengths, SENSITIVITY_TOKENS, side="right")))
+        found = promote_layers(swaps.layers, loss_of, max_loss, lambda layer: loss_of((layer,), ranked))
+        if found is None:
+            return None
+        layers, loss = found
+        mixed = mix(model, base, high, layers)
+        candidate = dataclasses.replace(layout, promoted=layers, loss=loss)
+        candidate.per_s = _speed(model, mixed, None, target)
+        log.info("max_loss: %s decodes %.1f/s", candidate.name, candidate.per_s)
+        return candidate, mixed
+
+    chosen_layout, chosen = pick(layouts, quantize_and_measure, max_loss, scheme.name,
+                                 promote if scheme.bits < PROMOTED_BITS else None)
     chosen.record["budget"] = {"max_loss": max_loss, "loss": float(f"{chosen_layout.loss:.4g}"),
                                "metric": "perplexity increase" if model.config.family == "decoder"
                                else "1 - minimum cosine", "text": loss_source.to_dict()["text"],
@@ -134,15 +173,124 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
     return chosen
 
 
-def pick(layouts: list[Candidate], quantize: Callable[[Candidate], Any], max_loss: float, name: str) -> tuple:
+def pick(layouts: list[Candidate], quantize: Callable[[Candidate], Any], max_loss: float, name: str,
+         promote: Callable[[Candidate, Any], tuple[Candidate, Any] | None] | None = None) -> tuple:
     """(layout, its quantisation): fastest first, ``quantize(layout)`` sets ``layout.loss``; the
-    first within ``max_loss`` wins. Raises ``ValueError`` listing every measured loss if none is."""
+    first within ``max_loss`` wins, unless a faster layout over the budget, ``promote``d (its
+    sensitive layers at more bits: a new, timed candidate appended to ``layouts``), is within it
+    and faster still. Raises ``ValueError`` listing every measured loss if none is."""
+    promoted = []  # (candidate, quantisation) within the budget
     for layout in sorted(layouts, key=lambda c: -c.per_s):
+        if promoted and promoted[0][0].per_s >= layout.per_s:
+            break
         quantization = quantize(layout)
         if layout.loss <= max_loss:
-            return layout, quantization
+            promoted.append((layout, quantization))
+            break
+        mixed = promote(layout, quantization) if promote is not None else None
+        if mixed is not None:
+            layouts.append(mixed[0])
+            promoted.append(mixed)
+            promoted.sort(key=lambda pair: -pair[0].per_s)
+    if promoted:
+        return max(promoted, key=lambda pair: pair[0].per_s)
     raise ValueError(f"max_loss={max_loss:.3%}: no {name} layout stays within it on this model; measured: "
                      + "; ".join(f"{c.name}: {c.loss:.3%}" for c in layouts))
+
+
+def layer_of(matrix: str) -> str | None:
+    """The decoder or encoder layer a weight matrix belongs to ("decoder.layers.3" for
+    "decoder.layers.3.attn.q.weight"), None outside the layers (the head, the tables)."""
+    parts = matrix.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i] == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[:i + 2])
+    return None
+
+
+def in_order(layers) -> tuple[str, ...]:
+    """Layer names in model order ("decoder.layers.2" before "decoder.layers.12")."""
+    return tuple(sorted(layers, key=lambda name: [int(p) if p.isdigit() else p for p in name.split(".")]))
+
+
+def mix(model: nn.Module, base: PrecomputedQuantization, high: PrecomputedQuantization,
+        layers: tuple[str, ...]) -> PrecomputedQuantization:
+    """``base`` with the matrices of ``layers`` taken from ``high`` (the same GPTQ, so the codes
+    ``calibrate(promoted=layers)`` gives, without quantising again), recorded as promoted."""
+    raised = {np.ascontiguousarray(m.weight.detach().float().cpu().numpy()).tobytes()
+              for path, m in model.named_modules()
+              if isinstance(m, nn.Linear) and layer_of(f"{path}.weight") in layers}
+    index = RowIndex()
+    for matrix, keys in zip(base.index.matrices, base.index.keys):
+        values = np.stack([np.frombuffer(key, dtype=np.float32) for key in keys])
+        if values.tobytes() in raised:
+            matrix = high.index.find(values)
+        index.add(values, matrix)
+    record = {**base.record, "promoted": list(in_order(layers))}
+    mixed = PrecomputedQuantization(base.scheme, index, base.scale_dtype, record)
+    mixed.record["sha256"] = fingerprint(index)
+    return mixed
+
+
+class LayerSwaps:
+    """One dequantised copy of a model (``module``) whose layers' weights can be swapped for
+    other values (``high``: parameter name -> [out, in], as ``quantized_weights`` gives) and
+    back: a mixture's loss without a copy of the model per mixture."""
+
+    def __init__(self, module: nn.Module, high: dict[str, np.ndarray]):
+        self.module = module
+        self.high = {name: value for name, value in high.items() if layer_of(name) is not None}
+        self.layers = in_order({layer_of(name) for name in self.high})
+
+    @contextlib.contextmanager
+    def __call__(self, layers: tuple[str, ...]):
+        names = [name for name in self.high if layer_of(name) in layers]
+        kept = {}
+        with torch.no_grad():
+            try:
+                for name in names:
+                    parameter = self.module.get_parameter(name)
+                    kept[name] = parameter.detach().clone()
+                    parameter.copy_(torch.from_numpy(self.high[name]).to(parameter.dtype))
+                yield self.module
+            finally:
+                for name, value in kept.items():
+                    self.module.get_parameter(name).copy_(value)
+
+
+def promote_layers(layers: tuple[str, ...], loss_of: Callable[[tuple[str, ...]], float],
+                   max_loss: float, alone: Callable[[str], float] | None = None
+                   ) -> tuple[tuple[str, ...], float] | None:
+    """(the fewest ``layers`` whose promotion brings the loss (``loss_of``) within ``max_loss``,
+    that loss), most sensitive first: a layer's sensitivity is the loss with it alone promoted
+    (``alone``, default ``loss_of``; on a shorter text it ranks the same for less); then 1, 2,
+    4, ... of them are tried and the last interval bisected. None if promoting every layer is
+    not enough."""
+    if not layers:
+        return None
+    alone = alone or (lambda layer: loss_of((layer,)))
+    sensitivity = {layer: alone(layer) for layer in layers}
+    order = sorted(layers, key=lambda name: sensitivity[name])  # the lowest loss alone: the most sensitive
+
+    def within(count: int) -> float | None:
+        loss = loss_of(tuple(order[:count]))
+        return loss if loss <= max_loss else None
+
+    low, count = 0, 1  # low layers fail; count is the next try
+    loss = within(count)
+    while loss is None:
+        if count == len(order):
+            return None
+        low, count = count, min(2 * count, len(order))
+        loss = within(count)
+    while count - low > 1:  # count layers pass, low fail
+        middle = (low + count) // 2
+        better = within(middle)
+        if better is not None:
+            loss, count = better, middle
+        else:
+            low = middle
+    return in_order(order[:count]), loss
 
 
 @torch.no_grad()
@@ -172,8 +320,10 @@ def _loss(family: str, reference: list[torch.Tensor], quantized: list[torch.Tens
     return 1.0 - min(cosines)
 
 
-def _speed(model: nn.Module, scheme: QuantScheme, head_bits: int | None, target) -> float:
-    """Decode tokens/s (encoders: sentences/s) of a round-to-nearest export of this layout."""
+def _speed(model: nn.Module, scheme: QuantScheme | PrecomputedQuantization, head_bits: int | None,
+           target) -> float:
+    """Decode tokens/s (encoders: sentences/s) of a round-to-nearest export of this layout (or of
+    the precomputed quantisation of a mixed one: the codes do not change the speed)."""
     from tfport.runtime import load_model
 
     from .exporter import export_model

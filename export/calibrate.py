@@ -33,6 +33,7 @@ from .row_index import RowIndex
 log = logging.getLogger(__name__)
 
 HEAD_BITS = (4, 8)
+PROMOTED_BITS = 8  # the bits of the matrices of a promoted (sensitive) layer: --max-loss
 HESSIAN_BUDGET = 2 * 2**30  # bytes of Hessians held at once (float64; see hessian_groups)
 WORK_BUDGET = 2 * 2**30  # bytes of GPTQ working memory (gptq.gptq_bytes) in flight across threads
 
@@ -69,7 +70,8 @@ class PrecomputedQuantization:
 def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray] | None,
               scale_dtype: str = "float32", head_bits: int | None = None, damp: float = DAMP,
               progress: bool = False, record: dict | None = None,
-              hessians: dict | None = None, threads: int | None = None) -> PrecomputedQuantization:
+              hessians: dict | None = None, threads: int | None = None,
+              promoted: tuple[str, ...] = ()) -> PrecomputedQuantization:
     """Quantise every weight matrix of ``model`` with ``scheme``'s block layout: GPTQ on each
     ``nn.Linear`` with the Hessian of its inputs on ``sequences`` (token id arrays [S]; None:
     round-to-nearest everywhere), the token tables (when ``scheme.embeddings``) with
@@ -77,7 +79,9 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     ``record`` is added to the manifest's quantisation entry. ``hessians`` (``collect_hessians``'
     result) replaces ``sequences`` when several layouts are calibrated on the same text.
     ``threads`` matrices are quantised at once (None: ``resolve_threads``), each on one thread,
-    with at most ``WORK_BUDGET`` bytes of working memory in flight: the codes do not depend on it."""
+    with at most ``WORK_BUDGET`` bytes of working memory in flight: the codes do not depend on it.
+    ``promoted`` names modules (decoder layers, ``budget.layer_of``) whose matrices are quantised
+    at ``PROMOTED_BITS`` with the scheme's blocks, recorded as ``promoted``."""
     if head_bits is not None and head_bits not in HEAD_BITS:
         raise ValueError(f"head_bits={head_bits!r}: expected None or one of {list(HEAD_BITS)}")
     threads = resolve_threads(threads)
@@ -90,6 +94,11 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                          "apart from the other products (a tied head whose table stays float)")
     matrices = {f"{path}.weight": m.weight for path, m in model.named_modules() if isinstance(m, nn.Linear)}
     matrices.update({path: p for path, p in zip(token_table_paths(model), tables) if scheme.embeddings})
+    modules = dict(model.named_modules())
+    for name in promoted:
+        if name not in modules or not any(key.startswith(name + ".") for key in matrices):
+            raise ValueError(f"promoted={name!r}: not a module of this model with weight matrices")
+    raised = {key for key in matrices for name in promoted if key.startswith(name + ".")}
     index, done = RowIndex(), set(skipped)
     groups = [list(matrices)] if hessians is not None or not sequences else hessian_groups(model, list(matrices))
     torch_threads = torch.get_num_threads()  # set to 1 by the workers, and global: restored after
@@ -109,6 +118,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                         continue
                     done.add(id(weight))
                     bits = head_bits if head_bits is not None and id(weight) in heads else scheme.bits
+                    bits = PROMOTED_BITS if name in raised else bits
                     jobs.append((weight.detach().float().cpu().numpy(), group_hessians.get(name), bits))
                 quantized = _run_bounded(pool, [
                     (_work_bytes(rows, row_hessians), _quantise_matrix,
@@ -122,6 +132,8 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     record = dict(record or {})
     if head_bits is not None:
         record["head_bits"] = head_bits
+    if promoted:
+        record["promoted"] = list(promoted)
     return PrecomputedQuantization(scheme, index, scale_dtype, record)
 
 
@@ -238,11 +250,13 @@ def resolve_calibration(scheme, calibration: str | Calibration | None, tokenizer
 
 def calibrated_scheme(model: nn.Module, scheme, calibration: str | Calibration | None, tokenizer,
                       scale_dtype: str = "float32", head_bits: int | None = None,
-                      progress: bool | None = None, threads: int | None = None) -> PrecomputedQuantization:
+                      progress: bool | None = None, threads: int | None = None,
+                      promoted: tuple[str, ...] = ()) -> PrecomputedQuantization:
     """``export_model``'s ``calibration`` and ``head_bits``: ``scheme`` (a ``QuantScheme``)
     calibrated with GPTQ on ``calibration`` ("builtin", a text file's path or a ``Calibration``;
     None: round-to-nearest) read with ``tokenizer`` (a tokenizer.json path), the LM head and
-    token table at ``head_bits``, ``threads`` matrices at once (``calibrate``)."""
+    token table at ``head_bits``, the ``promoted`` modules' matrices at ``PROMOTED_BITS``,
+    ``threads`` matrices at once (``calibrate``)."""
     if scheme is None or not isinstance(scheme, QuantScheme):
         option = f"calibration={calibration!r}" if calibration is not None else f"head_bits={head_bits!r}"
         got = "no quantisation" if scheme is None else f"quantize={scheme.name!r}"
@@ -268,7 +282,7 @@ def calibrated_scheme(model: nn.Module, scheme, calibration: str | Calibration |
                  calibration.text, len(sequences))
         record = {"method": "gptq", "damp": DAMP, "calibration": calibration.to_dict()}
     quantization = calibrate(model, scheme, sequences, scale_dtype, head_bits, progress=progress, record=record,
-                             threads=threads)
+                             threads=threads, promoted=tuple(promoted))
     quantization.record["sha256"] = fingerprint(quantization.index)
     return quantization
 
@@ -291,7 +305,8 @@ def recorded_scheme(quantization: dict, model: nn.Module, tokenizer, scale_dtype
         if calibration.to_dict()["sha256"] != recorded["sha256"]:
             raise ValueError(f"calibration text {calibration.text!r}: its sha256 differs from the one "
                              f"the export was calibrated with ({recorded['text']!r})")
-    result = calibrated_scheme(model, scheme, calibration, tokenizer, scale_dtype, quantization.get("head_bits"))
+    result = calibrated_scheme(model, scheme, calibration, tokenizer, scale_dtype, quantization.get("head_bits"),
+                               promoted=tuple(quantization.get("promoted", ())))
     if result.record["sha256"] != quantization.get("sha256"):
         raise ValueError("recomputing the calibrated quantisation gave other codes than the export's "
                          "(sha256 differs): a different reference module, tokenizer or PyTorch build")

@@ -51,6 +51,8 @@ def describe_quantization(quantization: dict) -> str:
         return text
     method = "GPTQ" if quantization.get("method") == "gptq" else "round-to-nearest"
     head = f", head int{quantization['head_bits']}" if "head_bits" in quantization else ""
+    if quantization.get("promoted"):
+        head += f", {len(quantization['promoted'])} layers int8"
     symmetric = "symmetric" if quantization["symmetric"] else "with zero points"
     text = f"{quantization['format']} in blocks of {quantization['block_size']}, {symmetric} ({method}{head})"
     budget = quantization.get("budget")
@@ -106,10 +108,11 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                    help="bits of the LM head and token table (mixed precision: 8 keeps them int8 while "
                         "the other products are int4; default: as --quantize)")
     p.add_argument("--max-loss", metavar="LOSS",
-                   help="choose the fastest --quantize layout (block size, head at 8 bits) whose loss "
-                        "stays within LOSS (e.g. 10%%: perplexity increase of a decoder, 1 - minimum "
-                        "cosine of an encoder), measuring each candidate's speed and loss here; "
-                        "--block-size / --head-bits fix those fields")
+                   help="choose the fastest --quantize layout (block size, head at 8 bits, int4 with "
+                        "its most sensitive layers at int8) whose loss stays within LOSS (e.g. 10%%: "
+                        "perplexity increase of a decoder, 1 - minimum cosine of an encoder), "
+                        "measuring each candidate's speed and loss here; --block-size / --head-bits "
+                        "fix those fields")
     p.add_argument("--loss-text", metavar="FILE",
                    help="text the --max-loss loss is measured on (default: the calibration text)")
     p.add_argument("--logits", choices=LOGITS, default="all",

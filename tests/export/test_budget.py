@@ -8,6 +8,7 @@ module's on the same text, computed here with numpy.
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import numpy as np
@@ -222,3 +223,112 @@ def test_max_loss_quantises_with_the_calibration_threads_asked(decoder, tmp_path
     export_model(model, tmp_path / "q", ExportOptions(quantize="int4", tokenizer=tokenizer, max_loss=1e9,
                                                       calibration_threads=1, validate=False))
     assert seen == [1]  # one layout measured (every layout meets the budget), on one thread
+
+
+def test_pick_promotes_a_faster_layout_when_that_is_faster_than_the_next():
+    """A layout over the budget gets its sensitive layers promoted (``promote``: a timed mixed
+    candidate); the fastest candidate within the budget wins, measured in speed order."""
+    def run(mixed_speed):
+        layouts = [Candidate(128, None, per_s=100), Candidate(64, None, per_s=90), Candidate(32, None, per_s=80)]
+        losses = {128: 0.30, 64: 0.20, 32: 0.05}
+        measured, promoted = [], []
+
+        def quantize(layout):
+            measured.append(layout.block_size)
+            layout.loss = losses[layout.block_size]
+            return f"codes {layout.block_size}"
+
+        def promote(layout, codes):
+            promoted.append(layout.block_size)
+            if layout.block_size != 128:
+                return None
+            return Candidate(128, None, per_s=mixed_speed, loss=0.08, promoted=("decoder.layers.0",)), "mixed"
+
+        chosen, codes = pick(layouts, quantize, 0.10, "int4", promote)
+        return chosen, codes, measured, promoted
+
+    chosen, codes, measured, promoted = run(95)  # faster than blocks of 64: nothing else measured
+    assert (chosen.promoted, codes, measured, promoted) == (("decoder.layers.0",), "mixed", [128], [128])
+    assert chosen.name == "blocks of 128, 1 layers int8"
+    chosen, codes, measured, promoted = run(85)  # blocks of 64 might be faster: it is measured, fails
+    assert (codes, measured, promoted) == ("mixed", [128, 64], [128, 64])
+    chosen, codes, measured, promoted = run(75)  # blocks of 32 is within the budget and faster
+    assert (chosen.block_size, chosen.promoted, codes, measured) == (32, (), "codes 32", [128, 64, 32])
+
+
+@torch.no_grad()
+def sampled(model, count: int) -> np.ndarray:
+    """``count`` token ids sampled from ``model`` (seeded), from one start token: on its own
+    samples a quantised copy loses the KL divergence from the float model in log-perplexity."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.tensor([[5]])
+    while ids.shape[1] < count:
+        logits, _ = model(ids, torch.ones_like(ids))
+        probs = torch.softmax(logits[0, -1, 4:], dim=-1)  # no special ids: the text round-trips
+        ids = torch.cat([ids, 4 + torch.multinomial(probs, 1, generator=generator)[None]], dim=1)
+    return ids[0].numpy().astype(np.int64)
+
+
+def test_max_loss_promotes_the_sensitive_layers_of_a_layout_over_the_budget(decoder, tmp_path):
+    """One layout (blocks of 32, head int4) over a budget that every layer at int8 meets: the
+    fewest layers, most sensitive first, are promoted; the export's products of those layers
+    are 8-bit, the recorded loss is the exported graph's (computed here from its logits), and
+    tfport parity's recomputation gives the same codes."""
+    import onnx
+    from tokenizers import Tokenizer
+
+    from tfport.export import budget
+    from tfport.export.calibrate import calibrate
+
+    model, tokenizer = decoder
+    model = copy.deepcopy(model)
+    with torch.no_grad():  # softer logits (std ~2.7, not ~9): the quantised copies disagree with it
+        model.get_parameter("decoder.norm.weight").mul_(0.3)
+    scheme = budget.QuantScheme(4, 32, True)
+    base, high = calibrate(model, scheme, None, head_bits=4), calibrate(model, budget.QuantScheme(8, 32, True), None, head_bits=4)
+    layers = sorted({budget.layer_of(n) for n, _ in model.named_parameters()} - {None})
+    assert layers == [f"decoder.layers.{i}" for i in range(model.config.n_decoder_layers)]
+    ids = sampled(model, 256)  # a text the float model finds likely: quantising it costs perplexity
+    windows = [ids]
+
+    def increase(logits_of) -> float:
+        nll = [np.log(perplexity(logits_of(w), w)) * (len(w) - 1) for w in windows]
+        reference = [np.log(perplexity(reference_logits(model, w), w)) * (len(w) - 1) for w in windows]
+        return float(np.exp((sum(nll) - sum(reference)) / sum(len(w) - 1 for w in windows)) - 1)
+
+    def module_loss(quantization) -> float:
+        return increase(lambda w: reference_logits(fake_quantize(model, quantization), w))
+
+    everything = module_loss(budget.mix(model, base, high, tuple(layers)))
+    none = module_loss(base)
+    assert everything < none
+    max_loss = (everything + none) / 2
+    loss_text = tmp_path / "loss.txt"
+    loss_text.write_text(Tokenizer.from_file(str(tokenizer)).decode(ids.tolist()))
+    manifest = export_model(model, tmp_path / "q", ExportOptions(
+        quantize="int4", tokenizer=tokenizer, max_loss=max_loss, loss_text=loss_text, calibration="none",
+        block_size=32, head_bits=4, target="ort", validate=False))
+    quantization = manifest.quantization
+    promoted = quantization["promoted"]
+    assert 0 < len(promoted) <= len(layers) and set(promoted) <= set(layers)
+    budget_record = quantization["budget"]
+    assert budget_record["loss"] <= max_loss
+    assert [c["promoted"] for c in budget_record["candidates"] if "promoted" in c] == [promoted]
+    # the recorded loss is the dequantised module's; its codes recomputed as tfport parity does
+    recomputed = recorded_scheme(quantization, model, tokenizer, "float32")
+    assert module_loss(recomputed) == pytest.approx(budget_record["loss"], rel=1e-3)
+    # the fewest layers: the same layers but the last one, measured here, are over the budget
+    order = sorted(layers, key=lambda layer: module_loss(budget.mix(model, base, high, (layer,))))
+    assert list(budget.in_order(order[:len(promoted)])) == promoted
+    assert module_loss(budget.mix(model, base, high, tuple(order[:len(promoted) - 1]))) > max_loss
+    # the graph: the promoted layers' products are 8-bit, the others 4-bit
+    graph = onnx.load(str(tmp_path / "q" / "decoder.onnx"), load_external_data=False)
+    bits = {node.name: next(a.i for a in node.attribute if a.name == "bits")
+            for node in graph.graph.node if node.op_type == "MatMulNBits"}
+    for name, value in bits.items():
+        layer = budget.layer_of(name + ".weight")
+        assert value == (8 if layer in promoted else 4), (name, value)
+    assert set(bits.values()) == {4, 8}  # here: one layer of two promoted
+    with pytest.raises(ValueError, match="promoted='decoder.nope': not a module of this model"):
+        calibrate(model, scheme, None, promoted=("decoder.nope",))
+    assert increase(lambda w: export_logits(tmp_path / "q", w)) == pytest.approx(budget_record["loss"], abs=0.02)
