@@ -135,12 +135,16 @@ class DraftModel:
 class DraftModelRows:
     """The draft's rows follow the target's: before proposing, each row's draft cache is cut to
     the longest prefix it shares with the row's context and fed the rest; then all rows draft
-    together, one batched step per proposed token."""
+    together, one batched step per proposed token. A new row starts from the longest prefix of
+    its context in the draft model's ``prefix_cache`` (``Model.prefix_cache``; None: off)."""
 
     def __init__(self, model: DecoderModel, capacity: int, max_length: int):
         config = model.config
+        # The draft model's own prefix cache (None: off): a conversation resent every turn is
+        # not prefilled again by the draft, as it is not by the target.
         self.batch = model.decoding.rows(model.runner("decoder", "speculative"), capacity,
-                                         min(max_length, config.max_positions), config.fill_token_id)
+                                         min(max_length, config.max_positions), config.fill_token_id,
+                                         prefix=getattr(model, "prefix_cache", None))
         self.rows: dict[Hashable, object] = {}
         self.fed: dict[Hashable, list[int]] = {}  # key -> the tokens in its draft cache
         self.seconds: collections.deque[float] = collections.deque(maxlen=DRAFT_TIMES)

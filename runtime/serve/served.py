@@ -72,6 +72,7 @@ class ServedModel(RequestLimits):
                 raise ValueError(f"speculative={drafter!r}: expected 'lookup' or the directory of a "
                                  "draft decoder export")
             drafter = Model.load(drafter, settings=self.model.settings)
+            drafter.prefix_cache = PrefixCache.from_mb(self.options.prefix_cache_mb)  # the target's budget
         return Speculation(drafter, self.options.draft_tokens, exact=not self.options.speculative_inexact)
 
     @functools.cached_property

@@ -384,3 +384,23 @@ def test_a_target_and_its_draft_share_one_thread_pool(models, tmp_path):
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
     with pytest.raises(ValueError, match="shared_threads='yes'"):
         load_model(draft.directory, shared_threads="yes")
+
+
+def test_a_draft_model_starts_new_rows_from_its_own_prefix_cache(models, tmp_path):
+    """The draft model's ``prefix_cache`` serves its rows: a second request resending the first
+    one's prompt and reply (a chat's next turn) is not prefilled again by the draft, and both get
+    the target's solo greedy tokens."""
+    from tfport.runtime.decoding.prefix import PrefixCache
+
+    target = models[("ort", "tiny-decoder")]
+    draft = _export(tmp_path, "draft-ort", "tiny-decoder", "ort", seed=9)
+    draft.prefix_cache = PrefixCache(2**24, block_size=4)
+    first = prompts(target.config.vocab_size)[0]
+    reply = target.generate([first], max_new_tokens=10, stop_token_ids=())[0].tolist()
+    second = first + reply + [7, 8, 9]
+    for prompt in (first, second):
+        solo = target.generate([prompt], max_new_tokens=10, stop_token_ids=())
+        np.testing.assert_array_equal(target.generate([prompt], max_new_tokens=10, stop_token_ids=(),
+                                                      speculative=Speculation(draft, 3, adaptive=False)), solo)
+    cache = draft.prefix_cache
+    assert cache.hit_tokens >= len(first) - 4 and len(cache) > 0, (cache.hit_tokens, cache.miss_tokens)
