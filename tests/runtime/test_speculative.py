@@ -310,8 +310,7 @@ def test_a_row_that_stopped_speculating_probes_again():
     PROBE_AFTER plain steps, each failed probe doubling the wait; a probe whose tokens were
     accepted brings speculation back."""
     policy = KPolicy(8, lambda size: 1.0 + 0.05 * (size - 1))
-    policy.draft_cost = 0.4
-    policy.alpha["row"] = 0.2  # speculation does not pay at this acceptance
+    policy.alpha["row"] = 0.02  # speculation does not pay at this acceptance, with prompt lookup
     ks = [policy.k("row") for _ in range(KPolicy.PROBE_AFTER * 7)]
     probes = [i for i, k in enumerate(ks) if k]
     assert all(ks[i] == KPolicy.PROBE_TOKENS for i in probes)
@@ -322,6 +321,8 @@ def test_a_row_that_stopped_speculating_probes_again():
     assert policy.k("row") > 0
     policy.forget("row")
     assert "row" not in policy.alpha and "row" not in policy.waits
+    policy.alpha["row"], policy.draft_cost = 0.05, 0.4  # a draft model: no probes (feeding it costs)
+    assert not any(policy.k("row") for _ in range(KPolicy.PROBE_MAX * 2))
 
 
 def test_the_draft_cost_is_a_median_not_swayed_by_one_slow_forward():
