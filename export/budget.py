@@ -76,7 +76,8 @@ class Candidate:
     @property
     def name(self) -> str:
         return (f"blocks of {self.block_size}" + (f", head int{self.head_bits}" if self.head_bits else "")
-                + (f", {len(self.promoted)} layers int{PROMOTED_BITS}" if self.promoted else ""))
+                + (f", {len(self.promoted)} layer{'s' * (len(self.promoted) > 1)} int{PROMOTED_BITS}"
+                   if self.promoted else ""))
 
     def to_dict(self) -> dict:
         out = {"block_size": self.block_size, "head_bits": self.head_bits, "per_s": round(self.per_s, 2),
@@ -157,7 +158,7 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
         if found is None:
             return None
         layers, loss = found
-        mixed = mix(model, base, high, layers)
+        mixed = mix(base, high, layers)
         candidate = dataclasses.replace(layout, promoted=layers, loss=loss)
         candidate.per_s = _speed(model, mixed, None, target)
         log.info("max_loss: %s decodes %.1f/s", candidate.name, candidate.per_s)
@@ -213,19 +214,20 @@ def in_order(layers) -> tuple[str, ...]:
     return tuple(sorted(layers, key=lambda name: [int(p) if p.isdigit() else p for p in name.split(".")]))
 
 
-def mix(model: nn.Module, base: PrecomputedQuantization, high: PrecomputedQuantization,
+def mix(base: PrecomputedQuantization, high: PrecomputedQuantization,
         layers: tuple[str, ...]) -> PrecomputedQuantization:
-    """``base`` with the matrices of ``layers`` taken from ``high`` (the same GPTQ, so the codes
-    ``calibrate(promoted=layers)`` gives, without quantising again), recorded as promoted."""
-    raised = {np.ascontiguousarray(m.weight.detach().float().cpu().numpy()).tobytes()
-              for path, m in model.named_modules()
-              if isinstance(m, nn.Linear) and layer_of(f"{path}.weight") in layers}
+    """``base`` with the matrices of ``layers`` taken from ``high`` (``calibrate`` on the same
+    module: matched by position, the same GPTQ, so the codes ``calibrate(promoted=layers)``
+    gives, without quantising again), recorded as promoted."""
+    if high.names != base.names or len(base.names) != len(base.index.matrices):
+        raise ValueError("mix: the two quantisations must come from calibrate on the same module")
+    unknown = set(layers) - {layer_of(name) for name in base.names}
+    if unknown:
+        raise ValueError(f"layers={sorted(unknown)!r}: not layers with weight matrices in this model")
     index = RowIndex()
-    for matrix, keys in zip(base.index.matrices, base.index.keys):
+    for name, low, high_matrix, keys in zip(base.names, base.index.matrices, high.index.matrices, base.index.keys):
         values = np.stack([np.frombuffer(key, dtype=np.float32) for key in keys])
-        if values.tobytes() in raised:
-            matrix = high.index.find(values)
-        index.add(values, matrix)
+        index.add(values, high_matrix if layer_of(name) in layers else low)
     record = {**base.record, "promoted": list(in_order(layers))}
     mixed = PrecomputedQuantization(base.scheme, index, base.scale_dtype, record)
     mixed.record["sha256"] = fingerprint(index)

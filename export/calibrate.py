@@ -48,6 +48,7 @@ class PrecomputedQuantization:
         self.embeddings = scheme.embeddings
         self.name = scheme.name
         self.found = self.requantized = 0
+        self.names: list[str] = []  # the parameter name of each of index.matrices (``calibrate``)
 
     def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> BlockQuantized:
         """The precomputed blocks of ``rows`` [N, K]; rows the module did not have (none, in an
@@ -80,7 +81,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     result) replaces ``sequences`` when several layouts are calibrated on the same text.
     ``threads`` matrices are quantised at once (None: ``resolve_threads``), each on one thread,
     with at most ``WORK_BUDGET`` bytes of working memory in flight: the codes do not depend on it.
-    ``promoted`` names modules (decoder layers, ``budget.layer_of``) whose matrices are quantised
+    ``promoted`` names modules (decoder or encoder layers, ``budget.layer_of``) whose matrices are quantised
     at ``PROMOTED_BITS`` with the scheme's blocks, recorded as ``promoted``."""
     if head_bits is not None and head_bits not in HEAD_BITS:
         raise ValueError(f"head_bits={head_bits!r}: expected None or one of {list(HEAD_BITS)}")
@@ -99,7 +100,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
         if name not in modules or not any(key.startswith(name + ".") for key in matrices):
             raise ValueError(f"promoted={name!r}: not a module of this model with weight matrices")
     raised = {key for key in matrices for name in promoted if key.startswith(name + ".")}
-    index, done = RowIndex(), set(skipped)
+    index, done, added = RowIndex(), set(skipped), []
     groups = [list(matrices)] if hessians is not None or not sequences else hessian_groups(model, list(matrices))
     torch_threads = torch.get_num_threads()  # set to 1 by the workers, and global: restored after
     try:
@@ -110,7 +111,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                 group_hessians = hessians
                 if group_hessians is None:  # one forward pass per group of layers: bounded memory
                     group_hessians = collect_hessians(model, sequences, progress, set(group)) if sequences else {}
-                jobs = []  # (rows [N, K], their Hessians or None, bits)
+                jobs, names = [], []  # (rows [N, K], their Hessians or None, bits); their names
                 for name in group:
                     weight = matrices[name]
                     if id(weight) in done:  # a tied table is quantised once, with the head's Hessian
@@ -120,12 +121,14 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                     bits = head_bits if head_bits is not None and id(weight) in heads else scheme.bits
                     bits = PROMOTED_BITS if name in raised else bits
                     jobs.append((weight.detach().float().cpu().numpy(), group_hessians.get(name), bits))
+                    names.append(name)
                 quantized = _run_bounded(pool, [
                     (_work_bytes(rows, row_hessians), _quantise_matrix,
                      (rows, row_hessians, QuantScheme(bits, scheme.block_size, scheme.symmetric), scale_dtype, damp))
                     for rows, row_hessians, bits in jobs], bar.update)
-                for (rows, _, _), matrix in zip(jobs, quantized):
+                for (rows, _, _), matrix, name in zip(jobs, quantized, names):
                     index.add(rows, matrix)
+                    added.append(name)
                 del group_hessians, jobs
     finally:
         torch.set_num_threads(torch_threads)
@@ -134,7 +137,9 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
         record["head_bits"] = head_bits
     if promoted:
         record["promoted"] = list(promoted)
-    return PrecomputedQuantization(scheme, index, scale_dtype, record)
+    quantization = PrecomputedQuantization(scheme, index, scale_dtype, record)
+    quantization.names = added
+    return quantization
 
 
 def resolve_threads(threads: int | None) -> int:

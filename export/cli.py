@@ -7,7 +7,7 @@ import logging
 
 from tfport.contract import DTYPES, KV_DTYPES, LOGITS
 
-from .calibrate import HEAD_BITS
+from .calibrate import HEAD_BITS, PROMOTED_BITS
 from .hessians import AUTO, BUILTIN, DEFAULT_TOKENS, NONE, Calibration
 from .exporter import export_checkpoint_or_preset
 from .options import MAX_OPSET, MIN_OPSET, ExportOptions
@@ -52,7 +52,7 @@ def describe_quantization(quantization: dict) -> str:
     method = "GPTQ" if quantization.get("method") == "gptq" else "round-to-nearest"
     head = f", head int{quantization['head_bits']}" if "head_bits" in quantization else ""
     if quantization.get("promoted"):
-        head += f", {len(quantization['promoted'])} layers int8"
+        head += f", {len(quantization['promoted'])} layers int{PROMOTED_BITS}"
     symmetric = "symmetric" if quantization["symmetric"] else "with zero points"
     text = f"{quantization['format']} in blocks of {quantization['block_size']}, {symmetric} ({method}{head})"
     budget = quantization.get("budget")

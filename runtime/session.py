@@ -95,7 +95,9 @@ class SessionSettings:
             if not policy.allow_spinning:
                 logger.warning("TFPORT_SPIN=0 does not reach the shared pool: ONNX Runtime's "
                                "process-wide pool always spins")
-            share_pool(policy.intra_op_threads)
+            # A session that pinned no thread count joins the pool as it is.
+            share_pool(policy.intra_op_threads if self.intra_op_threads or shared_pool() is None
+                       else shared_pool())
             options.use_per_session_threads = False
         else:
             options.intra_op_num_threads = policy.intra_op_threads

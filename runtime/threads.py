@@ -81,6 +81,10 @@ def share_pool(threads: int) -> None:
     resized."""
     global _shared_threads
     if _shared_threads is None:
+        if not hasattr(ort, "set_global_thread_pool_sizes"):
+            raise ValueError(f"shared_threads=True: onnxruntime {ort.__version__} has no process-wide "
+                             "thread pool in Python (set_global_thread_pool_sizes); upgrade onnxruntime "
+                             "or open the sessions with a pool each")
         ort.set_global_thread_pool_sizes(threads, 1)
         _shared_threads = threads
     elif threads != _shared_threads:

@@ -140,8 +140,8 @@ class DraftModelRows:
 
     def __init__(self, model: DecoderModel, capacity: int, max_length: int):
         config = model.config
-        # The draft model's own prefix cache (None: off): a conversation resent every turn is
-        # not prefilled again by the draft, as it is not by the target.
+        # The draft model's own prefix cache (None: off): a conversation resent every turn (a
+        # served chat, whose target reuses its cache too) is not prefilled again by the draft.
         self.batch = model.decoding.rows(model.runner("decoder", "speculative"), capacity,
                                          min(max_length, config.max_positions), config.fill_token_id,
                                          prefix=getattr(model, "prefix_cache", None))

@@ -249,7 +249,7 @@ def test_pick_promotes_a_faster_layout_when_that_is_faster_than_the_next():
 
     chosen, codes, measured, promoted = run(95)  # faster than blocks of 64: nothing else measured
     assert (chosen.promoted, codes, measured, promoted) == (("decoder.layers.0",), "mixed", [128], [128])
-    assert chosen.name == "blocks of 128, 1 layers int8"
+    assert chosen.name == "blocks of 128, 1 layer int8"
     chosen, codes, measured, promoted = run(85)  # blocks of 64 might be faster: it is measured, fails
     assert (codes, measured, promoted) == ("mixed", [128, 64], [128, 64])
     chosen, codes, measured, promoted = run(75)  # blocks of 32 is within the budget and faster
@@ -299,7 +299,7 @@ def test_max_loss_promotes_the_sensitive_layers_of_a_layout_over_the_budget(deco
     def module_loss(quantization) -> float:
         return increase(lambda w: reference_logits(fake_quantize(model, quantization), w))
 
-    everything = module_loss(budget.mix(model, base, high, tuple(layers)))
+    everything = module_loss(budget.mix(base, high, tuple(layers)))
     none = module_loss(base)
     assert everything < none
     max_loss = (everything + none) / 2
@@ -318,9 +318,9 @@ def test_max_loss_promotes_the_sensitive_layers_of_a_layout_over_the_budget(deco
     recomputed = recorded_scheme(quantization, model, tokenizer, "float32")
     assert module_loss(recomputed) == pytest.approx(budget_record["loss"], rel=1e-3)
     # the fewest layers: the same layers but the last one, measured here, are over the budget
-    order = sorted(layers, key=lambda layer: module_loss(budget.mix(model, base, high, (layer,))))
+    order = sorted(layers, key=lambda layer: module_loss(budget.mix(base, high, (layer,))))
     assert list(budget.in_order(order[:len(promoted)])) == promoted
-    assert module_loss(budget.mix(model, base, high, tuple(order[:len(promoted) - 1]))) > max_loss
+    assert module_loss(budget.mix(base, high, tuple(order[:len(promoted) - 1]))) > max_loss
     # the graph: the promoted layers' products are 8-bit, the others 4-bit
     graph = onnx.load(str(tmp_path / "q" / "decoder.onnx"), load_external_data=False)
     bits = {node.name: next(a.i for a in node.attribute if a.name == "bits")
@@ -332,3 +332,23 @@ def test_max_loss_promotes_the_sensitive_layers_of_a_layout_over_the_budget(deco
     with pytest.raises(ValueError, match="promoted='decoder.nope': not a module of this model"):
         calibrate(model, scheme, None, promoted=("decoder.nope",))
     assert increase(lambda w: export_logits(tmp_path / "q", w)) == pytest.approx(budget_record["loss"], abs=0.02)
+
+
+def test_mixed_codes_are_calibrates_with_those_layers_promoted(decoder):
+    """``mix`` (GPTQ codes of two layouts assembled per layer) gives the codes ``calibrate``
+    gives with ``promoted``, which ``tfport parity`` recomputes: the same sha256."""
+    from tfport.export import budget
+    from tfport.export.calibrate import calibrate, fingerprint
+
+    model, tokenizer = decoder
+    sequences = [loss_ids(tokenizer, 256)]
+    hessians = activations.collect_hessians(model, sequences)
+    four, eight = budget.QuantScheme(4, 32, True), budget.QuantScheme(8, 32, True)
+    base = calibrate(model, four, sequences, head_bits=8, hessians=hessians)
+    high = calibrate(model, eight, sequences, head_bits=8, hessians=hessians)
+    layers = ("decoder.layers.1",)
+    direct = calibrate(model, four, sequences, head_bits=8, promoted=layers)
+    assert fingerprint(budget.mix(base, high, layers).index) == fingerprint(direct.index) != fingerprint(base.index)
+    assert direct.record["promoted"] == list(layers)
+    with pytest.raises(ValueError, match=r"layers=\['decoder.nope'\]: not layers with weight matrices"):
+        budget.mix(base, high, ("decoder.nope",))

@@ -332,7 +332,7 @@ def test_the_draft_cost_is_a_median_not_swayed_by_one_slow_forward():
     rows.seconds = collections.deque(maxlen=15)
     for pause in [0.2, 0.001, 0.001, 0.001, 0.001]:
         rows._timed(time.sleep, pause)
-    assert 0.001 <= rows.step_seconds < 0.1
+    assert 0.001 <= rows.step_seconds < 0.01  # an average led by the first would be ~0.05
 
 
 SHARED_POOL_SCRIPT = """
@@ -351,6 +351,8 @@ target = load_model(target_dir, intra_op_threads=2, shared_threads=True)
 before = threads()
 draft = load_model(draft_dir, intra_op_threads=2, shared_threads=True)
 later = load_model(draft_dir, intra_op_threads=2)  # after: on the shared pool too
+os.environ["TFPORT_THREADS"] = "1"
+unpinned = load_model(draft_dir)  # no thread count asked for: joins the pool as it is
 assert threads() == before, (before, threads())
 rows = [[int(t) for t in row.split()] for row in open(plain_file).read().split(",")[1:]]
 plain = np.array([[int(t) for t in row.split()] for row in open(plain_file).read().split(",")[0].split(";")])
@@ -372,7 +374,8 @@ print("ok")
 def test_a_target_and_its_draft_share_one_thread_pool(models, tmp_path):
     """``shared_threads``: a target and its draft run on ONNX Runtime's process-wide pool (a
     second shared model starts no thread), decode the tokens the target decodes alone, and a
-    session asking for another thread count afterwards is refused. In a child process: the
+    session asking for another thread count afterwards is refused (one that asked for none joins
+    it). In a child process: the
     pool is process-wide and every later session must run on it."""
     target, draft = models[("ort", "tiny-decoder")], models["draft"]
     rows = prompts(target.config.vocab_size)
