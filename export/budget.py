@@ -137,16 +137,23 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
         log.info("max_loss: %s loses %.3f%%", layout.name, 100 * layout.loss)
         return quantization
 
+    highs: dict[int, PrecomputedQuantization] = {}  # block size -> every matrix at PROMOTED_BITS
+    everything: dict[str, float] = {}  # layout name -> its loss with every layer promoted
+
     def promote(layout: Candidate, base: PrecomputedQuantization) -> tuple[Candidate, PrecomputedQuantization] | None:
         """``layout`` (over the budget) with its most sensitive layers at PROMOTED_BITS, as few as
         keep the loss within it and timed, or None when all of them do not."""
-        high = quantize(layout, PROMOTED_BITS)  # every matrix at PROMOTED_BITS, the same blocks
+        if layout.block_size not in highs:  # the layers' 8-bit codes do not depend on the head's bits
+            highs[layout.block_size] = quantize(layout, PROMOTED_BITS)
+        high = highs[layout.block_size]
         swaps = LayerSwaps(fake_quantize(model, base, scale_dtype), quantized_weights(model, high, scale_dtype))
 
         def loss_of(layers: tuple[str, ...], count: int = len(loss_sequences)) -> float:
             """The loss with ``layers`` promoted, on the first ``count`` loss sequences."""
             with swaps(layers) as module:
                 loss = _loss(model.config.family, reference[:count], _outputs(module, loss_sequences[:count]))
+            if len(layers) == len(swaps.layers) and count == len(loss_sequences):
+                everything[layout.name] = loss
             log.info("max_loss: %s with %s int%d loses %.3f%%%s", layout.name,
                      layers[0] if len(layers) == 1 else f"{len(layers)} layers", PROMOTED_BITS, 100 * loss,
                      "" if count == len(loss_sequences) else f" (first {count} sequences)")
@@ -164,8 +171,14 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
         log.info("max_loss: %s decodes %.1f/s", candidate.name, candidate.per_s)
         return candidate, mixed
 
-    chosen_layout, chosen = pick(layouts, quantize_and_measure, max_loss, scheme.name,
-                                 promote if scheme.bits < PROMOTED_BITS else None)
+    try:
+        chosen_layout, chosen = pick(layouts, quantize_and_measure, max_loss, scheme.name,
+                                     promote if scheme.bits < PROMOTED_BITS else None)
+    except ValueError as err:
+        if not everything:
+            raise
+        raise ValueError(f"{err}; with every layer int{PROMOTED_BITS}: "
+                         + "; ".join(f"{name}: {loss:.3%}" for name, loss in everything.items())) from None
     chosen.record["budget"] = {"max_loss": max_loss, "loss": float(f"{chosen_layout.loss:.4g}"),
                                "metric": "perplexity increase" if model.config.family == "decoder"
                                else "1 - minimum cosine", "text": loss_source.to_dict()["text"],
