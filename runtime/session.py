@@ -92,13 +92,14 @@ class SessionSettings:
         # intra_op_threads 0: one per usable CPU, spinning (threads.py)
         policy = thread_policy(self.intra_op_threads)
         if self.shared_threads or shared_pool() is not None:  # once made, every session uses it
-            if not policy.allow_spinning:
+            if not policy.allow_spinning and shared_pool() is None:  # said once, when it is made
                 logger.warning("TFPORT_SPIN=0 does not reach the shared pool: ONNX Runtime's "
                                "process-wide pool always spins")
             # A session that pinned no thread count joins the pool as it is.
             share_pool(policy.intra_op_threads if self.intra_op_threads or shared_pool() is None
                        else shared_pool())
             options.use_per_session_threads = False
+            logger.debug("session on the shared thread pool (%d threads)", shared_pool())
         else:
             options.intra_op_num_threads = policy.intra_op_threads
             for key, value in policy.config_entries().items():

@@ -281,6 +281,25 @@ def test_cli_speculative_prints_the_plain_tokens_and_a_summary(models, capsys):
         main(["generate", str(model.directory), "--ids", ids, "--draft-tokens", "0", "--speculative", "lookup"])
 
 
+def test_cli_with_a_draft_directory_shares_one_pool_and_prints_the_plain_tokens(models):
+    """``tfport generate --speculative DRAFT_DIR`` opens the target and the draft on one shared
+    pool (it says so at debug level) and prints plain decoding's tokens. In a child process: the
+    pool is process-wide."""
+    model, draft = models[("ort", "tiny-decoder")], models["draft"]
+    ids = ",".join(str(t) for t in prompts(model.config.vocab_size)[0])
+    common = ["generate", str(model.directory), "--ids", ids, "--max-new-tokens", "20", "--threads", "2"]
+
+    def run(*extra):
+        code = "import sys; from tfport.cli import main; sys.exit(main(sys.argv[1:]))"
+        return subprocess.run([sys.executable, "-c", code, "-v", *common, *extra], capture_output=True,
+                              text=True, timeout=300)
+
+    plain, drafted = run(), run("--speculative", str(draft.directory), "--draft-tokens", "3")
+    assert plain.returncode == 0 and drafted.returncode == 0, drafted.stderr[-3000:]
+    assert drafted.stdout == plain.stdout and "speculative:" in drafted.stderr
+    assert "on the shared thread pool" in drafted.stderr and "on the shared thread pool" not in plain.stderr
+
+
 @pytest.mark.parametrize("key", TARGETS[:1] + TARGETS[-1:], ids=lambda k: "-".join(k))
 def test_adaptive_k_keeps_the_plain_tokens(models, key):
     """K chosen from the measured costs and acceptance (so the proposals depend on timing):
