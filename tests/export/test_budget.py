@@ -162,7 +162,7 @@ def test_max_loss_for_an_encoder_measures_the_cosine(tmp_path):
     assert 1 - min(cosines) == pytest.approx(budget["loss"], abs=5e-4)  # the export's int8 activations add a little
     with pytest.raises(ValueError, match=r"no int4 layout stays within it on this model; measured: "
                                          r"blocks of 128: .*; blocks of 64: .*; blocks of 32: .*"
-                                         r"; with every layer int8: blocks of 128: \d"):
+                                         r"; with every layer int8: blocks of \d+[^:]*: \d"):  # speed order
         export_model(model, tmp_path / "n", ExportOptions(quantize="int4", tokenizer=tokenizer, max_loss=1e-12,
                                                           calibration="none"))
     assert not (tmp_path / "n").exists()
