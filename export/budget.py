@@ -193,21 +193,20 @@ def pick(layouts: list[Candidate], quantize: Callable[[Candidate], Any], max_los
     first within ``max_loss`` wins, unless a faster layout over the budget, ``promote``d (its
     sensitive layers at more bits: a new, timed candidate appended to ``layouts``), is within it
     and faster still. Raises ``ValueError`` listing every measured loss if none is."""
-    promoted = []  # (candidate, quantisation) within the budget
+    best = None  # (candidate, quantisation): the fastest within the budget so far
     for layout in sorted(layouts, key=lambda c: -c.per_s):
-        if promoted and promoted[0][0].per_s >= layout.per_s:
+        if best is not None and best[0].per_s >= layout.per_s:
             break
         quantization = quantize(layout)
-        if layout.loss <= max_loss:
-            promoted.append((layout, quantization))
-            break
+        if layout.loss <= max_loss:  # faster than best, or the loop would have stopped
+            return layout, quantization
         mixed = promote(layout, quantization) if promote is not None else None
         if mixed is not None:
             layouts.append(mixed[0])
-            promoted.append(mixed)
-            promoted.sort(key=lambda pair: -pair[0].per_s)
-    if promoted:
-        return max(promoted, key=lambda pair: pair[0].per_s)
+            if best is None or mixed[0].per_s > best[0].per_s:
+                best = mixed
+    if best is not None:
+        return best
     raise ValueError(f"max_loss={max_loss:.3%}: no {name} layout stays within it on this model; measured: "
                      + "; ".join(f"{c.name}: {c.loss:.3%}" for c in layouts))
 
@@ -242,7 +241,7 @@ def mix(base: PrecomputedQuantization, high: PrecomputedQuantization,
         values = np.stack([np.frombuffer(key, dtype=np.float32) for key in keys])
         index.add(values, high_matrix if layer_of(name) in layers else low)
     record = {**base.record, "promoted": list(in_order(layers))}
-    mixed = PrecomputedQuantization(base.scheme, index, base.scale_dtype, record)
+    mixed = PrecomputedQuantization(base.scheme, index, base.scale_dtype, record, base.names)
     mixed.record["sha256"] = fingerprint(index)
     return mixed
 

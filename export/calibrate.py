@@ -43,12 +43,13 @@ class PrecomputedQuantization:
     module doc): a drop-in for ``QuantScheme`` in the exporter and ``fake_quantize`` (``quantize``,
     ``embeddings``, ``name``, ``to_dict``). Built by ``calibrate``."""
 
-    def __init__(self, scheme: QuantScheme, index: RowIndex, scale_dtype: str, record: dict):
+    def __init__(self, scheme: QuantScheme, index: RowIndex, scale_dtype: str, record: dict,
+                 names: list[str]):
         self.scheme, self.index, self.scale_dtype, self.record = scheme, index, scale_dtype, record
+        self.names = names  # the parameter name of each of index.matrices
         self.embeddings = scheme.embeddings
         self.name = scheme.name
         self.found = self.requantized = 0
-        self.names: list[str] = []  # the parameter name of each of index.matrices (``calibrate``)
 
     def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> BlockQuantized:
         """The precomputed blocks of ``rows`` [N, K]; rows the module did not have (none, in an
@@ -95,9 +96,8 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                          "apart from the other products (a tied head whose table stays float)")
     matrices = {f"{path}.weight": m.weight for path, m in model.named_modules() if isinstance(m, nn.Linear)}
     matrices.update({path: p for path, p in zip(token_table_paths(model), tables) if scheme.embeddings})
-    modules = dict(model.named_modules())
     for name in promoted:
-        if name not in modules or not any(key.startswith(name + ".") for key in matrices):
+        if not any(key.startswith(name + ".") for key in matrices):
             raise ValueError(f"promoted={name!r}: not a module of this model with weight matrices")
     raised = {key for key in matrices for name in promoted if key.startswith(name + ".")}
     index, done, added = RowIndex(), set(skipped), []
@@ -137,9 +137,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
         record["head_bits"] = head_bits
     if promoted:
         record["promoted"] = list(promoted)
-    quantization = PrecomputedQuantization(scheme, index, scale_dtype, record)
-    quantization.names = added
-    return quantization
+    return PrecomputedQuantization(scheme, index, scale_dtype, record, added)
 
 
 def resolve_threads(threads: int | None) -> int:

@@ -92,12 +92,11 @@ class SessionSettings:
         # intra_op_threads 0: one per usable CPU, spinning (threads.py)
         policy = thread_policy(self.intra_op_threads)
         if self.shared_threads or shared_pool() is not None:  # once made, every session uses it
-            if not policy.allow_spinning and shared_pool() is None:  # said once, when it is made
+            if shared_pool() is None and not policy.allow_spinning:  # said once, when it is made
                 logger.warning("TFPORT_SPIN=0 does not reach the shared pool: ONNX Runtime's "
                                "process-wide pool always spins")
-            # A session that pinned no thread count joins the pool as it is.
-            share_pool(policy.intra_op_threads if self.intra_op_threads or shared_pool() is None
-                       else shared_pool())
+            if shared_pool() is None or self.intra_op_threads:  # unpinned: joins the pool as it is
+                share_pool(policy.intra_op_threads)
             options.use_per_session_threads = False
             logger.debug("session on the shared thread pool (%d threads)", shared_pool())
         else:

@@ -20,9 +20,8 @@ model that samples), or None for a deterministic drafter. The verification rule
 
 from __future__ import annotations
 
-import collections
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -147,7 +146,7 @@ class DraftModelRows:
                                          prefix=getattr(model, "prefix_cache", None))
         self.rows: dict[Hashable, object] = {}
         self.fed: dict[Hashable, list[int]] = {}  # key -> the tokens in its draft cache
-        self.seconds: collections.deque[float] = collections.deque(maxlen=DRAFT_TIMES)
+        self.seconds: deque[float] = deque(maxlen=DRAFT_TIMES)
 
     def forget(self, key: Hashable) -> None:
         if key in self.rows:
