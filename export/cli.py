@@ -12,6 +12,7 @@ from .hessians import AUTO, BUILTIN, DEFAULT_TOKENS, NONE, Calibration
 from .exporter import export_checkpoint_or_preset
 from .options import MAX_OPSET, MIN_OPSET, ExportOptions
 from .quantize import BITS as QUANTIZE_FORMATS
+from .quantize import FORMAT_W8A8
 from .quantize import BLOCK_SIZES
 from .targets import DEFAULT_TARGET, TARGETS
 
@@ -49,6 +50,8 @@ def describe_quantization(quantization: dict) -> str:
         if quantization["requantized"]:
             text += f", {quantization['requantized']} re-quantised as {quantization['fallback']['format']}"
         return text
+    if quantization["format"] == FORMAT_W8A8:
+        return "w8a8: int8 weights per output channel, int8 activations per token"
     method = "GPTQ" if quantization.get("method") == "gptq" else "round-to-nearest"
     head = f", head int{quantization['head_bits']}" if "head_bits" in quantization else ""
     if quantization.get("promoted"):
@@ -85,10 +88,12 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-validate", action="store_true",
                    help="skip running ONNX Runtime against PyTorch after export")
     p.add_argument("--progress", action="store_true", help="always show the progress bar")
-    p.add_argument("--quantize", choices=[*QUANTIZE_FORMATS, "keep"], default=None,
-                   help="weight-only blockwise quantisation of every weight product, the token table "
+    p.add_argument("--quantize", choices=[*QUANTIZE_FORMATS, FORMAT_W8A8, "keep"], default=None,
+                   help="int4/int8: weight-only blockwise quantisation of every weight product, the token table "
                         "and a tied head (codes chosen as --calibration says; the target lowers it: DequantizeLinear + "
-                        "MatMul for portable/onnx23, MatMulNBits for ort); keep: a .gguf source's own "
+                        "MatMul for portable/onnx23, MatMulNBits for ort); w8a8: int8 weights per output "
+                        "channel and int8 activations per token (MatMulInteger: fast for batches, "
+                        "speculative verification and prefill); keep: a .gguf source's own "
                         "Q4_0/Q4_1/Q8_0 blocks, not re-quantised")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None,
                    help="values per scale along each weight row of --quantize int4/int8 (default 32)")

@@ -19,6 +19,7 @@ from .heads import classifier, classifier_head, last_slot, lm_head, mask_positio
 from .lowering import Target
 from .quantize import QuantScheme
 from .quantized_graph import WeightQuantizer
+from .w8a8 import W8A8, RowQuantizer
 
 
 def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
@@ -133,7 +134,12 @@ BUILDERS = {"encoder": build_encoder_graph, "decoder": build_decoder_graph, "cla
 
 def _builder(name: str, dtype: str, target: Target, quantization: QuantScheme | None) -> GraphBuilder:
     g = GraphBuilder(name, dtype)
-    g.quantizer = None if quantization is None else WeightQuantizer(quantization, target)
+    if quantization is None:
+        g.quantizer = None
+    elif isinstance(quantization, W8A8):  # int8 weights and activations: standard operators, any target
+        g.quantizer = RowQuantizer(quantization, target)
+    else:
+        g.quantizer = WeightQuantizer(quantization, target)
     return g
 
 

@@ -23,6 +23,7 @@ from tfport.generation import GenerationDefaults
 from .calibrate import resolve_threads
 from .hessians import AUTO, Calibration
 from .quantize import QuantScheme, resolve_scheme
+from .w8a8 import W8A8
 from .targets import DEFAULT_TARGET, Target, get_target
 
 MIN_OPSET, MAX_OPSET = 18, 23
@@ -41,8 +42,9 @@ class ExportOptions:
     ``embedding``: a sentence encoder's pooling settings (encoders only); ``generation``: the
     generation_config.json defaults. ``overwrite``: replace an existing ``out_dir``.
     ``external_data_threshold``: weight bytes past which a graph keeps them in ``.onnx.data``.
-    ``show_progress``: None shows the bar for large models. ``quantize``: None, "int4", "int8"
-    or a ``QuantScheme`` (or a GGUF ``KeptQuantization``), with ``block_size`` and ``symmetric``
+    ``show_progress``: None shows the bar for large models. ``quantize``: None, "int4", "int8",
+    "w8a8" (int8 weights per channel and activations per token: export/w8a8.py) or a
+    ``QuantScheme`` (or a GGUF ``KeptQuantization``), with ``block_size`` and ``symmetric``
     for the named formats; ``calibration`` ("auto": GPTQ on the built-in text for int4 when
     ``tokenizer`` is given, else round-to-nearest; "none": round-to-nearest; "builtin", a text
     file or a ``Calibration``: GPTQ)
@@ -108,11 +110,15 @@ def plan_export(options: ExportOptions, config: ModelConfig, out_dir: str | os.P
     target = get_target(options.target)
     scheme = resolve_scheme(options.quantize, options.block_size, options.symmetric, config.has_decoder)
     opset = options.opset
+    blockwise = scheme is not None and not isinstance(scheme, W8A8)  # w8a8 needs no opset-21 blocks
     if opset is None:
-        opset = target.default_opset if scheme is None else target.quantized_opset(target.default_opset)
+        opset = target.quantized_opset(target.default_opset) if blockwise else target.default_opset
     _check_model_options(config, dtype, opset, target, kv_dtype)
     kv_dtype = cache_dtype(dtype, kv_dtype)
-    if scheme is not None:
+    if isinstance(scheme, W8A8) and dtype != "float32":
+        raise ValueError(f"quantize='w8a8' with dtype={dtype!r}: its integer products dequantise to float32; "
+                         "export with dtype='float32'")
+    if blockwise:
         if dtype == "bfloat16":
             raise ValueError(f"quantize={scheme.name!r} with dtype='bfloat16': quantised weights replace "
                              "the stored ones and bfloat16 graphs compute in float32; export with "

@@ -21,6 +21,7 @@ from .rounding import quantize_rows
 
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # powers of two >= 16: what MatMulNBits and ONNX's blocks take
 BITS = {"int4": 4, "int8": 8}  # --quantize FORMAT -> bits
+FORMAT_W8A8 = "w8a8"  # int8 weights and activations (export/w8a8.py): not blockwise
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,8 @@ def fake_quantize(model, scheme: QuantScheme, dtype: str = "float32"):
     ``quantized_weights``): the PyTorch reference a quantised export is compared against."""
     import torch
 
+    if hasattr(scheme, "reference"):  # a scheme that also rounds activations (export/w8a8.py)
+        return scheme.reference(model, dtype)
     reference = copy.deepcopy(model).eval()
     with torch.no_grad():
         for name, value in quantized_weights(reference, scheme, dtype).items():
@@ -132,12 +135,22 @@ def resolve_scheme(quantize, block_size: int | None = None, symmetric: bool | No
                        f"quantize={getattr(quantize, 'name', type(quantize).__name__)!r}, whose layout is its own")
                 raise ValueError(f"{option}={value!r}: applies to quantize='int4' or 'int8', got {got}")
         return quantize  # a QuantScheme, or export.gguf_keep.KeptQuantization
+    if quantize == FORMAT_W8A8:  # int8 weights per channel, activations per token: export/w8a8.py
+        for option, value in (("block_size", block_size), ("symmetric", symmetric)):
+            if value is not None:
+                raise ValueError(f"{option}={value!r}: applies to quantize='int4' or 'int8'; quantize='w8a8' "
+                                 "has one scale per output channel, symmetric")
+        from .w8a8 import W8A8
+
+        return W8A8()
     if quantize == "keep":
         raise ValueError("quantize='keep': keeps a GGUF file's own blocks, so the source must be a "
                          ".gguf file (tfport export FILE.gguf --quantize keep, or "
                          "export.gguf_keep.KeptQuantization)")
     if not isinstance(quantize, str):
-        raise TypeError(f"quantize={quantize!r}: expected None, one of {list(BITS)} or a QuantScheme")
+        raise TypeError(f"quantize={quantize!r}: expected None, one of {[*BITS, FORMAT_W8A8]} or a QuantScheme")
+    if quantize not in BITS:
+        raise ValueError(f"quantize={quantize!r}: expected one of {[*BITS, FORMAT_W8A8, 'keep']}")
     if symmetric is None:
         symmetric = generates and quantize == "int4"
     return QuantScheme.parse(quantize, 32 if block_size is None else block_size, symmetric)

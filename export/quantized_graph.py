@@ -131,14 +131,18 @@ EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
 
 
 def exact_graph(path) -> bytes:
-    """The graph at ``path`` with every ``MatMulNBits`` at accuracy level 0 (float activations),
+    """The graph at ``path`` with every ``MatMulNBits`` at accuracy level 0 and every w8a8
+    product on float activations (``w8a8.float_activations``),
     serialised without its external data (open it with ``EXTERNAL_DATA_FOLDER`` set to
     ``path``'s directory): what parity runs a quantised export as. The int8-activation error of
     the shipped level is measured separately (``tfport parity --accuracy``)."""
     import onnx
     from onnx import helper
 
+    from .w8a8 import float_activations
+
     model = onnx.load(str(path), load_external_data=False)
+    float_activations(model)  # w8a8's integer products
     for node in model.graph.node:
         if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
             kept = [a for a in node.attribute if a.name != "accuracy_level"]

@@ -14,7 +14,7 @@ from tfport.contract import TOKENIZER_FILE
 from tfport.files import write_text_atomic
 from tfport.manifest import Manifest
 
-from ..quantize import fake_quantize
+from ..quantize import FORMAT_W8A8, fake_quantize
 from ..source import load_source
 from .cases import CASES
 from .localize import first_divergence
@@ -32,6 +32,10 @@ def reference_scheme(quantization: dict, against: str, model=None, tokenizer=Non
         from ..calibrate import recorded_scheme
 
         return recorded_scheme(quantization, model, tokenizer, dtype, calibration)
+    if quantization.get("format") == FORMAT_W8A8:
+        from ..w8a8 import W8A8
+
+        return W8A8()
     if quantization.get("format") == "keep":
         from ..gguf_keep import KeptQuantization
 
