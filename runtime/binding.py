@@ -60,6 +60,17 @@ class GraphRunner:
         # What a decode strategy keeps between requests on this session, by the strategy's key
         # (decoding.inplace: the idle KV buffers and their binding).
         self.kept: dict[str, object] = {}
+        # Another export's session of this graph (same inputs and outputs) for runs of at least
+        # ``batch_rows`` rows: ``Model.load(batch_export=...)``, opening.attach_batch_export.
+        self.batch_session: ort.InferenceSession | None = None
+        self.batch_rows = 0
+
+    def session_for(self, rows: int) -> ort.InferenceSession:
+        """The session a run of ``rows`` rows (batch x new tokens) goes to: the batch export's
+        from ``batch_rows`` rows on, else this export's own."""
+        if self.batch_session is not None and rows >= self.batch_rows:
+            return self.batch_session
+        return self.session
 
     @property
     def input_names(self) -> set[str]:
@@ -69,7 +80,8 @@ class GraphRunner:
             host_outputs: Iterable[str] = ()) -> dict[str, ort.OrtValue]:
         """Run once: ``device_outputs`` stay on the session's device, ``host_outputs`` come to
         the CPU (read them with ``.numpy()``). Returns output name -> OrtValue."""
-        binding = self.session.io_binding()
+        session = self.session_for(_rows(feeds.get("input_ids")))
+        binding = session.io_binding()
         arrays = []  # keep host arrays alive until the run has copied them
         for name, value in feeds.items():
             if isinstance(value, ort.OrtValue):
@@ -86,6 +98,13 @@ class GraphRunner:
             binding.bind_output(name, "cpu")
             names.append(name)
         binding.synchronize_inputs()
-        self.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         binding.synchronize_outputs()
         return dict(zip(names, binding.get_outputs()))
+
+
+def _rows(ids: Feed | None) -> int:
+    """Rows of a run: the number of ``input_ids`` (0 without them)."""
+    if ids is None:
+        return 0
+    return int(np.prod(ids.shape() if isinstance(ids, ort.OrtValue) else np.shape(ids)))

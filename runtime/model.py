@@ -37,7 +37,7 @@ from .encoding import EncoderMethods
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .sampling import Logprobs
-from .opening import open_export
+from .opening import BATCH_ROWS, attach_batch_export, open_export
 from .session import SessionSettings
 from .text_methods import TextMethods
 from .tokenizer import TextTokenizer
@@ -69,11 +69,13 @@ class Model(EncoderMethods, TextMethods):
         self.defaults = RequestDefaults(manifest.config, GenerationDefaults.read(directory))
         self.prefix_cache: PrefixCache | None = (PrefixCache.from_mb(DEFAULT_MB)
                                                  if manifest.config.family == "decoder" else None)
+        self.batch_manifest: Manifest | None = None  # the batch export's (``load(batch_export=...)``)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
     def load(cls, model_dir: str | Path, provider: str = "cpu", *,
-             settings: SessionSettings | None = None, verify: str = "full") -> "Model":
+             settings: SessionSettings | None = None, verify: str = "full",
+             batch_export: str | Path | None = None, batch_rows: int = BATCH_ROWS) -> "Model":
         """Open ``model_dir`` (made by ``tfport export``) on ``provider`` (cpu, cuda, auto).
 
         ``settings`` overrides the session options (threads, graph optimisation level); its
@@ -85,13 +87,24 @@ class Model(EncoderMethods, TextMethods):
         An old export (manifest format 2) records neither, so it loads only with ``"none"``.
         Raises ``ValueError`` for a directory that is not an export, a file that does not match
         the manifest or a graph that cannot be loaded, ``RuntimeError`` if ``cuda`` is not usable.
+
+        ``batch_export``: another export of the same model (same target, dtype and cache; e.g.
+        ``--quantize w8a8`` beside an int4 one) that runs every graph run of at least
+        ``batch_rows`` rows (batch x new tokens: batched decode steps, long prefills), opened
+        with the same settings (``tfport serve`` gives both ONNX Runtime's process-wide thread
+        pool, ``SessionSettings.shared_threads``, as for a draft model). int4's ``MatMulNBits`` costs about linearly in rows on CPUs
+        without VNNI, the integer GEMM of w8a8 does not; each row's tokens then depend on how
+        many rows its steps had (docs/serving.md).
         """
         if settings is not None and not isinstance(settings, SessionSettings):
             raise TypeError(f"settings: expected a SessionSettings or None, got "
                             f"{type(settings).__name__}")
         settings = settings if settings is not None else SessionSettings(provider=provider)
         directory, manifest, runners, settings = open_export(model_dir, settings, verify)
-        return cls(directory, manifest, runners, settings)
+        model = cls(directory, manifest, runners, settings)
+        if batch_export is not None:
+            model.batch_manifest = attach_batch_export(runners, manifest, batch_export, settings, verify, batch_rows)
+        return model
 
     def __repr__(self) -> str:
         return (f"Model({str(self.directory)!r}, family={self.config.family!r}, "
@@ -346,10 +359,12 @@ class Model(EncoderMethods, TextMethods):
 
 def load_model(model_dir: str | Path, provider: str = "cpu", *, intra_op_threads: int = 0,
                inter_op_threads: int = 0, graph_optimization: str = "all",
-               device_id: int = 0, verify: str = "full", shared_threads: bool = False) -> Model:
-    """Open an export directory; see ``Model.load`` (``verify``) and ``SessionSettings``."""
+               device_id: int = 0, verify: str = "full", shared_threads: bool = False,
+               batch_export: str | Path | None = None, batch_rows: int = BATCH_ROWS) -> Model:
+    """Open an export directory; see ``Model.load`` (``verify``, ``batch_export``) and
+    ``SessionSettings``."""
     settings = SessionSettings(provider=provider, device_id=device_id,
                                intra_op_threads=intra_op_threads,
                                inter_op_threads=inter_op_threads,
                                graph_optimization=graph_optimization, shared_threads=shared_threads)
-    return Model.load(model_dir, settings=settings, verify=verify)
+    return Model.load(model_dir, settings=settings, verify=verify, batch_export=batch_export, batch_rows=batch_rows)

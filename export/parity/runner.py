@@ -20,6 +20,7 @@ from torch import nn
 from tfport.dtypes import COMPUTE_DTYPES
 from tfport.manifest import Manifest
 from tfport.models.masks import MASK_VALUE
+from tfport.runtime.threads import shared_pool
 
 from ..quantized_graph import EXACT_SESSION_CONFIG, EXTERNAL_DATA_FOLDER, exact_graph
 from .cases import CACHE_ULPS, ROUNDING_FACTOR, TOLERANCES, Case, CaseResult, Diff, _compare
@@ -34,6 +35,8 @@ def make_session(model: str | Path | bytes, provider: str = "cpu",
     CUDA was asked for and not obtained."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if shared_pool() is not None:  # once ONNX Runtime's process-wide pool exists, every session runs on it
+        options.use_per_session_threads = False
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
     source = model if isinstance(model, bytes) else str(model)

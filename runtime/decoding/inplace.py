@@ -114,13 +114,13 @@ class InplaceRows:
                 _, heads, _, dim = spec.shape
                 self.buffers[spec.name] = np.zeros((self.capacity, heads, self.slots, dim),
                                                    dtype=NUMPY_DTYPES[spec.dtype])
-        self._bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
+        self._bindings: dict[tuple[int, int, bool], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
         self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
         self.all_logits = self.rows_out is None  # every position's (extend needs it)
         # A step's host feeds per row count, bound once (InplaceDecoder.step's fast path); the
-        # binding of the rows [0:n] holds them until a ``_run`` on the same rows rebinds it.
+        # binding of the rows [0:n] (per session) holds them until a ``_run`` on it rebinds it.
         self._steps: dict[int, StepFeeds] = {}
-        self._step_bound: set[int] = set()
+        self._step_bound: set[tuple] = set()  # keys of ``_bindings``
 
     def _reserve(self, length: int) -> None:
         """At least ``length`` (<= max_length) slots per row: the buffers are reallocated with
@@ -136,11 +136,13 @@ class InplaceRows:
         self._bindings.clear()
         self._step_bound.clear()
 
-    def _binding(self, start: int, stop: int) -> ort.IOBinding:
-        """An IO binding with every buffer's rows [start:stop] bound as past and present."""
-        key = (start, stop)
+    def _binding(self, start: int, stop: int, rows: int) -> tuple[ort.InferenceSession, ort.IOBinding, tuple]:
+        """(the session a run of ``rows`` rows goes to, an IO binding of it with every buffer's
+        rows [start:stop] bound as past and present, the binding's key)."""
+        session = self.runner.session_for(rows)
+        key = (start, stop, session is self.runner.session)
         if key not in self._bindings:
-            binding = self.runner.session.io_binding()
+            binding = session.io_binding()
             values = []
             for name, buffer in self.buffers.items():
                 value = ort.OrtValue.ortvalue_from_numpy(buffer[start:stop])  # a view, no copy
@@ -148,22 +150,21 @@ class InplaceRows:
                 binding.bind_ortvalue_input(name, value)
                 binding.bind_ortvalue_output(PRESENT + name[len(PAST):], value)
             self._bindings[key] = (binding, values)  # values: keep the views alive
-        return self._bindings[key][0]
+        return session, self._bindings[key][0], key
 
     def _run(self, start: int, stop: int, input_ids: np.ndarray, seqlens_k: np.ndarray) -> np.ndarray:
         """input_ids [n, S] on rows [start:stop], seqlens_k [n] -> logits [n, S, V] (or [n, 1, V]
         from an export with ``logits="last"``), written by the run into a fresh host array bound
         as the output: the other outputs (the rows' caches, bound in place) are never read back."""
-        binding = self._binding(start, stop)
-        if start == 0:
-            self._step_bound.discard(stop)
+        session, binding, key = self._binding(start, stop, input_ids.size)
+        self._step_bound.discard(key)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
         binding.bind_cpu_input("total_sequence_length",
                                np.array(seqlens_k.max() + 1, dtype=np.int32))
         logits = np.empty((stop - start, self.rows_out or input_ids.shape[1], self.vocab), self.logits_dtype)
         binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-        self.runner.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         return logits
 
     def add(self, prompt: np.ndarray) -> tuple[Row, np.ndarray]:
@@ -213,14 +214,14 @@ class InplaceRows:
         feeds = self._steps.get(n)
         if feeds is None:
             feeds = self._steps[n] = StepFeeds(n, self.vocab, self.logits_dtype)
-        binding = self._binding(0, n)
-        if n not in self._step_bound:
+        session, binding, key = self._binding(0, n, n)
+        if key not in self._step_bound:
             feeds.bind(binding)
-            self._step_bound.add(n)
+            self._step_bound.add(key)
         feeds.input_ids[:, 0] = tokens
         feeds.seqlens_k[:] = lengths
         feeds.total_sequence_length[()] = total
-        self.runner.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         for row, token in zip(self.rows, tokens.tolist()):
             row.length += 1
             row.tokens.append(token)

@@ -48,16 +48,18 @@ class InplaceDecoder:
     """
 
     def __init__(self, runner: GraphRunner, batch: int, slots: int):
-        self.session = runner.session  # not the runner, which keeps this decoder (no cycle)
+        # The sessions, not the runner, which keeps this decoder (no cycle); a run of at least
+        # ``batch_rows`` rows goes to the batch export's session (GraphRunner.session_for).
+        self.session, self.batch_session, self.batch_rows = runner.session, runner.batch_session, runner.batch_rows
         self.batch, self.slots = batch, slots
         self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
         self.cache: dict[str, ort.OrtValue] = {}
         # On the CPU the buffers are these host arrays (an OrtValue over a numpy array shares
         # its memory there): a cached prefix is copied in, a finished request's blocks read out.
         self.host: dict[str, np.ndarray] | None = {} if runner.device == "cpu" else None
-        self.binding = runner.session.io_binding()
         self._step: StepFeeds | None = None  # made by the first ``step``
-        self._step_bound = False  # whether the binding holds the step feeds (a call rebinds)
+        # Per session: its binding of the buffers, and whether it holds the step feeds (a call rebinds).
+        self._bindings: dict[int, tuple[ort.IOBinding, bool]] = {}
         for spec in runner.spec.inputs:
             if spec.name.startswith(PAST):
                 _, heads, _, dim = spec.shape
@@ -66,8 +68,19 @@ class InplaceDecoder:
                 self.cache[spec.name] = buffer
                 if self.host is not None:
                     self.host[spec.name] = zeros
-                self.binding.bind_ortvalue_input(spec.name, buffer)
-                self.binding.bind_ortvalue_output(PRESENT + spec.name[len(PAST):], buffer)
+
+    def _binding(self, rows: int) -> tuple[ort.InferenceSession, ort.IOBinding]:
+        """(the session a run of ``rows`` rows goes to, its binding with the buffers bound as
+        past and present)."""
+        session = self.batch_session if self.batch_session is not None and rows >= self.batch_rows \
+            else self.session
+        if id(session) not in self._bindings:
+            binding = session.io_binding()
+            for name, buffer in self.cache.items():
+                binding.bind_ortvalue_input(name, buffer)
+                binding.bind_ortvalue_output(PRESENT + name[len(PAST):], buffer)
+            self._bindings[id(session)] = (binding, False)
+        return session, self._bindings[id(session)][0]
 
     def __call__(self, input_ids: np.ndarray, seqlens_k: np.ndarray) -> np.ndarray:
         """input_ids [B, S] (right-padded), seqlens_k [B] -> logits float32 [B, S, V], or [B, 1, V]
@@ -80,14 +93,14 @@ class InplaceDecoder:
         """
         batch, length = input_ids.shape
         assert batch == self.batch and seqlens_k.max() < self.slots, (input_ids.shape, seqlens_k, self.slots)
-        binding = self.binding
-        self._step_bound = False
+        session, binding = self._binding(input_ids.size)
+        self._bindings[id(session)] = (binding, False)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(seqlens_k.max() + 1, dtype=np.int32))
         logits = np.empty((batch, self.rows_out or length, self.vocab), dtype=self.logits_dtype)
         binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-        self.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         return require_finite(logits)
 
     def step(self, tokens: np.ndarray, seqlens_k: np.ndarray, total_sequence_length: int) -> np.ndarray:
@@ -104,13 +117,14 @@ class InplaceDecoder:
         feeds = self._step
         if feeds is None:
             feeds = self._step = StepFeeds(self.batch, self.vocab, self.logits_dtype)
-        if not self._step_bound:
-            feeds.bind(self.binding)
-            self._step_bound = True
+        session, binding = self._binding(self.batch)
+        if not self._bindings[id(session)][1]:
+            feeds.bind(binding)
+            self._bindings[id(session)] = (binding, True)
         feeds.input_ids[:, 0] = tokens
         feeds.seqlens_k[:] = seqlens_k
         feeds.total_sequence_length[()] = total_sequence_length
-        self.session.run_with_iobinding(self.binding)
+        session.run_with_iobinding(binding)
         return feeds.logits[:, 0]  # [B, V]; NaN is refused where a token is picked (sampling.check_logits)
 
 

@@ -94,6 +94,9 @@ class ServerState:
             raise ValueError("directories: expected at least one export directory")
         if names is not None and len(names) != len(directories):
             raise ValueError(f"names: {len(names)} names for {len(directories)} directories")
+        if options.batch_export is not None and len(directories) != 1:
+            raise ValueError(f"batch_export={options.batch_export!r}: is another export of the one "
+                             f"model served; got {len(directories)} model directories")
         metrics = ServeMetrics()
         models: dict[str, ServedModel] = {}
         for index, directory in enumerate(directories):

@@ -118,6 +118,7 @@ DECODING_FLAGS = (("--max-rows", "max_rows"), ("--max-queue", "max_queue"), ("--
                   ("--threads", "threads"), ("--max-prompt-tokens", "max_prompt_tokens"),
                   ("--max-request-tokens", "max_request_tokens"), ("--speculative", "speculative"),
                   ("--draft-tokens", "draft_tokens"), ("--speculative-inexact", "speculative_inexact"),
+                  ("--batch-export", "batch_export"), ("--batch-rows", "batch_rows"),
                   ("--prefix-cache-mb", "prefix_cache_mb"), ("--prefill-chunk", "prefill_chunk"))
 
 

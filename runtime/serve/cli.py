@@ -78,6 +78,14 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-inexact", action="store_true",
                         help="speculate on quantised exports too (their tokens can differ from "
                              "plain decoding's)")
+    parser.add_argument("--batch-export", metavar="DIR", default=None,
+                        help="another export of the one served model (same target and cache, e.g. "
+                             "--quantize w8a8 beside int4) that runs every step of at least "
+                             "--batch-rows rows: batched decode steps and long prefills")
+    parser.add_argument("--batch-rows", type=_positive, default=limits.batch_rows, metavar="N",
+                        help="rows (batch x new tokens) from which a step runs on --batch-export "
+                             f"(default {limits.batch_rows}; `tfport bench --rows-exports` shows "
+                             "where the two cross on this machine)")
     parser.add_argument("--prefix-cache-mb", type=ascii_int, default=limits.prefix_cache_mb, metavar="MB",
                         help="MiB of keys and values each decoder keeps for prompts that start "
                              "alike (automatic prefix caching; 0: off; default "
@@ -98,6 +106,7 @@ def _options(args: argparse.Namespace):
                         max_prompt_tokens=args.max_prompt_tokens,
                         max_request_tokens=args.max_request_tokens, speculative=args.speculative,
                         draft_tokens=args.draft_tokens, speculative_inexact=args.speculative_inexact,
+                        batch_export=args.batch_export, batch_rows=args.batch_rows,
                         prefix_cache_mb=args.prefix_cache_mb, prefill_chunk=args.prefill_chunk or None,
                         embedding_batch_ms=args.embedding_batch_ms,
                         embedding_batch_tokens=args.embedding_batch_tokens)

@@ -94,10 +94,13 @@ class ServedModel(RequestLimits):
     @classmethod
     def load(cls, directory: str | Path, options: ServeOptions, name: str | None = None,
              observer_for=None) -> "ServedModel":
-        drafting = options.speculative not in (None, "lookup")  # target and draft share a pool
+        # Sessions that take turns share one thread pool: a target and its draft, an export and
+        # its batch export (each pool would spin on the cores the other's next run needs).
+        turns = options.speculative not in (None, "lookup") or options.batch_export is not None
         settings = SessionSettings(provider=options.provider, intra_op_threads=options.threads,
-                                   shared_threads=drafting)
-        model = Model.load(directory, settings=settings)
+                                   shared_threads=turns)
+        model = Model.load(directory, settings=settings, batch_export=options.batch_export,
+                           batch_rows=options.batch_rows)
         name = name or Path(directory).resolve().name
         return cls(name, model, options, observer_for(name) if observer_for else None)
 

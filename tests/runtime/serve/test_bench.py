@@ -63,19 +63,28 @@ def test_prompt_lengths_are_drawn_from_the_range_and_seeded():
 def test_a_started_server_gets_the_decoding_options():
     """``serve_arguments`` parsed back by ``tfport serve``'s own parser gives the same settings."""
     import argparse
+    import dataclasses
 
     from tfport.runtime.serve.bench import DECODING_FLAGS, serve_arguments
     from tfport.runtime.serve.cli import _options, add_parsers
     from tfport.runtime.serve.options import ServeOptions
 
     wanted = ServeOptions(max_rows=4, threads=2, max_length=300, prefix_cache_mb=0, prefill_chunk=None,
-                          speculative="lookup", draft_tokens=3, speculative_inexact=True, timeout=30.0)
+                          speculative="lookup", draft_tokens=3, speculative_inexact=True, timeout=30.0,
+                          batch_export="another-export", batch_rows=5)
     parser = argparse.ArgumentParser()
     add_parsers(parser.add_subparsers(dest="command"))
     got = _options(parser.parse_args(["serve", "some-export", *serve_arguments(wanted)]))
     for _, name in DECODING_FLAGS:
         assert getattr(got, name) == getattr(wanted, name), name
     assert serve_arguments(ServeOptions()) == []
+    # Every other option is about requests, connections or what is exposed, not how tokens are
+    # decoded: a new option must be placed on one side (a started server once lost --batch-export).
+    others = {"max_body_bytes", "max_inputs", "max_messages", "max_prompt_chars", "api_key", "allowed_hosts", "ui",
+              "embedding_batch_ms", "embedding_batch_tokens", "header_timeout", "body_timeout",
+              "keep_alive_timeout", "limit_concurrency", "shutdown_timeout", "cors_origins", "docs", "metrics"}
+    fields = {f.name for f in dataclasses.fields(ServeOptions)}
+    assert fields - others == {name for _, name in DECODING_FLAGS}
 
 
 @pytest.mark.parametrize("exact", [True, False])
