@@ -295,14 +295,21 @@ def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:
     """``ValueError`` for a target that cannot verify proposals (``batch`` is its row batch), or
     whose verified tokens can differ from plain decoding's while ``speculation.exact``."""
     quantization = model.manifest.quantization
-    if speculation.exact and quantization is not None:
+    if speculation.exact and getattr(model.runners.get("decoder"), "batch_session", None) is not None:
+        raise ValueError(
+            "speculative: this model runs steps of many rows on its batch export (batch_export), "
+            "so a verification step and a plain step can run on different weights and verified "
+            "tokens can differ from plain decoding's. Speculate without a batch export, or accept "
+            "inexact tokens: Speculation(..., exact=False), --speculative-inexact")
+    # w8a8 rounds each row on its own (export/w8a8.py): a row's logits do not depend on its step.
+    if speculation.exact and quantization is not None and quantization.get("format") != "w8a8":
         raise ValueError(
             f"speculative: this export's weights are quantised ({quantization.get('format', 'int')}); "
             "ONNX Runtime's CPU kernel for them (MatMulNBits at accuracy level 4) rounds a step of "
             "one row differently from a step of several (SmolLM2-135M int4 logits 3e-5 apart on an "
             "AVX2 CPU, 1.25 on another; greedy tokens diverged on both), so verified tokens can "
-            "differ from plain greedy decoding. Speculate on a float export (a quantised "
-            "export can be its draft), or accept inexact tokens: Speculation(..., exact=False), "
+            "differ from plain greedy decoding. Speculate on a float or w8a8 export (which rounds "
+            "each row on its own; a quantised export can be its draft), or accept inexact tokens: Speculation(..., exact=False), "
             "--speculative-inexact")
     if not batch.all_logits:
         raise ValueError("speculative: this export returns the last position's logits only "
