@@ -21,7 +21,11 @@ The scheme, for y [.., N] = x [.., K] @ W^T with W [N, K]:
 - token tables (embeddings, a tied head) are quantised like the weights, per row (token).
 
 Every row is quantised on its own, so a row's result does not depend on the other rows of its
-step (batch-invariant, unlike ``MatMulNBits``, whose one-row path rounds differently).
+step (one scale for the step would). It does depend on how a row's tokens are split between runs
+(a prefill chunk against steps of one token): the float kernels (attention, norms) round those
+a few ulps apart, and rounding activations to codes turns that into logits units apart on
+SmolLM2-135M (1e-5 in float32), so greedy tokens drift sooner than float32's, and speculative
+verification on a w8a8 target is inexact (``decoding.speculative.check_speculative``).
 
 The graph uses standard ONNX operators only (``QuantizeLinear``, ``MatMulInteger``, ``Cast``,
 ``Mul``), so any runtime and target runs it; ONNX Runtime's CPU provider runs ``MatMulInteger``

@@ -301,15 +301,16 @@ def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:
             "so a verification step and a plain step can run on different weights and verified "
             "tokens can differ from plain decoding's. Speculate without a batch export, or accept "
             "inexact tokens: Speculation(..., exact=False), --speculative-inexact")
-    # w8a8 rounds each row on its own (export/w8a8.py): a row's logits do not depend on its step.
-    if speculation.exact and quantization is not None and quantization.get("format") != "w8a8":
+    if speculation.exact and quantization is not None:
         raise ValueError(
             f"speculative: this export's weights are quantised ({quantization.get('format', 'int')}); "
             "ONNX Runtime's CPU kernel for them (MatMulNBits at accuracy level 4) rounds a step of "
             "one row differently from a step of several (SmolLM2-135M int4 logits 3e-5 apart on an "
-            "AVX2 CPU, 1.25 on another; greedy tokens diverged on both), so verified tokens can "
-            "differ from plain greedy decoding. Speculate on a float or w8a8 export (which rounds "
-            "each row on its own; a quantised export can be its draft), or accept inexact tokens: Speculation(..., exact=False), "
+            "AVX2 CPU, 1.25 on another; greedy tokens diverged on both), and w8a8's per-row "
+            "activation codes turn the float kernels' few-ulp differences between a step of one "
+            "token and a verified chunk into logits units apart (SmolLM2), so verified tokens can "
+            "differ from plain greedy decoding. Speculate on a float export (a quantised "
+            "export can be its draft), or accept inexact tokens: Speculation(..., exact=False), "
             "--speculative-inexact")
     if not batch.all_logits:
         raise ValueError("speculative: this export returns the last position's logits only "
