@@ -80,18 +80,9 @@ def attach_batch_export(runners: dict[str, GraphRunner], manifest: Manifest, bat
     if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:
         raise ValueError(f"batch_rows={batch_rows!r}: expected a positive integer (rows, batch x new tokens)")
     directory, other, batch_runners, _ = open_export(batch_export, settings, verify)
-    mine = {"config": manifest.config, "layout": manifest.layout, "dtype": manifest.dtype,
-            "kv_dtype": manifest.kv_dtype, "graphs": manifest.graphs}
-    theirs = {"config": other.config, "layout": other.layout, "dtype": other.dtype,
-              "kv_dtype": other.kv_dtype, "graphs": other.graphs}
+    mine, theirs = _contract(manifest), _contract(other)
     for field in mine:
-        if field == "graphs":
-            differ = set(mine["graphs"]) != set(theirs["graphs"]) or any(
-                (mine["graphs"][g].inputs, mine["graphs"][g].outputs)
-                != (theirs["graphs"][g].inputs, theirs["graphs"][g].outputs) for g in mine["graphs"])
-        else:
-            differ = mine[field] != theirs[field]
-        if differ:
+        if mine[field] != theirs[field]:
             raise ValueError(f"batch_export={str(directory)!r}: its {field} differs from the model's; "
                              "expected an export of the same model with the same target, dtype and "
                              "cache (only the quantisation may differ, e.g. --quantize w8a8)")
@@ -103,3 +94,10 @@ def attach_batch_export(runners: dict[str, GraphRunner], manifest: Manifest, bat
     logger.info("runs of %d rows or more go to %s (%s)", batch_rows, directory,
                 (other.quantization or {}).get("format", other.dtype))
     return other
+
+
+def _contract(manifest: Manifest) -> dict:
+    """What two exports must share for one to run the other's rows (``attach_batch_export``)."""
+    return {"config": manifest.config, "layout": manifest.layout, "dtype": manifest.dtype,
+            "kv_dtype": manifest.kv_dtype,
+            "graphs": {name: (graph.inputs, graph.outputs) for name, graph in manifest.graphs.items()}}

@@ -203,7 +203,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                         help="decode tokens/s and held-out perplexity for tfport's quantised layouts "
                              "and the peers' files of the same weights, one run; --plot writes an SVG")
     pareto.add_argument("--layouts", type=_name_list,
-                        help="tfport layouts: default, int8, {rtn|gptq}{block}-{sym|zp}[-h8] (default "
+                        help="tfport layouts: default, int8, w8a8, {rtn|gptq}{block}-{sym|zp}[-h8] (default "
                              "default,rtn32-sym,gptq32-zp,gptq32-sym-h8,gptq64-sym,int8)")
     pareto.add_argument("--text", help="held-out text for the perplexity (default export/data/perplexity.txt)")
     p.add_argument("--plot", help="plot step time vs context here (needs matplotlib); with --pareto, "

@@ -39,16 +39,19 @@ _LAYOUT = re.compile(r"(rtn|gptq)(\d+)-(sym|zp)(-h8)?")
 
 def layout_options(name: str) -> dict[str, Any]:
     """``ExportOptions`` fields of a layout name: "default" (``--quantize int4`` alone), "int8"
-    (the int8 default: round-to-nearest, blocks of 32), or ``{rtn|gptq}{block}-{sym|zp}[-h8]``:
+    (the int8 default: round-to-nearest, blocks of 32), "w8a8" (int8 weights and per-row
+    activations, export/w8a8.py), or ``{rtn|gptq}{block}-{sym|zp}[-h8]``:
     int4, round-to-nearest or GPTQ on the built-in text, that block size, symmetric or with zero
     points, the head and token table at 8 bits with ``-h8``."""
     if name == "default":
         return {"quantize": "int4"}
     if name == "int8":
         return {"quantize": "int8", "calibration": "none"}
+    if name == "w8a8":
+        return {"quantize": "w8a8", "calibration": "none"}
     match = _LAYOUT.fullmatch(name)
     if match is None or int(match[2]) not in BLOCK_SIZES:
-        raise ValueError(f"--layouts {name!r}: expected default, int8 or rtn|gptq, a block size "
+        raise ValueError(f"--layouts {name!r}: expected default, int8, w8a8 or rtn|gptq, a block size "
                          f"({', '.join(map(str, BLOCK_SIZES))}), -sym or -zp and optionally -h8, "
                          "e.g. gptq32-sym-h8")
     options = {"quantize": "int4", "block_size": int(match[2]), "symmetric": match[3] == "sym",

@@ -17,6 +17,7 @@ from tfport.export.bench.pareto import Point, layout_options, mark_front, write_
 
 def test_layout_names():
     assert layout_options("default") == {"quantize": "int4"}
+    assert layout_options("w8a8") == {"quantize": "w8a8", "calibration": "none"}
     assert layout_options("gptq64-zp-h8") == {"quantize": "int4", "block_size": 64, "symmetric": False,
                                               "calibration": "builtin", "head_bits": 8}
     assert layout_options("rtn32-sym") == {"quantize": "int4", "block_size": 32, "symmetric": True,
