@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tfport.integrity import VERIFY_MODES
 
-from .decoding.speculative import Speculation, SpeculationStats
+from .decoding.speculative import Speculation, SpeculationStats, names_draft_model, open_drafter
 from .model import Model, load_model
 from .text_methods import cut_at_stop
 from .encoding import POOLINGS
@@ -100,12 +100,7 @@ def _speculation(args: argparse.Namespace, model: Model) -> dict:
         if args.draft_tokens is not None or args.speculative_inexact:
             raise ValueError("--draft-tokens, --speculative-inexact: apply with --speculative")
         return {}
-    drafter = args.speculative
-    if drafter != "lookup":
-        if not Path(drafter).is_dir():
-            raise ValueError(f"--speculative {drafter!r}: expected 'lookup' or the directory of a "
-                             "draft decoder export")
-        drafter = Model.load(drafter, settings=model.settings, verify=args.verify)
+    drafter = open_drafter(args.speculative, model.settings, "--speculative", args.verify)
     return {"speculative": Speculation(drafter, exact=not args.speculative_inexact),
             "draft_tokens": args.draft_tokens, "speculation": SpeculationStats()}
 
@@ -225,9 +220,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 def _load(args: argparse.Namespace) -> Model:
     # A draft export takes turns with the target: one thread pool for both (threads.py).
-    drafting = getattr(args, "speculative", None) not in (None, "lookup")
-    return load_model(args.model_dir, args.provider, intra_op_threads=args.threads,
-                      verify=args.verify, shared_threads=drafting)
+    return load_model(args.model_dir, args.provider, intra_op_threads=args.threads, verify=args.verify,
+                      shared_threads=names_draft_model(getattr(args, "speculative", None)))
 
 
 def _open(args: argparse.Namespace) -> tuple[Model, list[list[int]]]:

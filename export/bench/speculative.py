@@ -61,13 +61,13 @@ def run_speculative(export: str | Path, drafters: tuple[str, ...], threads: int,
     from tfport.runtime import load_model
     from tfport.runtime.chat import chat_format
     from tfport.runtime.decoding import Speculation, SpeculationStats
+    from tfport.runtime.decoding.speculative import names_draft_model, open_drafter
 
-    shared = any(name != "lookup" for name in drafters)  # a draft takes turns with the target
+    shared = any(map(names_draft_model, drafters))  # a draft takes turns with the target
     model = load_model(export, intra_op_threads=threads, shared_threads=shared)
     fmt = chat_format(model)
     exact = model.manifest.quantization is None  # quantised targets: tokens may differ (reported)
-    drafts = {name: name if name == "lookup" else load_model(name, intra_op_threads=threads, shared_threads=True)
-              for name in drafters}
+    drafts = {name: open_drafter(name, model.settings, "--speculative") for name in drafters}
     peers = [(f"{GenaiPeer.name} {Path(d).name}", lambda d=d: GenaiPeer(d, threads), "onnxruntime_genai")
              for d in genai] + [(f"{LlamaCppPeer.name} {Path(g).name}", lambda g=g: LlamaCppPeer(g, threads), "llama_cpp")
                                 for g in gguf]

@@ -318,12 +318,34 @@ def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:
                          "with logits='all')")
 
 
+LOOKUP = "lookup"  # --speculative's name for prompt lookup; any other value is a draft export's directory
+
+
+def names_draft_model(speculative: str | None) -> bool:
+    """Whether ``--speculative``'s value (None: off) names a draft export, whose sessions take
+    turns with the target's (so both should share one thread pool, ``SessionSettings.shared_threads``)."""
+    return speculative is not None and speculative != LOOKUP
+
+
+def open_drafter(speculative: str, settings, argument: str, verify: str = "full"):
+    """``--speculative``'s value -> ``LOOKUP``, or the draft export it names opened once with
+    ``settings`` (a ``SessionSettings``); ``ValueError`` naming ``argument`` for anything else."""
+    from ..model import Model  # the model module imports this package
+
+    if speculative == LOOKUP:
+        return LOOKUP
+    if not Path(speculative).is_dir():
+        raise ValueError(f"{argument}={speculative!r}: expected {LOOKUP!r} or the directory of a draft "
+                         "decoder export")
+    return Model.load(speculative, settings=settings, verify=verify)
+
+
 def drafter_for(speculative, model) -> Drafter:
     """The drafter ``speculative`` names: "lookup", a ``Drafter``, a draft ``Model`` or the
     directory of a draft export (opened with the target's session settings)."""
     from ..model import Model  # the model module imports this package
 
-    if isinstance(speculative, str) and speculative == "lookup":
+    if isinstance(speculative, str) and speculative == LOOKUP:
         return PromptLookup()
     if isinstance(speculative, Model):
         return DraftModel(speculative, model.config.vocab_size)

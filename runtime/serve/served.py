@@ -23,7 +23,7 @@ import numpy as np
 from ..chat import chat_format
 from ..decoding.grammar import Constraint, compile_constraint
 from ..decoding.prefix import PrefixCache
-from ..decoding.speculative import Speculation
+from ..decoding.speculative import LOOKUP, Speculation, names_draft_model, open_drafter
 from ..defaults import OPENAI
 from ..model import Model
 from ..sampling import SamplingParams, TokenLogprob, check_bias_ids, token_logprobs
@@ -64,14 +64,10 @@ class ServedModel(RequestLimits):
     def _speculation(self) -> Speculation | None:
         """The scheduler's speculation from the options (a draft export opened once, with the
         target's session settings)."""
-        drafter = self.options.speculative
-        if drafter is None:
+        if self.options.speculative is None:
             return None
-        if drafter != "lookup":
-            if not Path(drafter).is_dir():
-                raise ValueError(f"speculative={drafter!r}: expected 'lookup' or the directory of a "
-                                 "draft decoder export")
-            drafter = Model.load(drafter, settings=self.model.settings)
+        drafter = open_drafter(self.options.speculative, self.model.settings, "speculative")
+        if drafter != LOOKUP:
             drafter.prefix_cache = PrefixCache.from_mb(self.options.prefix_cache_mb)  # the target's budget
         return Speculation(drafter, self.options.draft_tokens, exact=not self.options.speculative_inexact)
 
@@ -96,7 +92,7 @@ class ServedModel(RequestLimits):
              observer_for=None) -> "ServedModel":
         # Sessions that take turns share one thread pool: a target and its draft, an export and
         # its batch export (each pool would spin on the cores the other's next run needs).
-        turns = options.speculative not in (None, "lookup") or options.batch_export is not None
+        turns = names_draft_model(options.speculative) or options.batch_export is not None
         settings = SessionSettings(provider=options.provider, intra_op_threads=options.threads,
                                    shared_threads=turns)
         model = Model.load(directory, settings=settings, batch_export=options.batch_export,
