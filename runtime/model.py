@@ -37,7 +37,7 @@ from .encoding import EncoderMethods
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .sampling import Logprobs
-from .opening import BATCH_ROWS, attach_batch_export, open_export
+from .opening import AUTO, BATCH_ROWS, attach_batch_export, check_batch_rows, measure_batch_rows, open_export
 from .session import SessionSettings
 from .text_methods import TextMethods
 from .tokenizer import TextTokenizer
@@ -75,7 +75,7 @@ class Model(EncoderMethods, TextMethods):
     @classmethod
     def load(cls, model_dir: str | Path, provider: str = "cpu", *,
              settings: SessionSettings | None = None, verify: str = "full",
-             batch_export: str | Path | None = None, batch_rows: int = BATCH_ROWS) -> "Model":
+             batch_export: str | Path | None = None, batch_rows: int | str = AUTO) -> "Model":
         """Open ``model_dir`` (made by ``tfport export``) on ``provider`` (cpu, cuda, auto).
 
         ``settings`` overrides the session options (threads, graph optimisation level); its
@@ -90,7 +90,8 @@ class Model(EncoderMethods, TextMethods):
 
         ``batch_export``: another export of the same model (same target, dtype and cache; e.g.
         ``--quantize w8a8`` beside an int4 one) that runs every graph run of at least
-        ``batch_rows`` rows (batch x new tokens: batched decode steps, long prefills), opened
+        ``batch_rows`` rows (batch x new tokens: batched decode steps, long prefills; "auto":
+        measured here, ``opening.measure_batch_rows``, about a second for SmolLM2-135M), opened
         with the same settings (``tfport serve`` gives both ONNX Runtime's process-wide thread
         pool, ``SessionSettings.shared_threads``, as for a draft model). int4's ``MatMulNBits`` costs about linearly in rows on CPUs
         without VNNI, the integer GEMM of w8a8 does not; each row's tokens then depend on how
@@ -102,9 +103,37 @@ class Model(EncoderMethods, TextMethods):
         settings = settings if settings is not None else SessionSettings(provider=provider)
         directory, manifest, runners, settings = open_export(model_dir, settings, verify)
         model = cls(directory, manifest, runners, settings)
+        check_batch_rows(batch_rows)
         if batch_export is not None:
-            model.batch_manifest = attach_batch_export(runners, manifest, batch_export, settings, verify, batch_rows)
+            model.batch_manifest = attach_batch_export(runners, manifest, batch_export, settings, verify,
+                                                       BATCH_ROWS if batch_rows == AUTO else batch_rows)
+            if batch_rows == AUTO and model.config.family == "decoder":
+                model._measure_batch_rows(batch_export)
+            else:
+                logger.info("batch_export %s: runs of %d rows or more", batch_export,
+                            next(iter(runners.values())).batch_rows)
         return model
+
+    def _measure_batch_rows(self, batch_export: str | Path) -> None:
+        """``batch_rows="auto"``: each runner's batch export from the measured crossover, or
+        detached where the batch export is never faster (with a warning)."""
+        runner = self.runners["decoder"]
+        rows, times = measure_batch_rows(runner, self.decoding.score, self.config.vocab_size,
+                                         self.config.max_positions)
+        table = ", ".join(f"{n}: {own * 1e3:.1f}/{batch * 1e3:.1f}" for n, (own, batch) in times.items())
+        if rows is None:
+            logger.warning("batch_export %s: not faster than the model's own export at any row count "
+                           "measured (rows: own/batch ms %s); not used", batch_export, table)
+        else:
+            logger.info("batch_export %s: runs of %d rows or more, measured (rows: own/batch ms %s)",
+                        batch_export, rows, table)
+        if rows is None:
+            self.batch_manifest = None
+        for each in self.runners.values():
+            if rows is None:
+                each.batch_session = None
+            else:
+                each.batch_rows = rows
 
     def __repr__(self) -> str:
         return (f"Model({str(self.directory)!r}, family={self.config.family!r}, "
@@ -360,7 +389,7 @@ class Model(EncoderMethods, TextMethods):
 def load_model(model_dir: str | Path, provider: str = "cpu", *, intra_op_threads: int = 0,
                inter_op_threads: int = 0, graph_optimization: str = "all",
                device_id: int = 0, verify: str = "full", shared_threads: bool = False,
-               batch_export: str | Path | None = None, batch_rows: int = BATCH_ROWS) -> Model:
+               batch_export: str | Path | None = None, batch_rows: int | str = AUTO) -> Model:
     """Open an export directory; see ``Model.load`` (``verify``, ``batch_export``) and
     ``SessionSettings``."""
     settings = SessionSettings(provider=provider, device_id=device_id,

@@ -82,10 +82,10 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                         help="another export of the one served model (same target and cache, e.g. "
                              "--quantize w8a8 beside int4) that runs every step of at least "
                              "--batch-rows rows: batched decode steps and long prefills")
-    parser.add_argument("--batch-rows", type=_positive, default=limits.batch_rows, metavar="N",
+    parser.add_argument("--batch-rows", type=_batch_rows, default=limits.batch_rows, metavar="auto|N",
                         help="rows (batch x new tokens) from which a step runs on --batch-export "
-                             f"(default {limits.batch_rows}; `tfport bench --rows-exports` shows "
-                             "where the two cross on this machine)")
+                             "(default auto: measured when the server starts, where the two "
+                             "exports' speeds cross; `tfport bench --rows-exports` shows them)")
     parser.add_argument("--prefix-cache-mb", type=ascii_int, default=limits.prefix_cache_mb, metavar="MB",
                         help="MiB of keys and values each decoder keeps for prompts that start "
                              "alike (automatic prefix caching; 0: off; default "
@@ -94,6 +94,10 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
                         help="while rows decode, prefill a longer prompt this many tokens per step "
                              "(chunked prefill; needs the prefix cache; 0: whole; default "
                              f"{limits.prefill_chunk})")
+
+
+def _batch_rows(text: str) -> int | str:
+    return text if text == "auto" else _positive(text)
 
 
 def _options(args: argparse.Namespace):

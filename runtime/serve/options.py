@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..decoding.prefix import DEFAULT_MB, PrefixCache
-from ..opening import BATCH_ROWS
+from ..opening import AUTO, check_batch_rows
 from .batcher import MAX_TOKENS, WINDOW_S
 from .exposure import check_origins
 from .scheduler import SchedulerLimits
@@ -34,7 +34,7 @@ class ServeOptions:
     export's directory; ``draft_tokens`` at most per step; ``speculative_inexact`` accepts a
     quantised target, see ``decoding.speculative.Speculation``). ``batch_export``: another export
     of the one model served (e.g. ``--quantize w8a8`` beside int4) that runs every step of at
-    least ``batch_rows`` rows (``Model.load``). ``prefix_cache_mb``: MiB of
+    least ``batch_rows`` rows ("auto": measured at load, ``Model.load``). ``prefix_cache_mb``: MiB of
     keys and values each served decoder keeps for prompts that start alike (automatic prefix
     caching, ``decoding.prefix``; 0: off). ``prefill_chunk``: while rows decode, a longer prompt
     is prefilled this many tokens per step, between decode steps (with the prefix cache, which
@@ -72,7 +72,7 @@ class ServeOptions:
     draft_tokens: int = 8
     speculative_inexact: bool = False
     batch_export: str | None = None  # another export of the one served model for runs of many rows
-    batch_rows: int = BATCH_ROWS  # rows (batch x new tokens) from which runs go to batch_export
+    batch_rows: int | str = AUTO  # rows (batch x new tokens) from which runs go to batch_export; "auto": measured
     prefix_cache_mb: int = DEFAULT_MB  # automatic prefix caching per decoder (0: off)
     prefill_chunk: int | None = 256  # tokens of a long prompt prefilled per step while rows decode
     ui: bool = True
@@ -88,7 +88,8 @@ class ServeOptions:
     metrics: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "max_body_bytes", "max_inputs", "max_messages", "draft_tokens", "batch_rows",
+        check_batch_rows(self.batch_rows)
+        for name in ("max_tokens", "max_body_bytes", "max_inputs", "max_messages", "draft_tokens",
                      "max_prompt_chars", "max_prompt_tokens", "max_request_tokens",
                      "embedding_batch_tokens"):
             value = getattr(self, name)

@@ -84,6 +84,38 @@ def test_the_row_batch_picks_a_session_per_run(target, exports):
     assert not np.array_equal(logits(alone_int4, long)[0], logits(alone_w8a8, long)[0])
 
 
+def test_the_crossover_is_the_fewest_rows_from_which_the_batch_side_stays_faster():
+    """Times made up: (own, batch) seconds per row count."""
+    from tfport.runtime.opening import crossover
+
+    assert crossover({1: (5, 7), 2: (8, 10), 4: (10, 11), 8: (17, 14), 16: (31, 22), 32: (76, 49)}) == 8
+    assert crossover({1: (5, 7), 4: (10, 9), 8: (17, 18), 16: (31, 22)}) == 16  # faster at 4, not at 8
+    assert crossover({1: (5, 4), 2: (8, 7)}) == 1
+    assert crossover({1: (5, 7), 16: (31, 31)}) is None  # a tie is not faster
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_auto_measures_the_rows_or_detaches_the_batch_export(target, exports):
+    """The default, "auto", times both sessions on this machine: a probe size, or no batch export
+    where it is never faster (both are possible on a tiny model; either way the runs go to one
+    session consistently: a batch of 3 decodes as one of the two exports alone)."""
+    from tfport.runtime.opening import PROBE_ROWS
+
+    int4, w8a8 = exports[target]
+    mixed = load_model(int4, batch_export=w8a8)
+    runner = mixed.runners["decoder"]
+    assert runner.batch_session is None or runner.batch_rows in PROBE_ROWS
+    if runner.batch_session is None:  # never faster: every run on int4
+        expected = int4
+    elif runner.batch_rows <= 3:  # every run of a batch of 3 on w8a8
+        expected = w8a8
+    else:  # the prefill on one, the steps on the other: tested with a given batch_rows above
+        return
+    prompts = _prompts(TARGETS[target], (4, 6, 5))
+    np.testing.assert_array_equal(mixed.generate(prompts, max_new_tokens=6, stop_token_ids=()),
+                                  load_model(expected).generate(prompts, max_new_tokens=6, stop_token_ids=()))
+
+
 def test_only_an_export_of_the_same_model_and_contract_is_taken(exports, tmp_path):
     int4, w8a8 = exports["ort"]
     other = tmp_path / "other"
@@ -95,8 +127,9 @@ def test_only_an_export_of_the_same_model_and_contract_is_taken(exports, tmp_pat
                  ExportOptions(target="portable", quantize="w8a8"))
     with pytest.raises(ValueError, match=r"batch_export=.*portable.*: its layout differs"):
         load_model(int4, batch_export=tmp_path / "portable")
-    with pytest.raises(ValueError, match=r"batch_rows=0: expected a positive integer"):
-        load_model(int4, batch_export=w8a8, batch_rows=0)
+    for bad in (0, "soon", True):
+        with pytest.raises(ValueError, match=rf"batch_rows={bad!r}: expected 'auto' or a positive integer"):
+            load_model(int4, batch_export=w8a8, batch_rows=bad)
 
 
 def test_the_server_takes_a_batch_export_for_one_model(exports):

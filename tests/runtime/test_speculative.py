@@ -258,7 +258,8 @@ def test_a_batch_export_makes_speculation_inexact(models, tmp_path):
     """Verification steps (several rows) would run on the batch export, plain steps on the
     model's own: refused unless exact=False."""
     _export(tmp_path, "w8a8", "tiny-decoder", "ort", seed=5, quantize="w8a8")
-    mixed = load_model(models["ort", "tiny-decoder"].directory, intra_op_threads=1, batch_export=tmp_path / "w8a8")
+    mixed = load_model(models["ort", "tiny-decoder"].directory, intra_op_threads=1, batch_export=tmp_path / "w8a8",
+                       batch_rows=2)
     rows = prompts(mixed.config.vocab_size)
     with pytest.raises(ValueError, match=r"batch export \(batch_export\).*exact=False"):
         mixed.generate(rows, max_new_tokens=8, speculative="lookup")
