@@ -66,11 +66,8 @@ class GraphRunner:
         self.batch_rows = 0
 
     def session_for(self, rows: int) -> ort.InferenceSession:
-        """The session a run of ``rows`` rows (batch x new tokens) goes to: the batch export's
-        from ``batch_rows`` rows on, else this export's own."""
-        if self.batch_session is not None and rows >= self.batch_rows:
-            return self.batch_session
-        return self.session
+        """The session a run of ``rows`` rows (batch x new tokens) goes to (``choose_session``)."""
+        return choose_session(self.session, self.batch_session, self.batch_rows, rows)
 
     @property
     def input_names(self) -> set[str]:
@@ -101,6 +98,12 @@ class GraphRunner:
         session.run_with_iobinding(binding)
         binding.synchronize_outputs()
         return dict(zip(names, binding.get_outputs()))
+
+
+def choose_session(session: ort.InferenceSession, batch_session: ort.InferenceSession | None, batch_rows: int,
+                   rows: int) -> ort.InferenceSession:
+    """The batch export's session for a run of ``batch_rows`` rows or more, else the export's own."""
+    return batch_session if batch_session is not None and rows >= batch_rows else session
 
 
 def _rows(ids: Feed | None) -> int:

@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 from tfport.dtypes import NUMPY_DTYPES
 
-from ..binding import PAST, PRESENT, GraphRunner
+from ..binding import PAST, PRESENT, GraphRunner, choose_session
 from .prefix import Prefix
 
 KEPT = "inplace"  # GraphRunner.kept key of the idle decoder
@@ -72,8 +72,7 @@ class InplaceDecoder:
     def _binding(self, rows: int) -> tuple[ort.InferenceSession, ort.IOBinding]:
         """(the session a run of ``rows`` rows goes to, its binding with the buffers bound as
         past and present)."""
-        session = self.batch_session if self.batch_session is not None and rows >= self.batch_rows \
-            else self.session
+        session = choose_session(self.session, self.batch_session, self.batch_rows, rows)
         if id(session) not in self._bindings:
             binding = session.io_binding()
             for name, buffer in self.cache.items():
