@@ -64,10 +64,14 @@ class GraphRunner:
         # ``batch_rows`` rows: ``Model.load(batch_export=...)``, opening.attach_batch_export.
         self.batch_session: ort.InferenceSession | None = None
         self.batch_rows = 0
+        self.runs = {"own": 0, "batch": 0}  # runs ``session_for`` sent to each (tfport serve's /metrics)
 
     def session_for(self, rows: int) -> ort.InferenceSession:
-        """The session a run of ``rows`` rows (batch x new tokens) goes to (``choose_session``)."""
-        return choose_session(self.session, self.batch_session, self.batch_rows, rows)
+        """The session a run of ``rows`` rows (batch x new tokens) goes to (``choose_session``),
+        counted in ``runs``."""
+        session = choose_session(self.session, self.batch_session, self.batch_rows, rows)
+        self.runs["own" if session is self.session else "batch"] += 1
+        return session
 
     @property
     def input_names(self) -> set[str]:

@@ -53,14 +53,19 @@ class ServeMetrics:
                                 "accepted (speculative decoding)", ["model"], registry=r)
         self.prefix_caches: dict = {}  # model -> its scheduler's PrefixCache, read when scraped
         r.register(PrefixCacheCollector(self.prefix_caches))
+        self.batch_runners: dict = {}  # model -> its decoder runner when it has a batch export
+        r.register(BatchExportCollector(self.batch_runners))
 
     def watch(self, model: str, scheduler) -> None:
         """Report ``model``'s queue depth and running rows as ``scheduler`` (its ``waiting`` and
-        ``running``) has them when scraped, and its prefix cache's counts if it has one."""
+        ``running``) has them when scraped, its prefix cache's counts if it has one, and its
+        runs by export if it has a batch export."""
         self.queue.labels(model).set_function(lambda: scheduler.waiting)
         self.running.labels(model).set_function(lambda: scheduler.running)
         if scheduler.prefix is not None:
             self.prefix_caches[model] = scheduler.prefix
+        if getattr(getattr(scheduler, "runner", None), "batch_session", None) is not None:
+            self.batch_runners[model] = scheduler.runner
 
     def observer(self, model: str) -> "ModelObserver":
         return ModelObserver(self, model)
@@ -135,6 +140,23 @@ class PrefixCacheCollector:
             evicted.add_metric([model], cache.evicted_tokens)
             used.add_metric([model], cache.bytes)
         return [hits, misses, evicted, used]
+
+
+class BatchExportCollector:
+    """Each decoder with a batch export (``Model.load(batch_export=...)``): its graph runs by the
+    export they went to, "own" (fewer rows than ``batch_rows``) or "batch", as read when scraped."""
+
+    def __init__(self, runners: dict):
+        self.runners = runners
+
+    def collect(self):
+        runs = CounterMetricFamily("tfport_batch_export_runs", "decoder runs (decode steps and "
+                                   "prefills) by the export they ran on: own, or the batch export "
+                                   "(runs of at least --batch-rows rows)", labels=["model", "export"])
+        for model, runner in list(self.runners.items()):
+            for export, count in runner.runs.items():
+                runs.add_metric([model, export], count)
+        return [runs]
 
 
 class MetricsMiddleware:

@@ -84,6 +84,28 @@ def test_the_row_batch_picks_a_session_per_run(target, exports):
     assert not np.array_equal(logits(alone_int4, long)[0], logits(alone_w8a8, long)[0])
 
 
+def test_runs_are_counted_by_export_and_reported_in_metrics(exports):
+    """``GraphRunner.runs`` counts where each run went; ``/metrics`` reports it per model."""
+    pytest.importorskip("prometheus_client", reason="the 'serve' extra")
+    from types import SimpleNamespace
+
+    from tfport.runtime.serve.metrics import ServeMetrics
+
+    int4, w8a8 = exports["ort"]
+    mixed = load_model(int4, batch_export=w8a8, batch_rows=3)
+    runner = mixed.runners["decoder"]
+    rows = mixed.decoding.rows(runner, 3, 32, 0)
+    for prompt in _prompts(TARGETS["ort"], (2, 5)):  # prefills: 2 rows (own), 5 rows (batch)
+        rows.add(np.array(prompt))
+    rows.step(np.array([5, 6]))  # 2 rows: own
+    assert runner.runs == {"own": 2, "batch": 1}
+    metrics = ServeMetrics()
+    metrics.watch("m", SimpleNamespace(waiting=0, running=0, prefix=None, runner=runner))
+    text = metrics.render().decode()
+    assert 'tfport_batch_export_runs_total{export="own",model="m"} 2.0' in text
+    assert 'tfport_batch_export_runs_total{export="batch",model="m"} 1.0' in text
+
+
 def test_the_crossover_is_the_fewest_rows_from_which_the_batch_side_stays_faster():
     """Times made up: (own, batch) seconds per row count."""
     from tfport.runtime.opening import crossover
