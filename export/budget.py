@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .calibrate import PROMOTED_BITS, PrecomputedQuantization, calibrate, fingerprint, hessian_groups
+from .calibrate import PROMOTED_BITS, PrecomputedQuantization, calibrate, fingerprint, hessian_groups, in_order, layer_of
 from .gptq import DAMP
 from .hessians import Calibration, collect_hessians, token_sequences
 from .quantize import QuantScheme, fake_quantize, quantized_weights
@@ -209,21 +209,6 @@ def pick(layouts: list[Candidate], quantize: Callable[[Candidate], Any], max_los
         return best
     raise ValueError(f"max_loss={max_loss:.3%}: no {name} layout stays within it on this model; measured: "
                      + "; ".join(f"{c.name}: {c.loss:.3%}" for c in layouts))
-
-
-def layer_of(matrix: str) -> str | None:
-    """The decoder or encoder layer a weight matrix belongs to ("decoder.layers.3" for
-    "decoder.layers.3.attn.q.weight"), None outside the layers (the head, the tables)."""
-    parts = matrix.split(".")
-    for i in range(len(parts) - 1):
-        if parts[i] == "layers" and parts[i + 1].isdigit():
-            return ".".join(parts[:i + 2])
-    return None
-
-
-def in_order(layers) -> tuple[str, ...]:
-    """Layer names in model order ("decoder.layers.2" before "decoder.layers.12")."""
-    return tuple(sorted(layers, key=lambda name: [int(p) if p.isdigit() else p for p in name.split(".")]))
 
 
 def mix(base: PrecomputedQuantization, high: PrecomputedQuantization,

@@ -69,6 +69,22 @@ class PrecomputedQuantization:
         return {**self.scheme.to_dict(), **self.record}
 
 
+def layer_of(matrix: str) -> str | None:
+    """The decoder or encoder layer a weight matrix belongs to ("decoder.layers.3" for
+    "decoder.layers.3.attn.q.weight"), None outside the layers (the head, the tables): what a
+    promoted name (``calibrate``, ``budget.promote_layers``) stands for."""
+    parts = matrix.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i] == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[:i + 2])
+    return None
+
+
+def in_order(layers) -> tuple[str, ...]:
+    """Layer names in model order ("decoder.layers.2" before "decoder.layers.12")."""
+    return tuple(sorted(layers, key=lambda name: [int(p) if p.isdigit() else p for p in name.split(".")]))
+
+
 def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray] | None,
               scale_dtype: str = "float32", head_bits: int | None = None, damp: float = DAMP,
               progress: bool = False, record: dict | None = None,
@@ -82,7 +98,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     result) replaces ``sequences`` when several layouts are calibrated on the same text.
     ``threads`` matrices are quantised at once (None: ``resolve_threads``), each on one thread,
     with at most ``WORK_BUDGET`` bytes of working memory in flight: the codes do not depend on it.
-    ``promoted`` names modules (decoder or encoder layers, ``budget.layer_of``) whose matrices are quantised
+    ``promoted`` names decoder or encoder layers (``layer_of``) whose matrices are quantised
     at ``PROMOTED_BITS`` with the scheme's blocks, recorded as ``promoted``."""
     if head_bits is not None and head_bits not in HEAD_BITS:
         raise ValueError(f"head_bits={head_bits!r}: expected None or one of {list(HEAD_BITS)}")
@@ -96,10 +112,11 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                          "apart from the other products (a tied head whose table stays float)")
     matrices = {f"{path}.weight": m.weight for path, m in model.named_modules() if isinstance(m, nn.Linear)}
     matrices.update({path: p for path, p in zip(token_table_paths(model), tables) if scheme.embeddings})
+    layers = {layer_of(key) for key in matrices}
     for name in promoted:
-        if not any(key.startswith(name + ".") for key in matrices):
-            raise ValueError(f"promoted={name!r}: not a module of this model with weight matrices")
-    raised = {key for key in matrices for name in promoted if key.startswith(name + ".")}
+        if name not in layers:
+            raise ValueError(f"promoted={name!r}: not a layer of this model with weight matrices")
+    raised = {key for key in matrices if layer_of(key) in promoted}
     index, done, added = RowIndex(), set(skipped), []
     groups = [list(matrices)] if hessians is not None or not sequences else hessian_groups(model, list(matrices))
     torch_threads = torch.get_num_threads()  # set to 1 by the workers, and global: restored after

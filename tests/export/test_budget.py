@@ -330,7 +330,7 @@ def test_max_loss_promotes_the_sensitive_layers_of_a_layout_over_the_budget(deco
         layer = budget.layer_of(name + ".weight")
         assert value == (8 if layer in promoted else 4), (name, value)
     assert set(bits.values()) == {4, 8}  # here: one layer of two promoted
-    with pytest.raises(ValueError, match="promoted='decoder.nope': not a module of this model"):
+    with pytest.raises(ValueError, match="promoted='decoder.nope': not a layer of this model"):
         calibrate(model, scheme, None, promoted=("decoder.nope",))
     assert increase(lambda w: export_logits(tmp_path / "q", w)) == pytest.approx(budget_record["loss"], abs=0.02)
 
