@@ -133,7 +133,10 @@ def attach_batch_export(runners: dict[str, GraphRunner], manifest: Manifest, bat
     check_batch_rows(batch_rows)
     if batch_rows == AUTO:
         raise ValueError(f"batch_rows={AUTO!r}: measured by Model.load; attach_batch_export takes a number")
-    directory, other, batch_runners, _ = open_export(batch_export, settings, verify)
+    try:
+        directory, other, batch_runners, _ = open_export(batch_export, settings, verify)
+    except ValueError as err:  # it names model_dir
+        raise ValueError(f"batch_export={str(batch_export)!r}: {err}") from None
     mine, theirs = _contract(manifest), _contract(other)
     for field in mine:
         if mine[field] != theirs[field]:

@@ -149,6 +149,8 @@ def test_only_an_export_of_the_same_model_and_contract_is_taken(exports, tmp_pat
                  ExportOptions(target="portable", quantize="w8a8"))
     with pytest.raises(ValueError, match=r"batch_export=.*portable.*: its layout differs"):
         load_model(int4, batch_export=tmp_path / "portable")
+    with pytest.raises(ValueError, match=r"batch_export='.*nowhere': model_dir=.*expected a directory made by"):
+        load_model(int4, batch_export=tmp_path / "nowhere")
     for bad in (0, "soon", True):
         with pytest.raises(ValueError, match=rf"batch_rows={bad!r}: expected 'auto' or a positive integer"):
             load_model(int4, batch_export=w8a8, batch_rows=bad)
