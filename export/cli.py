@@ -92,8 +92,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                    help="int4/int8: weight-only blockwise quantisation of every weight product, the token table "
                         "and a tied head (codes chosen as --calibration says; the target lowers it: DequantizeLinear + "
                         "MatMul for portable/onnx23, MatMulNBits for ort); w8a8: int8 weights per output "
-                        "channel and int8 activations per token (MatMulInteger: fast for batches, "
-                        "speculative verification and prefill); keep: a .gguf source's own "
+                        "channel and int8 activations per token (MatMulInteger: fast for batches and "
+                        "prefill, e.g. as tfport serve --batch-export); keep: a .gguf source's own "
                         "Q4_0/Q4_1/Q8_0 blocks, not re-quantised")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None,
                    help="values per scale along each weight row of --quantize int4/int8 (default 32)")

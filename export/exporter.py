@@ -30,6 +30,8 @@ from .graphs import BUILDERS
 from .hessians import Calibration
 from .options import ExportOptions, ExportPlan, plan_export
 from .quantize import fake_quantize
+from .w8a8 import DEVICE_REFUSALS as W8A8_REFUSALS
+from .w8a8 import W8A8
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,8 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
                                    options.head_bits, options.show_progress, options.calibration_threads)
     manifest = Manifest(config=config, dtype=options.dtype, opset=plan.opset, target=plan.target.name,
                         layout=plan.target.layout,
-                        device_refusals=plan.target.device_refusals(options.dtype, plan.kv_dtype),
+                        device_refusals={**plan.target.device_refusals(options.dtype, plan.kv_dtype),
+                                         **(W8A8_REFUSALS if isinstance(scheme, W8A8) else {})},
                         kv_dtype=plan.kv_dtype,
                         tokenizer=TOKENIZER_FILE if options.tokenizer is not None else None,
                         chat_template=CHAT_TEMPLATE_FILE if options.chat_template is not None else None,

@@ -110,7 +110,7 @@ def fake_quantize(model, scheme: QuantScheme, dtype: str = "float32"):
     ``quantized_weights``): the PyTorch reference a quantised export is compared against."""
     import torch
 
-    if hasattr(scheme, "reference"):  # a scheme that also rounds activations (export/w8a8.py)
+    if hasattr(scheme, "reference"):  # w8a8 (export/w8a8.py): its own weights; activations stay float here
         return scheme.reference(model, dtype)
     reference = copy.deepcopy(model).eval()
     with torch.no_grad():

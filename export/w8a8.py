@@ -5,8 +5,8 @@ Why: ONNX Runtime's int4 kernel (``MatMulNBits``) costs about linearly in the ro
 CPUs without VNNI/AMX (docs/benchmarks.md, "Products by row count"), so batched decoding,
 verification of speculative drafts and long prefills gain little from int4. The integer GEMM
 amortises over rows like a float GEMM. Its activations must be quantised per token: one scale
-for a whole step (``DynamicQuantizeLinear``) lets one row's outliers erase the others' (+115%
-perplexity on SmolLM2-135M, against +5% per token).
+for a whole step (``DynamicQuantizeLinear``) lets one row's outliers erase the others' (+71%
+perplexity on SmolLM2-135M through ONNX Runtime's ``DynamicQuantizeMatMul``, against +5.3% per row).
 
 The scheme, for y [.., N] = x [.., K] @ W^T with W [N, K]:
 
@@ -28,8 +28,10 @@ SmolLM2-135M (1e-5 in float32), so greedy tokens drift sooner than float32's, an
 verification on a w8a8 target is inexact (``decoding.speculative.check_speculative``).
 
 The graph uses standard ONNX operators only (``QuantizeLinear``, ``MatMulInteger``, ``Cast``,
-``Mul``), so any runtime and target runs it; ONNX Runtime's CPU provider runs ``MatMulInteger``
-with its integer GEMM (as fast as its fused ``MatMulIntegerToFloat``, measured). ``reference``
+``Mul``), so any runtime and target can run it; ONNX Runtime's CPU provider runs ``MatMulInteger``
+with its integer GEMM (as fast as its fused ``MatMulIntegerToFloat``, measured). Its CUDA
+provider's ``MatMulInteger`` takes int8 x int8 only, so these uint8 activations would run on the
+CPU: the manifest refuses CUDA (``DEVICE_REFUSALS``). ``reference``
 is the PyTorch module computing the same: its weights dequantised and each ``nn.Linear``'s input
 rounded per row, which parity and export validation compare the graph against.
 
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -50,6 +53,9 @@ ACTIVATION_LEVELS = 127  # activation codes in [-127, 127], stored as uint8 arou
 ACTIVATION_ZERO_POINT = 128
 TINY = 1e-30  # the least row scale: an all-zero row gives zero codes, not 0 / 0
 FORMAT = "w8a8"
+DEVICE_REFUSALS = {"cuda": "quantize='w8a8': ONNX Runtime's CUDA MatMulInteger takes int8 x int8 only, "
+                           "so the uint8 activations of every weight product would run on the CPU; "
+                           "run this export on the CPU, or export int4/int8 or float16 for CUDA"}
 
 
 @dataclass
@@ -86,10 +92,10 @@ def quantize_channels(rows: np.ndarray) -> ChannelQuantized:
 
 @dataclass(frozen=True)
 class W8A8:
-    """The ``w8a8`` scheme (see the module docstring); ``embeddings``: token tables too (always)."""
+    """The ``w8a8`` scheme (see the module docstring); token tables are always quantised too."""
 
-    embeddings: bool = True
-    name: str = FORMAT
+    embeddings: ClassVar[bool] = True  # read by the graph builders (heads.token_table), not an option
+    name: ClassVar[str] = FORMAT
 
     def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> ChannelQuantized:
         """Weights [N, K] -> their codes, per row (``scale_dtype``: float32 only, checked at plan)."""

@@ -69,9 +69,7 @@ class GraphRunner:
     def session_for(self, rows: int) -> ort.InferenceSession:
         """The session a run of ``rows`` rows (batch x new tokens) goes to (``choose_session``),
         counted in ``runs``."""
-        session = choose_session(self.session, self.batch_session, self.batch_rows, rows)
-        self.runs["own" if session is self.session else "batch"] += 1
-        return session
+        return choose_session(self.session, self.batch_session, self.batch_rows, rows, self.runs)
 
     @property
     def input_names(self) -> set[str]:
@@ -105,9 +103,12 @@ class GraphRunner:
 
 
 def choose_session(session: ort.InferenceSession, batch_session: ort.InferenceSession | None, batch_rows: int,
-                   rows: int) -> ort.InferenceSession:
-    """The batch export's session for a run of ``batch_rows`` rows or more, else the export's own."""
-    return batch_session if batch_session is not None and rows >= batch_rows else session
+                   rows: int, runs: dict[str, int]) -> ort.InferenceSession:
+    """The batch export's session for a run of ``batch_rows`` rows or more, else the export's own;
+    the run counted in ``runs`` ("own" or "batch")."""
+    batch = batch_session is not None and rows >= batch_rows
+    runs["batch" if batch else "own"] += 1
+    return batch_session if batch else session
 
 
 def _rows(ids: Feed | None) -> int:

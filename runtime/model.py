@@ -69,7 +69,7 @@ class Model(EncoderMethods, TextMethods):
         self.defaults = RequestDefaults(manifest.config, GenerationDefaults.read(directory))
         self.prefix_cache: PrefixCache | None = (PrefixCache.from_mb(DEFAULT_MB)
                                                  if manifest.config.family == "decoder" else None)
-        self.batch_manifest: Manifest | None = None  # the batch export's (``load(batch_export=...)``)
+        self.batch_manifest: Manifest | None = None  # the batch export's, when ``load(batch_export=...)`` had one
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
@@ -91,7 +91,8 @@ class Model(EncoderMethods, TextMethods):
         ``batch_export``: another export of the same model (same target, dtype and cache; e.g.
         ``--quantize w8a8`` beside an int4 one) that runs every graph run of at least
         ``batch_rows`` rows (batch x new tokens: batched decode steps, long prefills; "auto":
-        measured here, ``opening.measure_batch_rows``, about a second for SmolLM2-135M), opened
+        measured here for a decoder, ``opening.measure_batch_rows``, about a second for
+        SmolLM2-135M, not used where it is never faster; 8 for other families), opened
         with the same settings (``tfport serve`` gives both ONNX Runtime's process-wide thread
         pool, ``SessionSettings.shared_threads``, as for a draft model). int4's ``MatMulNBits`` costs about linearly in rows on CPUs
         without VNNI, the integer GEMM of w8a8 does not; each row's tokens then depend on how
@@ -104,19 +105,24 @@ class Model(EncoderMethods, TextMethods):
         directory, manifest, runners, settings = open_export(model_dir, settings, verify)
         model = cls(directory, manifest, runners, settings)
         check_batch_rows(batch_rows)
+        if batch_export is None and batch_rows != AUTO:
+            raise ValueError(f"batch_rows={batch_rows!r}: applies with batch_export (none given)")
         if batch_export is not None:
             model.batch_manifest = attach_batch_export(runners, manifest, batch_export, settings, verify,
                                                        BATCH_ROWS if batch_rows == AUTO else batch_rows)
             if batch_rows == AUTO and model.config.family == "decoder":
                 model._measure_batch_rows(batch_export)
             else:
-                logger.info("batch_export %s: runs of %d rows or more", batch_export,
-                            next(iter(runners.values())).batch_rows)
+                logger.info("batch_export %s: runs of %d rows or more%s", batch_export,
+                            next(iter(runners.values())).batch_rows,
+                            " ('auto' is measured for decoders only)" if batch_rows == AUTO else "")
         return model
 
     def _measure_batch_rows(self, batch_export: str | Path) -> None:
         """``batch_rows="auto"``: each runner's batch export from the measured crossover, or
-        detached where the batch export is never faster (with a warning)."""
+        detached where the batch export is never faster (with a warning; ``batch_manifest``
+        stays, so that what depends on a batch export having been asked for, such as the
+        refusal of exact speculation, does not depend on a timing)."""
         runner = self.runners["decoder"]
         rows, times = measure_batch_rows(runner, self.decoding.score, self.config.vocab_size,
                                          self.config.max_positions)
@@ -127,8 +133,6 @@ class Model(EncoderMethods, TextMethods):
         else:
             logger.info("batch_export %s: runs of %d rows or more, measured (rows: own/batch ms %s)",
                         batch_export, rows, table)
-        if rows is None:
-            self.batch_manifest = None
         for each in self.runners.values():
             if rows is None:
                 each.batch_session = None

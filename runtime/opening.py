@@ -128,18 +128,23 @@ def attach_batch_export(runners: dict[str, GraphRunner], manifest: Manifest, bat
 
     The two exports must be of one model with one contract (config, cache layout and dtype,
     every graph's inputs and outputs), so that a row's KV cache written by one session is read
-    by the other; their weights may differ (int4 for few rows, w8a8 for many: export/w8a8.py).
-    A row's tokens then depend on how many rows its steps had."""
+    by the other; their weights may differ (int4 for few rows, w8a8 for many: export/w8a8.py),
+    and are not compared (two fine-tunes of one architecture pass the check). A row's tokens
+    then depend on how many rows its steps had."""
     check_batch_rows(batch_rows)
     if batch_rows == AUTO:
         raise ValueError(f"batch_rows={AUTO!r}: measured by Model.load; attach_batch_export takes a number")
     try:
         directory, other, batch_runners, _ = open_export(batch_export, settings, verify)
-    except ValueError as err:  # it names model_dir
-        raise ValueError(f"batch_export={str(batch_export)!r}: {err}") from None
+    except (ValueError, TypeError) as err:  # they name model_dir
+        shown = str(batch_export) if isinstance(batch_export, (str, os.PathLike)) else batch_export
+        raise type(err)(f"batch_export={shown!r}: {err}") from None
     mine, theirs = _contract(manifest), _contract(other)
     for field in mine:
         if mine[field] != theirs[field]:
+            if field == "config":  # name the first config field that differs
+                ours, other_config = dataclasses.asdict(manifest.config), dataclasses.asdict(other.config)
+                field = "config's " + next(k for k in ours if ours[k] != other_config.get(k))
             raise ValueError(f"batch_export={str(directory)!r}: its {field} differs from the model's; "
                              "expected an export of the same model with the same target, dtype and "
                              "cache (only the quantisation may differ, e.g. --quantize w8a8)")

@@ -51,6 +51,7 @@ class InplaceDecoder:
         # The sessions, not the runner, which keeps this decoder (no cycle); a run of at least
         # ``batch_rows`` rows goes to the batch export's session (GraphRunner.session_for).
         self.session, self.batch_session, self.batch_rows = runner.session, runner.batch_session, runner.batch_rows
+        self.runs = runner.runs  # the runner's counts, by export (a dict: no reference to the runner)
         self.batch, self.slots = batch, slots
         self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
         self.cache: dict[str, ort.OrtValue] = {}
@@ -70,9 +71,9 @@ class InplaceDecoder:
                     self.host[spec.name] = zeros
 
     def _binding(self, rows: int) -> tuple[ort.InferenceSession, ort.IOBinding]:
-        """(the session a run of ``rows`` rows goes to, its binding with the buffers bound as
-        past and present)."""
-        session = choose_session(self.session, self.batch_session, self.batch_rows, rows)
+        """(the session a run of ``rows`` rows goes to, counted in the runner's ``runs``, its
+        binding with the buffers bound as past and present)."""
+        session = choose_session(self.session, self.batch_session, self.batch_rows, rows, self.runs)
         if id(session) not in self._bindings:
             binding = session.io_binding()
             for name, buffer in self.cache.items():

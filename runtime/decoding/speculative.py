@@ -295,7 +295,7 @@ def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:
     """``ValueError`` for a target that cannot verify proposals (``batch`` is its row batch), or
     whose verified tokens can differ from plain decoding's while ``speculation.exact``."""
     quantization = model.manifest.quantization
-    if speculation.exact and getattr(model.runners.get("decoder"), "batch_session", None) is not None:
+    if speculation.exact and getattr(model, "batch_manifest", None) is not None:
         raise ValueError(
             "speculative: this model runs steps of many rows on its batch export (batch_export), "
             "so a verification step and a plain step can run on different weights and verified "

@@ -89,6 +89,8 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         check_batch_rows(self.batch_rows)
+        if self.batch_export is None and self.batch_rows != AUTO:
+            raise ValueError(f"batch_rows={self.batch_rows!r}: applies with batch_export (none given)")
         for name in ("max_tokens", "max_body_bytes", "max_inputs", "max_messages", "draft_tokens",
                      "max_prompt_chars", "max_prompt_tokens", "max_request_tokens",
                      "embedding_batch_tokens"):

@@ -23,6 +23,7 @@ from tfport.export.w8a8 import W8A8, quantize_channels, round_rows
 from tfport.manifest import Manifest
 from tfport.models import build_model
 from tfport.runtime import load_model
+from tfport.runtime.sampling import Logprobs
 
 
 def test_weight_codes_have_one_scale_per_row_and_seven_bits():
@@ -54,6 +55,7 @@ def test_every_target_exports_a_decoder_exactly(target, tie, tmp_path):
         tie_embeddings=tie)
     manifest = _export(build_model(config, seed=0), tmp_path / "q", target)
     assert manifest.quantization == Manifest.read(tmp_path / "q").quantization == W8A8().to_dict()
+    assert "MatMulInteger takes int8 x int8 only" in manifest.device_refusals["cuda"]  # uint8 would run on the CPU
     graph = onnx.load(str(tmp_path / "q" / "decoder.onnx"))
     floats = [t.name for t in graph.graph.initializer if t.data_type == onnx.TensorProto.FLOAT
               and len(t.dims) == 2 and min(t.dims) >= 16]
@@ -93,7 +95,10 @@ def test_the_shipped_graph_rounds_each_rows_activations(target, tmp_path):
 @pytest.mark.parametrize("target", ["ort", "portable"])
 def test_a_rows_logits_do_not_depend_on_the_other_rows(target, tmp_path):
     """Each row is quantised on its own: a prompt's logits and its next step's are the same
-    bits alone and among two other rows (one scale per step would make them depend on them)."""
+    bits alone and among two other rows, in the row batch (each prompt prefilled alone, steps
+    together), where one scale per step would make them depend on the others; on the inplace
+    layout also in a batched prefill (``generate``). The concat layout pads a batch's prompts to
+    one length, which changes the float kernels' shapes and with them the activations' rounding."""
     config = ort_config("gqa") if target == "ort" else matrix_config("decoder", "rope", "gqa")
     _export(build_model(config, seed=0), tmp_path / "q", target)
     runtime = load_model(tmp_path / "q")
@@ -108,6 +113,13 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows(target, tmp_path):
 
     alone, together = run(prompts[:1]), run(prompts)
     assert np.array_equal(alone[0], together[0]) and np.array_equal(alone[1], together[1])
+    if target != "ort":
+        return
+    logprobs = {}
+    for count in (1, 3):
+        logprobs[count] = Logprobs()
+        runtime.generate(prompts[:count], max_new_tokens=6, stop_token_ids=(), logprobs=logprobs[count])
+    assert np.array_equal(logprobs[1].arrays()[0][0], logprobs[3].arrays()[0][0])
 
 
 def test_refusals_name_the_option(tmp_path):

@@ -138,12 +138,37 @@ def test_auto_measures_the_rows_or_detaches_the_batch_export(target, exports):
                                   load_model(expected).generate(prompts, max_new_tokens=6, stop_token_ids=()))
 
 
+@pytest.mark.parametrize("measured", [None, 2])
+def test_auto_applies_the_measured_rows_or_detaches(measured, exports, monkeypatch, caplog):
+    """The measurement replaced (its timing is this machine's): its rows go to every runner, or
+    None detaches the batch export with a warning, keeping ``batch_manifest`` (speculation's
+    refusal then does not depend on a timing)."""
+    import logging
+
+    import tfport.runtime.model as model_module
+
+    monkeypatch.setattr(model_module, "measure_batch_rows", lambda *args: (measured, {1: (1.0, 2.0)}))
+    int4, w8a8 = exports["ort"]
+    with caplog.at_level(logging.INFO, logger="tfport.runtime.model"):
+        mixed = load_model(int4, batch_export=w8a8)
+    runner = mixed.runners["decoder"]
+    assert mixed.batch_manifest is not None
+    if measured is None:
+        assert runner.batch_session is None
+        assert "not faster than the model's own export at any row count" in caplog.text
+    else:
+        assert runner.batch_session is not None and runner.batch_rows == 2
+        assert "runs of 2 rows or more, measured" in caplog.text
+    with pytest.raises(ValueError, match=r"batch export \(batch_export\)"):
+        mixed.generate([[5, 6, 7]], max_new_tokens=4, speculative="lookup")
+
+
 def test_only_an_export_of_the_same_model_and_contract_is_taken(exports, tmp_path):
     int4, w8a8 = exports["ort"]
     other = tmp_path / "other"
     export_model(build_model(ort_config("gqa").replace(n_decoder_layers=3), seed=0), other,
                  ExportOptions(target="ort", quantize="w8a8"))
-    with pytest.raises(ValueError, match=r"batch_export=.*other.*: its config differs from the model's"):
+    with pytest.raises(ValueError, match=r"batch_export=.*other.*: its config's n_decoder_layers differs from the model's"):
         load_model(int4, batch_export=other)
     export_model(build_model(ort_config("gqa"), seed=0), tmp_path / "portable",
                  ExportOptions(target="portable", quantize="w8a8"))
@@ -151,6 +176,10 @@ def test_only_an_export_of_the_same_model_and_contract_is_taken(exports, tmp_pat
         load_model(int4, batch_export=tmp_path / "portable")
     with pytest.raises(ValueError, match=r"batch_export='.*nowhere': model_dir=.*expected a directory made by"):
         load_model(int4, batch_export=tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"batch_rows=4: applies with batch_export \(none given\)"):
+        load_model(int4, batch_rows=4)
+    with pytest.raises(TypeError, match=r"batch_export=123: model_dir: expected a path"):
+        load_model(int4, batch_export=123)
     for bad in (0, "soon", True):
         with pytest.raises(ValueError, match=rf"batch_rows={bad!r}: expected 'auto' or a positive integer"):
             load_model(int4, batch_export=w8a8, batch_rows=bad)
