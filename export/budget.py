@@ -152,8 +152,6 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
             """The loss with ``layers`` promoted, on the first ``count`` loss sequences."""
             with swaps(layers) as module:
                 loss = _loss(model.config.family, reference[:count], _outputs(module, loss_sequences[:count]))
-            if len(layers) == len(swaps.layers) and count == len(loss_sequences):
-                everything[layout.name] = loss
             log.info("max_loss: %s with %s int%d loses %.3f%%%s", layout.name,
                      layers[0] if len(layers) == 1 else f"{len(layers)} layers", PROMOTED_BITS, 100 * loss,
                      "" if count == len(loss_sequences) else f" (first {count} sequences)")
@@ -161,10 +159,10 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
 
         lengths = np.cumsum([len(ids) for ids in loss_sequences])  # rank layers on a shorter text
         ranked = max(1, int(np.searchsorted(lengths, SENSITIVITY_TOKENS, side="right")))
-        found = promote_layers(swaps.layers, loss_of, max_loss, lambda layer: loss_of((layer,), ranked))
-        if found is None:
+        layers, loss = promote_layers(swaps.layers, loss_of, max_loss, lambda layer: loss_of((layer,), ranked))
+        if layers is None:  # loss: with every layer promoted, for the error if no layout passes
+            everything[layout.name] = loss
             return None
-        layers, loss = found
         mixed = mix(base, high, layers)
         candidate = dataclasses.replace(layout, promoted=layers, loss=loss)
         candidate.per_s = _speed(model, mixed, None, target)
@@ -259,27 +257,29 @@ class LayerSwaps:
 
 def promote_layers(layers: tuple[str, ...], loss_of: Callable[[tuple[str, ...]], float],
                    max_loss: float, alone: Callable[[str], float] | None = None
-                   ) -> tuple[tuple[str, ...], float] | None:
+                   ) -> tuple[tuple[str, ...] | None, float]:
     """(the fewest ``layers`` whose promotion brings the loss (``loss_of``) within ``max_loss``,
     that loss), most sensitive first: a layer's sensitivity is the loss with it alone promoted
     (``alone``, default ``loss_of``; on a shorter text it ranks the same for less); then 1, 2,
-    4, ... of them are tried and the last interval bisected. None if promoting every layer is
-    not enough."""
+    4, ... of them are tried and the last interval bisected. (None, the loss with every layer
+    promoted) if that is not enough; (None, nan) without layers."""
     if not layers:
-        return None
+        return None, float("nan")
     alone = alone or (lambda layer: loss_of((layer,)))
     sensitivity = {layer: alone(layer) for layer in layers}
     order = sorted(layers, key=lambda name: sensitivity[name])  # the lowest loss alone: the most sensitive
 
     def within(count: int) -> float | None:
-        loss = loss_of(tuple(order[:count]))
-        return loss if loss <= max_loss else None
+        nonlocal last
+        last = loss_of(tuple(order[:count]))
+        return last if last <= max_loss else None
 
+    last = float("nan")  # the loss within() measured last
     low, count = 0, 1  # low layers fail; count is the next try
     loss = within(count)
     while loss is None:
         if count == len(order):
-            return None
+            return None, last
         low, count = count, min(2 * count, len(order))
         loss = within(count)
     while count - low > 1:  # count layers pass, low fail

@@ -270,6 +270,27 @@ def sampled(model, count: int) -> np.ndarray:
     return ids[0].numpy().astype(np.int64)
 
 
+def test_promote_layers_finds_the_fewest_most_sensitive_layers():
+    """Made-up losses: each layer promoted takes its gain off a base of 1.0; sensitivity is the
+    loss with it alone, so the largest gains come first. Brute force over the ranking agrees."""
+    from tfport.export.budget import promote_layers
+
+    gains = {"l0": 0.05, "l1": 0.4, "l2": 0.1, "l3": 0.3, "l4": 0.02}
+
+    def loss_of(layers):
+        return 1.0 - sum(gains[name] for name in layers)
+
+    ranking = sorted(gains, key=lambda name: -gains[name])  # l1, l3, l2, l0, l4
+    for budget in (0.65, 0.3, 0.2, 0.15):
+        fewest = next(n for n in range(1, 6) if loss_of(tuple(ranking[:n])) <= budget)
+        layers, loss = promote_layers(tuple(gains), loss_of, budget)
+        assert set(layers) == set(ranking[:fewest]) and loss == pytest.approx(loss_of(tuple(ranking[:fewest])))
+        assert list(layers) == sorted(layers, key=lambda name: int(name[1:]))  # model order
+    assert promote_layers(tuple(gains), loss_of, 0.1) == (None, pytest.approx(1.0 - sum(gains.values())))
+    layers, loss = promote_layers((), loss_of, 0.1)
+    assert layers is None and np.isnan(loss)
+
+
 def test_max_loss_promotes_the_sensitive_layers_of_a_layout_over_the_budget(decoder, tmp_path):
     """One layout (blocks of 32, head int4) over a budget that every layer at int8 meets: the
     fewest layers, most sensitive first, are promoted; the export's products of those layers
