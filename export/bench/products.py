@@ -75,7 +75,8 @@ class Product:
 
     @property
     def stored_bytes(self) -> int:
-        return sum(w.nbytes for w in self.weights.values())
+        """Bytes of the weight arrays (constants of one value, such as a zero point, aside)."""
+        return sum(w.nbytes for w in self.weights.values() if w.size > 1)
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,23 @@ def dynamic_int8(fused: bool) -> Callable[[np.ndarray], Product]:
     return build
 
 
+def rows_int8() -> Callable[[np.ndarray], Product]:
+    """``--quantize w8a8``'s product, built by the exporter's own lowering (``w8a8.RowQuantizer``):
+    the input rounded per row to uint8 around 128 (``QuantizeLinear``), int8 weight codes per
+    output column (7 bits), standard ``MatMulInteger``, then the column and row scales."""
+    def build(weight: np.ndarray) -> Product:
+        from ..graph import GraphBuilder
+        from ..w8a8 import W8A8, RowQuantizer
+
+        n, k = weight.shape
+        g = GraphBuilder("product", "float32")
+        y = RowQuantizer(W8A8()).project(g, "x", np.ascontiguousarray(weight.T), "w")  # W^T [K, N]
+        weights = {t.name: numpy_helper.to_array(t) for t in g.initializers}
+        return Product(_model([*g.nodes, helper.make_node("Identity", [y], ["y"])], k, n, weights),
+                       np.dtype("float32"), weights)
+    return build
+
+
 CANDIDATES = (
     Candidate("f32", "float32 MatMul", float_matmul("float32")),
     Candidate("f16", "float16 MatMul (float16 input and output)", float_matmul("float16")),
@@ -158,6 +176,7 @@ CANDIDATES = (
     Candidate("int8-dql-mitf", "DynamicQuantizeLinear + MatMulIntegerToFloat, int8 per column",
               dynamic_int8(fused=False)),
     Candidate("int8-dqmm", "DynamicQuantizeMatMul, int8 per column", dynamic_int8(fused=True)),
+    Candidate("int8-rows", "w8a8: QuantizeLinear per row + MatMulInteger, int8 per column", rows_int8()),
 )
 
 

@@ -33,6 +33,7 @@ TOLERANCES = {
     "nbits8-l4": (0.01, 2e-2),  # 8-bit codes, 256 levels; int8 activations per block as above
     "int8-dql-mitf": (0.03, 3e-2),  # 7-bit codes per column; uint8 activations, one scale per call
     "int8-dqmm": (0.03, 3e-2),  # the same computation in one operator
+    "int8-rows": (0.03, 3e-2),  # 7-bit codes per column; uint8 activations, one scale per row
 }
 OPTIONAL = {"f16": "ONNX Runtime's CPU provider may lack a float16 MatMul kernel on this CPU"}
 
@@ -49,6 +50,11 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 def graph_weight(model: onnx.ModelProto) -> np.ndarray:
     """The float64 W [N, K] a candidate's one product computes with, from its initializers."""
     init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    integer = [n for n in model.graph.node if n.op_type == "MatMulInteger"]
+    if integer:  # w8a8: B int8 [K, N]; the column scale (w_scale / 127) multiplies the int32 sums
+        codes = init[integer[0].input[1]].astype(np.float64)
+        column = next(n for n in model.graph.node if n.name.endswith(".channel_scale"))
+        return (codes * init[column.input[1]].astype(np.float64) * 127).T
     node = next(n for n in model.graph.node if n.op_type != "DynamicQuantizeLinear")
     if node.op_type == "MatMul":  # B [K, N]
         return init[node.input[1]].astype(np.float64).T
