@@ -12,11 +12,13 @@ whole generation, prompt included, as tokens/s; for speculative runs the accepta
 tokens per target forward and whether the tokens equal plain decoding's. The timed runs repeat
 the untimed run's prompt, whose keys and values then come from tfport's prefix caches (the
 target's and a draft model's; llama.cpp keeps its last prompt's too), so the figures are close
-to decode speed.
+to decode speed. tfport's engines are timed a second time with their prefix caches off
+(``cold``): every run prefills the prompt, the draft model's too, as a first request does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -53,6 +55,28 @@ def _median_run(run, repeats: int) -> tuple[float, Any]:
     return float(np.median(times)), out
 
 
+@contextlib.contextmanager
+def _cold(models):
+    """``models`` (tfport ``Model`` objects) with their prefix caches off, restored after."""
+    kept = [(model, model.prefix_cache) for model in models]
+    for model, _ in kept:
+        model.prefix_cache = None
+    try:
+        yield
+    finally:
+        for model, cache in kept:
+            model.prefix_cache = cache
+
+
+def _timed(run, repeats: int, models) -> tuple[float, float, Any]:
+    """(median seconds of ``run`` with the prefix caches warm, the same with ``models``' caches
+    off, the last warm call's result)."""
+    seconds, out = _median_run(run, repeats)
+    with _cold(models):
+        cold, _ = _median_run(run, repeats)
+    return seconds, cold, out
+
+
 def run_speculative(export: str | Path, drafters: tuple[str, ...], threads: int, repeats: int,
                     max_new_tokens: int, genai: tuple[str, ...] = (), gguf: tuple[str, ...] = ()
                     ) -> dict[str, Any]:
@@ -72,20 +96,22 @@ def run_speculative(export: str | Path, drafters: tuple[str, ...], threads: int,
              for d in genai] + [(f"{LlamaCppPeer.name} {Path(g).name}", lambda g=g: LlamaCppPeer(g, threads), "llama_cpp")
                                 for g in gguf]
     rows = []
+    caches = [model, *(draft for draft in drafts.values() if draft != "lookup")]
     for workload, messages in workloads().items():
         ids = fmt.prompt_ids(messages)
-        seconds, plain = _median_run(lambda: model.generate([ids], max_new_tokens=max_new_tokens,
-                                                            stop_token_ids=fmt.stop_ids), repeats)
+        seconds, cold, plain = _timed(lambda: model.generate([ids], max_new_tokens=max_new_tokens,
+                                                             stop_token_ids=fmt.stop_ids), repeats, caches)
         count = plain.shape[1]
         base = {"workload": workload, "prompt_tokens": len(ids), "tokens": count}
-        rows.append({**base, "engine": "tfport plain", "tokens_per_s": count / seconds})
+        rows.append({**base, "engine": "tfport plain", "tokens_per_s": count / seconds,
+                     "cold_tokens_per_s": count / cold})
         for name, draft in drafts.items():
             stats = SpeculationStats()
-            seconds, tokens = _median_run(lambda: model.generate(
+            seconds, cold, tokens = _timed(lambda: model.generate(
                 [ids], max_new_tokens=count, stop_token_ids=(), speculation=stats,
-                speculative=Speculation(draft, exact=exact)), repeats)
+                speculative=Speculation(draft, exact=exact)), repeats, caches)
             rows.append({**base, "engine": f"tfport {Path(name).name if name != 'lookup' else 'lookup'}",
-                         "tokens_per_s": count / seconds,
+                         "tokens_per_s": count / seconds, "cold_tokens_per_s": count / cold,
                          "acceptance_rate": stats.acceptance_rate,
                          "tokens_per_forward": stats.tokens_per_forward,
                          "identical": bool(np.array_equal(tokens, plain))})
@@ -102,6 +128,8 @@ def run_speculative(export: str | Path, drafters: tuple[str, ...], threads: int,
         plain_row = next(r for r in rows if r["workload"] == row["workload"] and r["engine"] == "tfport plain")
         if "tokens_per_s" in row:
             row["vs_plain"] = row["tokens_per_s"] / plain_row["tokens_per_s"]
+        if "cold_tokens_per_s" in row:
+            row["cold_vs_plain"] = row["cold_tokens_per_s"] / plain_row["cold_tokens_per_s"]
     settings = {"export": str(export), "drafters": list(drafters), "threads": threads,
                 "repeats": repeats, "max_new_tokens": max_new_tokens, "exact": exact}
     return {"rows": rows, "settings": settings}
@@ -110,7 +138,7 @@ def run_speculative(export: str | Path, drafters: tuple[str, ...], threads: int,
 def format_speculative(result: dict[str, Any]) -> str:
     """The result as a text table."""
     head = (f"{'workload':<9} {'engine':<34} {'tokens':>6} {'tok/s':>7} {'x plain':>7} "
-            f"{'accept':>6} {'tok/fwd':>7} {'same':>5}")
+            f"{'cold':>7} {'x plain':>7} {'accept':>6} {'tok/fwd':>7} {'same':>5}")
     lines = [head, "-" * len(head)]
     for row in result["rows"]:
         if "skipped" in row:
@@ -119,10 +147,13 @@ def format_speculative(result: dict[str, Any]) -> str:
         accept = f"{row['acceptance_rate']:.0%}" if "acceptance_rate" in row else "-"
         per = f"{row['tokens_per_forward']:.2f}" if "tokens_per_forward" in row else "-"
         same = {True: "yes", False: "NO"}.get(row.get("identical"), "-")
+        cold = (f"{row['cold_tokens_per_s']:>7.1f} {row['cold_vs_plain']:>7.2f}" if "cold_tokens_per_s" in row
+                else f"{'-':>7} {'-':>7}")
         lines.append(f"{row['workload']:<9} {row['engine']:<34} {row['tokens']:>6} {row['tokens_per_s']:>7.1f} "
-                     f"{row['vs_plain']:>7.2f} {accept:>6} {per:>7} {same:>5}")
+                     f"{row['vs_plain']:>7.2f} {cold} {accept:>6} {per:>7} {same:>5}")
     settings = result["settings"]
     lines.append(f"greedy; {settings['threads']} threads; median of {settings['repeats']} runs; "
-                 f"tokens/s over the whole generation (the repeated prompt from the prefix caches)"
+                 f"tokens/s over the whole generation (the repeated prompt from the prefix caches; "
+                 f"cold: caches off, every run prefills it)"
                  + ("" if settings["exact"] else "; quantised target: speculative tokens may differ"))
     return "\n".join(lines)

@@ -285,7 +285,11 @@ def speculate(model, rows: Sequence[np.ndarray], states: Sequence[SequenceState]
                          "decoding runs decoder-only exports")
     runner = model.runner("decoder", "generate")
     length = max(len(row) for row in rows) + max(state.max_tokens for state in states) + speculative.draft_tokens + 1
-    batch = model.decoding.rows(runner, len(rows), min(length, config.max_positions), config.fill_token_id)
+    # A single prompt starts from its longest cached prefix and leaves its keys and values, as in
+    # plain decoding (generation.generate_steps); so a chat's next turn is not prefilled again.
+    prefix = model.prefix_cache if len(rows) == 1 else None
+    batch = model.decoding.rows(runner, len(rows), min(length, config.max_positions), config.fill_token_id,
+                                prefix=prefix)
     check_speculative(model, batch, speculative)
     speculator = Speculator(batch, runner, speculative, drafter, stats)
     return speculative_steps(batch, rows, states, speculator, config.fill_token_id)

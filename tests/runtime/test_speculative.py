@@ -258,6 +258,28 @@ def test_the_scheduler_speculates_with_continuous_batching(models, key, drafter)
         assert scheduler.speculation_stats.accepted > 0
 
 
+@pytest.mark.parametrize("key", [("portable", "tiny-decoder"), ("ort", "tiny-decoder")], ids=lambda k: "-".join(k))
+def test_a_single_prompt_speculates_from_the_prefix_cache_and_leaves_its_tokens(models, key):
+    """As plain decoding does: the second call finds the first one's prompt and output cached
+    (a chat's next turn is not prefilled again), with the plain tokens both times."""
+    from tfport.runtime.decoding.prefix import PrefixCache
+
+    model = models[key]
+    prompt = prompts(model.config.vocab_size)[0]
+    plain = model.generate([prompt], max_new_tokens=20, stop_token_ids=())
+    model.prefix_cache, kept = PrefixCache.from_mb(16, block_size=4), model.prefix_cache
+    try:
+        first = model.generate([prompt], max_new_tokens=20, stop_token_ids=(), speculative="lookup")
+        assert model.prefix_cache.hit_tokens == 0 and model.prefix_cache.bytes > 0
+        follow = [*prompt, *first[0].tolist(), *prompt[:5]]  # the next turn: the conversation so far and more
+        again = model.generate([follow], max_new_tokens=8, stop_token_ids=(), speculative="lookup")
+        assert model.prefix_cache.hit_tokens >= len(prompt)
+    finally:
+        model.prefix_cache = kept
+    np.testing.assert_array_equal(first, plain)
+    np.testing.assert_array_equal(again, model.generate([follow], max_new_tokens=8, stop_token_ids=()))
+
+
 def test_a_batch_export_makes_speculation_inexact(models, tmp_path):
     """Verification steps (several rows) would run on the batch export, plain steps on the
     model's own: refused unless exact=False."""

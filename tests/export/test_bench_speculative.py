@@ -1,0 +1,53 @@
+"""``tfport bench --speculative`` (export/bench/speculative.py) on tiny models: every engine's row,
+warm and cold, the tokens checked against plain decoding (a float target: identical), and the
+prefix caches the cold runs turn off restored."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tests.export.text_models import perturbed, word_tokenizer
+from tests.matrix import matrix_config
+from tfport.export import ExportOptions, export_model
+from tfport.export.bench.speculative import _cold, format_speculative, run_speculative
+
+TEMPLATE = ("{% for m in messages %}[BOS] {{ m['content'] }} [EOS] {% endfor %}"
+            "{% if add_generation_prompt %}[BOS]{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-speculative")
+    config = matrix_config("decoder", "rope", "gqa").replace(vocab_size=256, max_positions=512)
+    word_tokenizer(config.vocab_size, root / "tokenizer.json")
+    for name, seed in (("target", 0), ("draft", 1)):
+        model = perturbed(config) if seed == 0 else perturbed(config.replace(n_decoder_layers=1))
+        export_model(model, root / name, ExportOptions(tokenizer=root / "tokenizer.json", chat_template=TEMPLATE))
+    return root
+
+
+def test_every_engine_is_timed_warm_and_cold_with_the_plain_tokens(exports):
+    result = run_speculative(exports / "target", ("lookup", str(exports / "draft")), threads=1, repeats=1,
+                             max_new_tokens=12)
+    rows = result["rows"]
+    assert [(r["workload"], r["engine"]) for r in rows] == [
+        (w, e) for w in ("grounded", "free") for e in ("tfport plain", "tfport lookup", "tfport draft")]
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and row["cold_tokens_per_s"] > 0
+        if row["engine"] != "tfport plain":
+            assert row["identical"] is True  # a float target: the same tokens as plain decoding
+            assert 0 <= row["acceptance_rate"] <= 1 and row["tokens_per_forward"] >= 1
+    table = format_speculative(result)
+    assert "cold" in table.splitlines()[0] and "cold: caches off, every run prefills it" in table
+
+
+def test_cold_turns_the_prefix_caches_off_and_restores_them():
+    models = [SimpleNamespace(prefix_cache="a"), SimpleNamespace(prefix_cache="b")]
+    with _cold(models):
+        assert [m.prefix_cache for m in models] == [None, None]
+    assert [m.prefix_cache for m in models] == ["a", "b"]
+    with pytest.raises(KeyError), _cold(models):
+        raise KeyError("restored on the way out too")
+    assert [m.prefix_cache for m in models] == ["a", "b"]
