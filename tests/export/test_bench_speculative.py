@@ -4,6 +4,9 @@ prefix caches the cold runs turn off restored."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -28,19 +31,33 @@ def exports(tmp_path_factory):
     return root
 
 
-def test_every_engine_is_timed_warm_and_cold_with_the_plain_tokens(exports):
-    result = run_speculative(exports / "target", ("lookup", str(exports / "draft")), threads=1, repeats=1,
-                             max_new_tokens=12)
-    rows = result["rows"]
+def _check(rows, engines):
     assert [(r["workload"], r["engine"]) for r in rows] == [
-        (w, e) for w in ("grounded", "free") for e in ("tfport plain", "tfport lookup", "tfport draft")]
+        (w, e) for w in ("grounded", "free") for e in ("tfport plain", *engines)]
     for row in rows:
         assert row["tokens_per_s"] > 0 and row["cold_tokens_per_s"] > 0
         if row["engine"] != "tfport plain":
             assert row["identical"] is True  # a float target: the same tokens as plain decoding
             assert 0 <= row["acceptance_rate"] <= 1 and row["tokens_per_forward"] >= 1
+
+
+def test_every_engine_is_timed_warm_and_cold_with_the_plain_tokens(exports):
+    result = run_speculative(exports / "target", ("lookup",), threads=1, repeats=1, max_new_tokens=12)
+    _check(result["rows"], ["tfport lookup"])
     table = format_speculative(result)
     assert "cold" in table.splitlines()[0] and "cold: caches off, every run prefills it" in table
+
+
+def test_a_draft_model_through_the_cli(exports, tmp_path):
+    """In a child process: a draft model puts the process on ONNX Runtime's process-wide thread
+    pool, which every later session of that process must use."""
+    out = tmp_path / "spec.json"
+    done = subprocess.run([sys.executable, "-m", "tfport.cli", "bench", "--speculative",
+                           f"lookup,{exports / 'draft'}", "--export", str(exports / "target"), "--threads", "1",
+                           "--repeats", "1", "--new-tokens", "12", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _check(json.loads(out.read_text())["rows"], ["tfport lookup", "tfport draft"])
 
 
 def test_cold_turns_the_prefix_caches_off_and_restores_them():
