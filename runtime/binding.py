@@ -61,7 +61,7 @@ class GraphRunner:
         # (decoding.inplace: the idle KV buffers and their binding).
         self.kept: dict[str, object] = {}
         # Another export's session of this graph (same inputs and outputs) for runs of at least
-        # ``batch_rows`` rows: ``Model.load(batch_export=...)``, opening.attach_batch_export.
+        # ``batch_rows`` rows: ``Model.load(batch_export=...)``, batch_export.attach_batch_export.
         self.batch_session: ort.InferenceSession | None = None
         self.batch_rows = 0
         self.runs = {"own": 0, "batch": 0}  # runs ``session_for`` sent to each (tfport serve's /metrics)

@@ -37,7 +37,8 @@ from .encoding import EncoderMethods
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .sampling import Logprobs
-from .opening import AUTO, BATCH_ROWS, attach_batch_export, check_batch_rows, measure_batch_rows, open_export
+from .batch_export import AUTO, use_batch_export
+from .opening import open_export
 from .session import SessionSettings
 from .text_methods import TextMethods
 from .tokenizer import TextTokenizer
@@ -91,7 +92,7 @@ class Model(EncoderMethods, TextMethods):
         ``batch_export``: another export of the same model (same target, dtype and cache; e.g.
         ``--quantize w8a8`` beside an int4 one) that runs every graph run of at least
         ``batch_rows`` rows (batch x new tokens: batched decode steps, long prefills; "auto":
-        measured here for a decoder, ``opening.measure_batch_rows``, about a second for
+        measured here for a decoder, ``batch_export.use_batch_export``, about a second for
         SmolLM2-135M, not used where it is never faster; 8 for other families), opened
         with the same settings (``tfport serve`` gives both ONNX Runtime's process-wide thread
         pool, ``SessionSettings.shared_threads``, as for a draft model). int4's ``MatMulNBits`` costs about linearly in rows on CPUs
@@ -104,40 +105,8 @@ class Model(EncoderMethods, TextMethods):
         settings = settings if settings is not None else SessionSettings(provider=provider)
         directory, manifest, runners, settings = open_export(model_dir, settings, verify)
         model = cls(directory, manifest, runners, settings)
-        check_batch_rows(batch_rows)
-        if batch_export is None and batch_rows != AUTO:
-            raise ValueError(f"batch_rows={batch_rows!r}: applies with batch_export (none given)")
-        if batch_export is not None:
-            model.batch_manifest = attach_batch_export(runners, manifest, batch_export, settings, verify,
-                                                       BATCH_ROWS if batch_rows == AUTO else batch_rows)
-            if batch_rows == AUTO and model.config.family == "decoder":
-                model._measure_batch_rows(batch_export)
-            else:
-                logger.info("batch_export %s: runs of %d rows or more%s", batch_export,
-                            next(iter(runners.values())).batch_rows,
-                            " ('auto' is measured for decoders only)" if batch_rows == AUTO else "")
+        use_batch_export(model, batch_export, batch_rows, verify)
         return model
-
-    def _measure_batch_rows(self, batch_export: str | Path) -> None:
-        """``batch_rows="auto"``: each runner's batch export from the measured crossover, or
-        detached where the batch export is never faster (with a warning; ``batch_manifest``
-        stays, so that what depends on a batch export having been asked for, such as the
-        refusal of exact speculation, does not depend on a timing)."""
-        runner = self.runners["decoder"]
-        rows, times = measure_batch_rows(runner, self.decoding.score, self.config.vocab_size,
-                                         self.config.max_positions)
-        table = ", ".join(f"{n}: {own * 1e3:.1f}/{batch * 1e3:.1f}" for n, (own, batch) in times.items())
-        if rows is None:
-            logger.warning("batch_export %s: not faster than the model's own export at any row count "
-                           "measured (rows: own/batch ms %s); not used", batch_export, table)
-        else:
-            logger.info("batch_export %s: runs of %d rows or more, measured (rows: own/batch ms %s)",
-                        batch_export, rows, table)
-        for each in self.runners.values():
-            if rows is None:
-                each.batch_session = None
-            else:
-                each.batch_rows = rows
 
     def __repr__(self) -> str:
         return (f"Model({str(self.directory)!r}, family={self.config.family!r}, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..decoding.prefix import DEFAULT_MB, PrefixCache
-from ..opening import AUTO, check_batch_rows
+from ..batch_export import AUTO, check_batch_rows
 from .batcher import MAX_TOKENS, WINDOW_S
 from .exposure import check_origins
 from .scheduler import SchedulerLimits

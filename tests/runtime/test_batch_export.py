@@ -108,7 +108,7 @@ def test_runs_are_counted_by_export_and_reported_in_metrics(exports):
 
 def test_the_crossover_is_the_fewest_rows_from_which_the_batch_side_stays_faster():
     """Times made up: (own, batch) seconds per row count."""
-    from tfport.runtime.opening import crossover
+    from tfport.runtime.batch_export import crossover
 
     assert crossover({1: (5, 7), 2: (8, 10), 4: (10, 11), 8: (17, 14), 16: (31, 22), 32: (76, 49)}) == 8
     assert crossover({1: (5, 7), 4: (10, 9), 8: (17, 18), 16: (31, 22)}) == 16  # faster at 4, not at 8
@@ -121,7 +121,7 @@ def test_auto_measures_the_rows_or_detaches_the_batch_export(target, exports):
     """The default, "auto", times both sessions on this machine: a probe size, or no batch export
     where it is never faster (both are possible on a tiny model; either way the runs go to one
     session consistently: a batch of 3 decodes as one of the two exports alone)."""
-    from tfport.runtime.opening import PROBE_ROWS
+    from tfport.runtime.batch_export import PROBE_ROWS
 
     int4, w8a8 = exports[target]
     mixed = load_model(int4, batch_export=w8a8)
@@ -145,11 +145,11 @@ def test_auto_applies_the_measured_rows_or_detaches(measured, exports, monkeypat
     refusal then does not depend on a timing)."""
     import logging
 
-    import tfport.runtime.model as model_module
+    import tfport.runtime.batch_export as batch_module
 
-    monkeypatch.setattr(model_module, "measure_batch_rows", lambda *args: (measured, {1: (1.0, 2.0)}))
+    monkeypatch.setattr(batch_module, "measure_batch_rows", lambda *args: (measured, {1: (1.0, 2.0)}))
     int4, w8a8 = exports["ort"]
-    with caplog.at_level(logging.INFO, logger="tfport.runtime.model"):
+    with caplog.at_level(logging.INFO, logger="tfport.runtime.batch_export"):
         mixed = load_model(int4, batch_export=w8a8)
     runner = mixed.runners["decoder"]
     assert mixed.batch_manifest is not None
