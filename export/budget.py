@@ -95,11 +95,12 @@ def candidates(scheme: QuantScheme, block_size: int | None, head_bits: int | Non
 def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokenizer,
                   calibration: Calibration | None, loss_text: str | None, block_size: int | None,
                   head_bits: int | None, target, scale_dtype: str = "float32",
-                  threads: int | None = None) -> PrecomputedQuantization:
+                  threads: int | None = None, head_block_size: int | None = None) -> PrecomputedQuantization:
     """The fastest layout of ``scheme``'s format (its symmetry) whose loss is at most
     ``max_loss`` (module doc), quantised (GPTQ on ``calibration``, or round-to-nearest when None,
     ``threads`` matrices at once: ``calibrate``), with the budget recorded. ``block_size`` /
-    ``head_bits`` fix those fields when not None."""
+    ``head_bits`` fix those fields when not None; the head and token table are in blocks of
+    ``head_block_size`` (None: ``calibrate.head_block``)."""
     if model.config.family not in ("decoder", "encoder"):
         raise ValueError(f"max_loss={max_loss!r}: measures decoder perplexity or encoder cosine; this is "
                          f"an {model.config.family} model (quantise it with a fixed layout)")
@@ -121,14 +122,14 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
     layouts = candidates(scheme, block_size, head_bits)
     for layout in layouts:
         layout.per_s = _speed(model, QuantScheme(scheme.bits, layout.block_size, scheme.symmetric),
-                              layout.head_bits, target)
+                              layout.head_bits, target, head_block_size)
         log.info("max_loss: %s decodes %.1f/s", layout.name, layout.per_s)
     reference = _outputs(model, loss_sequences)
 
     def quantize(layout: Candidate, bits: int | None = None) -> PrecomputedQuantization:
         layout_scheme = QuantScheme(bits or scheme.bits, layout.block_size, scheme.symmetric, scheme.embeddings)
         return calibrate(model, layout_scheme, sequences, scale_dtype, layout.head_bits,
-                         record=dict(record), hessians=hessians, threads=threads)
+                         record=dict(record), hessians=hessians, threads=threads, head_block_size=head_block_size)
 
     def quantize_and_measure(layout: Candidate) -> PrecomputedQuantization:
         quantization = quantize(layout)
@@ -320,7 +321,7 @@ def _loss(family: str, reference: list[torch.Tensor], quantized: list[torch.Tens
 
 
 def _speed(model: nn.Module, scheme: QuantScheme | PrecomputedQuantization, head_bits: int | None,
-           target) -> float:
+           target, head_block_size: int | None = None) -> float:
     """Decode tokens/s (encoders: sentences/s) of a round-to-nearest export of this layout (or of
     the precomputed quantisation of a mixed one: the codes do not change the speed)."""
     from tfport.runtime import load_model
@@ -332,7 +333,9 @@ def _speed(model: nn.Module, scheme: QuantScheme | PrecomputedQuantization, head
     with tempfile.TemporaryDirectory(prefix="tfport-max-loss-") as tmp:
         out = Path(tmp) / "candidate"
         export_model(model, out, ExportOptions(target=target, quantize=scheme, calibration="none",
-                                               head_bits=head_bits, validate=False))
+                                               head_bits=head_bits, validate=False,
+                                               head_block_size=None if isinstance(scheme, PrecomputedQuantization)
+                                               else head_block_size))
         runtime = load_model(out)
         rng = np.random.default_rng(0)
         if config.family == "decoder":

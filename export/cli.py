@@ -30,7 +30,8 @@ def run_export(args: argparse.Namespace) -> int:
         dtype=args.dtype, opset=args.opset, target=args.target, validate=not args.no_validate,
         tokenizer=args.tokenizer, overwrite=args.force, show_progress=None if not args.progress else True,
         quantize=args.quantize, block_size=args.block_size, symmetric=args.symmetric, logits=args.logits,
-        kv_dtype=args.kv_dtype, calibration=calibration, head_bits=args.head_bits, max_loss=args.max_loss,
+        kv_dtype=args.kv_dtype, calibration=calibration, head_bits=args.head_bits,
+        head_block_size=args.head_block_size, max_loss=args.max_loss,
         loss_text=args.loss_text, calibration_threads=args.calibration_threads)
     manifest = export_checkpoint_or_preset(args.source, args.out, options, seed=args.seed)
     graphs = ", ".join(g.file for g in manifest.graphs.values())
@@ -54,6 +55,8 @@ def describe_quantization(quantization: dict) -> str:
         return "w8a8: int8 weights per output channel, int8 activations per token"
     method = "GPTQ" if quantization.get("method") == "gptq" else "round-to-nearest"
     head = f", head int{quantization['head_bits']}" if "head_bits" in quantization else ""
+    if quantization.get("head_block_size", quantization["block_size"]) != quantization["block_size"]:
+        head += f"{' in' if head else ', head in'} blocks of {quantization['head_block_size']}"
     if quantization.get("promoted"):
         head += f", {len(quantization['promoted'])} layers int{PROMOTED_BITS}"
     symmetric = "symmetric" if quantization["symmetric"] else "with zero points"
@@ -96,7 +99,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                         "prefill, e.g. as tfport serve --batch-export); keep: a .gguf source's own "
                         "Q4_0/Q4_1/Q8_0 blocks, not re-quantised")
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None,
-                   help="values per scale along each weight row of --quantize int4/int8 (default 32)")
+                   help="values per scale along each weight row of --quantize int4/int8 (default: 128 "
+                        "for int4 of a model that generates, else 32)")
     p.add_argument("--calibration", metavar="TEXT", default=AUTO,
                    help=f"how int4/int8 codes are chosen: {AUTO} (default): GPTQ on the built-in text for "
                         f"int4 when the source has a tokenizer, else round-to-nearest; {NONE}: "
@@ -112,6 +116,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--head-bits", type=int, choices=HEAD_BITS,
                    help="bits of the LM head and token table (mixed precision: 8 keeps them int8 while "
                         "the other products are int4; default: as --quantize)")
+    p.add_argument("--head-block-size", type=int, choices=BLOCK_SIZES,
+                   help="block size of the LM head and token table (default: the largest up to "
+                        "--block-size that divides their width, so that a tied table is stored once)")
     p.add_argument("--max-loss", metavar="LOSS",
                    help="choose the fastest --quantize layout (block size, head at 8 bits, int4 with "
                         "its most sensitive layers at int8) whose loss stays within LOSS (e.g. 10%%: "

@@ -25,7 +25,7 @@ from tfport.files import atomic_directory
 from tfport.integrity import graph_metadata, record_files
 from tfport.manifest import Manifest
 
-from .calibrate import calibrated_scheme, resolve_calibration
+from .calibrate import calibrated_scheme, own_head_block, resolve_calibration
 from .graphs import BUILDERS
 from .hessians import Calibration
 from .options import ExportOptions, ExportPlan, plan_export
@@ -59,7 +59,9 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
     default: GPTQ on the built-in text for int4 when ``tokenizer`` is given; "none"; "builtin",
     a text file's path or an ``export.calibrate.Calibration``; needs ``tokenizer``) chooses the
     codes with GPTQ on the module's activations over that text instead (same layout);
-    ``head_bits`` (8 or 4) quantises the LM head and token table with that many bits.
+    ``head_bits`` (8 or 4) quantises the LM head and token table with that many bits, in blocks of
+    ``head_block_size`` (default: the largest block size up to ``block_size`` that divides their
+    width, ``calibrate.head_block``).
 
     ``logits="last"`` makes the decoder return only the logits the next token is picked from
     ([B, 1, V], ``tfport.contract.LOGITS``): a prefill skips the head for the rest of the prompt.
@@ -82,10 +84,12 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
         scheme = choose_layout(model, scheme, parse_loss(options.max_loss), options.tokenizer,
                                Calibration(calibration) if isinstance(calibration, str) else calibration,
                                options.loss_text, options.block_size, options.head_bits, plan.target,
-                               options.dtype, options.calibration_threads)
-    elif calibration is not None or options.head_bits is not None:  # GPTQ, mixed precision
+                               options.dtype, options.calibration_threads, options.head_block_size)
+    elif (calibration is not None or options.head_bits is not None or options.head_block_size is not None
+          or own_head_block(model, scheme)):  # GPTQ, mixed precision, the head in other blocks
         scheme = calibrated_scheme(model, scheme, calibration, options.tokenizer, options.dtype,
-                                   options.head_bits, options.show_progress, options.calibration_threads)
+                                   options.head_bits, options.show_progress, options.calibration_threads,
+                                   head_block_size=options.head_block_size)
     manifest = Manifest(config=config, dtype=options.dtype, opset=plan.opset, target=plan.target.name,
                         layout=plan.target.layout,
                         device_refusals={**plan.target.device_refusals(options.dtype, plan.kv_dtype),

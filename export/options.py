@@ -22,7 +22,7 @@ from tfport.generation import GenerationDefaults
 
 from .calibrate import resolve_threads
 from .hessians import AUTO, Calibration
-from .quantize import QuantScheme, resolve_scheme
+from .quantize import BLOCK_SIZES, QuantScheme, resolve_scheme
 from .w8a8 import W8A8
 from .targets import DEFAULT_TARGET, Target, get_target
 
@@ -48,7 +48,8 @@ class ExportOptions:
     for the named formats; ``calibration`` ("auto": GPTQ on the built-in text for int4 when
     ``tokenizer`` is given, else round-to-nearest; "none": round-to-nearest; "builtin", a text
     file or a ``Calibration``: GPTQ)
-    and ``head_bits`` (8 or 4) re-choose an int4/int8 quantisation's codes. ``logits``: "all" or
+    ``head_bits`` (8 or 4) and ``head_block_size`` (default: ``calibrate.head_block``) re-choose
+    an int4/int8 quantisation's codes. ``logits``: "all" or
     "last" (``tfport.contract.LOGITS``). ``kv_dtype``: the KV cache's dtype (None: float16 for
     float16 exports, else float32). ``max_loss`` (a fraction or "10%") picks the fastest int4 /
     int8 layout whose measured loss on ``loss_text`` (default: the calibration text) is within it
@@ -75,6 +76,7 @@ class ExportOptions:
     kv_dtype: str | None = None
     calibration: str | Calibration | None = AUTO
     head_bits: int | None = None
+    head_block_size: int | None = None
     max_loss: float | str | None = None
     loss_text: str | os.PathLike | None = None
     calibration_threads: int | None = None
@@ -129,6 +131,7 @@ def plan_export(options: ExportOptions, config: ModelConfig, out_dir: str | os.P
             check_keep_dtype(dtype)
         target.check_quantized(scheme, opset)
     _check_budget(options, scheme)
+    _check_head_block(options.head_block_size, scheme)
     resolve_threads(options.calibration_threads)
     out_dir = check_output_dir(out_dir, "out_dir", options.overwrite)
     embedding = options.embedding
@@ -173,6 +176,17 @@ def _check_budget(options: ExportOptions, scheme: QuantScheme | None) -> None:
                          f"'int8', got {got}")
     if options.loss_text is not None and not Path(options.loss_text).is_file():
         raise ValueError(f"loss_text={str(options.loss_text)!r}: no such file (expected a UTF-8 text)")
+
+
+def _check_head_block(head_block_size: int | None, scheme) -> None:
+    """``head_block_size``: one of ``BLOCK_SIZES``, for an int4 or int8 quantisation."""
+    if head_block_size is None:
+        return
+    if isinstance(head_block_size, bool) or head_block_size not in BLOCK_SIZES:
+        raise ValueError(f"head_block_size={head_block_size!r}: expected None or one of {list(BLOCK_SIZES)}")
+    if not isinstance(scheme, QuantScheme):
+        got = "no quantisation" if scheme is None else f"quantize={scheme.name!r}, whose layout is its own"
+        raise ValueError(f"head_block_size={head_block_size!r}: applies to quantize='int4' or 'int8', got {got}")
 
 
 def _check_tokenizer(path: Path) -> None:

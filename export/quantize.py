@@ -22,6 +22,10 @@ from .rounding import quantize_rows
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # powers of two >= 16: what MatMulNBits and ONNX's blocks take
 BITS = {"int4": 4, "int8": 8}  # --quantize FORMAT -> bits
 FORMAT_W8A8 = "w8a8"  # int8 weights and activations (export/w8a8.py): not blockwise
+# int4 of a model that generates: blocks of 128 decode SmolLM2 at 1.19x onnxruntime-genai's default
+# (blocks of 32, which tfport's blocks of 32 match) for +13.5% perplexity against its +29.9%
+# (docs/quantisation.md#the-defaults); its head and token table take calibrate.head_block (64).
+GENERATING_INT4_BLOCK = 128
 
 
 @dataclass(frozen=True)
@@ -122,12 +126,13 @@ def fake_quantize(model, scheme: QuantScheme, dtype: str = "float32"):
 
 def resolve_scheme(quantize, block_size: int | None = None, symmetric: bool | None = None,
                    generates: bool = False) -> QuantScheme | None:
-    """``export_model``'s ``quantize`` argument: None, "int4" / "int8" (with ``block_size``, default
-    32, and ``symmetric``) or a ``QuantScheme`` (taken as is: ``block_size`` and ``symmetric``
-    are refused with it, as without quantisation). ``symmetric`` defaults to True for int4 of a
-    model that ``generates`` (a decoder: zero points cost 10-12% of SmolLM2's decode speed for
-    0.7 points of perplexity) and to False otherwise (an encoder's embeddings need them:
-    all-MiniLM-L6-v2's cosine 0.985 against 0.978; int8 loses 0.1% with them, 0.8% without)."""
+    """``export_model``'s ``quantize`` argument: None, "int4" / "int8" (with ``block_size`` and
+    ``symmetric``) or a ``QuantScheme`` (taken as is: ``block_size`` and ``symmetric`` are refused
+    with it, as without quantisation). For int4 of a model that ``generates`` (a decoder)
+    ``block_size`` defaults to ``GENERATING_INT4_BLOCK`` and ``symmetric`` to True (zero points
+    cost 10-12% of SmolLM2's decode speed for 0.7 points of perplexity); otherwise to 32 and
+    False (an encoder's embeddings need zero points: all-MiniLM-L6-v2's cosine 0.985 against
+    0.978; int8 loses 0.1% with them, 0.8% without)."""
     if quantize is None or isinstance(quantize, QuantScheme) or hasattr(quantize, "quantize"):
         for option, value in (("block_size", block_size), ("symmetric", symmetric)):
             if value is not None:
@@ -153,4 +158,6 @@ def resolve_scheme(quantize, block_size: int | None = None, symmetric: bool | No
         raise ValueError(f"quantize={quantize!r}: expected one of {[*BITS, FORMAT_W8A8, 'keep']}")
     if symmetric is None:
         symmetric = generates and quantize == "int4"
-    return QuantScheme.parse(quantize, 32 if block_size is None else block_size, symmetric)
+    if block_size is None:
+        block_size = GENERATING_INT4_BLOCK if generates and quantize == "int4" else 32
+    return QuantScheme.parse(quantize, block_size, symmetric)

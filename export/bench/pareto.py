@@ -33,16 +33,17 @@ from .measurement import BenchSettings, load_average, machine_info, measure, tim
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LAYOUTS = ("default", "rtn32-sym", "gptq32-zp", "gptq32-sym-h8", "gptq64-sym", "int8")
-_LAYOUT = re.compile(r"(rtn|gptq)(\d+)-(sym|zp)(-h8)?")
+DEFAULT_LAYOUTS = ("default", "gptq128-sym-h8", "gptq32-sym", "gptq64-sym", "rtn128-sym", "int8")
+_LAYOUT = re.compile(r"(rtn|gptq)(\d+)-(sym|zp)(-h8)?(?:-hb(\d+))?")
 
 
 def layout_options(name: str) -> dict[str, Any]:
     """``ExportOptions`` fields of a layout name: "default" (``--quantize int4`` alone), "int8"
     (the int8 default: round-to-nearest, blocks of 32), "w8a8" (int8 weights and per-row
-    activations, export/w8a8.py), or ``{rtn|gptq}{block}-{sym|zp}[-h8]``:
+    activations, export/w8a8.py), or ``{rtn|gptq}{block}-{sym|zp}[-h8][-hb{block}]``:
     int4, round-to-nearest or GPTQ on the built-in text, that block size, symmetric or with zero
-    points, the head and token table at 8 bits with ``-h8``."""
+    points, the head and token table at 8 bits with ``-h8``, in blocks of ``-hb`` (default:
+    ``calibrate.head_block``)."""
     if name == "default":
         return {"quantize": "int4"}
     if name == "int8":
@@ -50,14 +51,16 @@ def layout_options(name: str) -> dict[str, Any]:
     if name == "w8a8":
         return {"quantize": "w8a8", "calibration": "none"}
     match = _LAYOUT.fullmatch(name)
-    if match is None or int(match[2]) not in BLOCK_SIZES:
+    if match is None or not {int(b) for b in (match[2], match[5]) if b} <= set(BLOCK_SIZES):
         raise ValueError(f"--layouts {name!r}: expected default, int8, w8a8 or rtn|gptq, a block size "
-                         f"({', '.join(map(str, BLOCK_SIZES))}), -sym or -zp and optionally -h8, "
-                         "e.g. gptq32-sym-h8")
+                         f"({', '.join(map(str, BLOCK_SIZES))}), -sym or -zp, optionally -h8 and -hb with "
+                         "a block size, e.g. gptq32-sym-h8 or gptq128-sym-hb32")
     options = {"quantize": "int4", "block_size": int(match[2]), "symmetric": match[3] == "sym",
                "calibration": "none" if match[1] == "rtn" else "builtin"}
     if match[4]:
         options["head_bits"] = 8
+    if match[5]:
+        options["head_block_size"] = int(match[5])
     return options
 
 

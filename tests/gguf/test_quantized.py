@@ -5,9 +5,11 @@ torch-free runtime.
 
 Perplexity is read on the fixed text ``tfport parity --accuracy`` uses
 (``export/data/perplexity.txt``, 1,844 SmolLM2 tokens, which calibration never reads), against the
-float32 PyTorch module's perplexity on the same ids. The bounds are the targets (int4 within
-10% of float32; int8 within 3%), not the measured values (docs/benchmarks.md: int8 with zero points +0.1%, the int4 default +8.6%):
-a regression in the quantiser, the calibration or a lowering moves them past the bound. The
+float32 PyTorch module's perplexity on the same ids. The bounds are the targets, not the measured
+values (docs/quantisation.md#the-defaults, docs/benchmarks.md): the int4 default (blocks of 128,
+measured +13.5%) within 20%, well under onnxruntime-genai's default int4 (+29.9%, issue 28's
+bound); int4 with the head at int8 (+9.4%) and w8a8 (+5.3%) within 10%; int8 (+0.1%) within 3%.
+A regression in the quantiser, the calibration or a lowering moves them past the bound. The
 exactness of each graph against its own dequantised weights is tested on tiny models
 (tests/export/test_quantize.py, test_calibrate.py).
 """
@@ -20,10 +22,11 @@ import pytest
 from tfport.export import ExportOptions, export_model
 from tfport.export.parity.accuracy import PERPLEXITY_TEXT, export_logits, perplexity, reference_logits
 
-# (quantize, calibration, symmetric, bound on perplexity / float32 perplexity)
+# (quantize, calibration, head_bits, bound on perplexity / float32 perplexity)
 SCHEMES = {
-    "int8 round-to-nearest": ("int8", "none", False, 1.03),
-    "int4 default (GPTQ, symmetric)": ("int4", "auto", None, 1.10),  # what --quantize int4 alone gives
+    "int8 round-to-nearest": ("int8", "none", None, 1.03),
+    "int4 default (GPTQ, blocks of 128)": ("int4", "auto", None, 1.20),  # what --quantize int4 alone gives
+    "int4 --head-bits 8": ("int4", "auto", 8, 1.10),
     "w8a8 (int8 activations per row)": ("w8a8", "none", None, 1.10),  # measured +5.3%; one scale per step: +71%
 }
 
@@ -43,9 +46,9 @@ def float_perplexity(smollm2, text_ids):
 
 @pytest.mark.parametrize("name", list(SCHEMES))
 def test_quantised_perplexity_meets_the_target(name, smollm2, text_ids, float_perplexity, tmp_path):
-    quantize, calibration, symmetric, bound = SCHEMES[name]
+    quantize, calibration, head_bits, bound = SCHEMES[name]
     out = tmp_path / "export"
-    export_model(smollm2.model, out, ExportOptions(target="ort", quantize=quantize, symmetric=symmetric,
+    export_model(smollm2.model, out, ExportOptions(target="ort", quantize=quantize, head_bits=head_bits,
                                                    calibration=calibration, tokenizer=smollm2.tokenizer,
                                                    validate=False))
     quantized = perplexity(export_logits(out, text_ids), text_ids)
