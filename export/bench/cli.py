@@ -48,6 +48,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from .rows import run_rows_cli
 
         return run_rows_cli(args)
+    if args.embed:
+        from .embed import run_embed_cli
+
+        return run_embed_cli(args)
     settings = settings_from_args(args)
     if args.pareto or args.layouts or args.text:
         return _run_pareto(args, settings)
@@ -197,14 +201,19 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                            "on SmolLM2's shapes by rows")
     rows.add_argument("--rows-exports", type=_name_list, metavar="DIR[,DIR...]",
                       help="time these exports' decode steps by rows (batch 1, 2, 4, 8, 16)")
+    embed = p.add_argument_group("encoder throughput (--batch sets the batch sizes, --contexts the sentence "
+                                 "length; --repeats, --threads, --settle-ms, --seed, --json apply)")
+    embed.add_argument("--embed", type=_name_list, metavar="DIR[,DIR...]",
+                       help="sentences/s of these encoder exports' embeddings (default batches 1 and 32, "
+                            "64 sentences of 20 tokens per run)")
     pareto = p.add_argument_group(
         "accuracy vs speed (--pareto --source SRC; --genai / --llama-cpp add the peers' points)")
     pareto.add_argument("--pareto", action="store_true",
                         help="decode tokens/s and held-out perplexity for tfport's quantised layouts "
                              "and the peers' files of the same weights, one run; --plot writes an SVG")
     pareto.add_argument("--layouts", type=_name_list,
-                        help="tfport layouts: default, int8, w8a8, {rtn|gptq}{block}-{sym|zp}[-h8] (default "
-                             "default,rtn32-sym,gptq32-zp,gptq32-sym-h8,gptq64-sym,int8)")
+                        help="tfport layouts: default, int8, w8a8, {rtn|gptq}{block}-{sym|zp}[-h8][-hb{block}] "
+                             "(default default,gptq128-sym-h8,gptq32-sym,gptq64-sym,rtn128-sym,int8)")
     pareto.add_argument("--text", help="held-out text for the perplexity (default export/data/perplexity.txt)")
     p.add_argument("--plot", help="plot step time vs context here (needs matplotlib); with --pareto, "
                                   "an SVG of tokens/s against perplexity increase")
