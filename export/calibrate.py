@@ -93,11 +93,13 @@ def head_block(block_size: int, width: int, fixed: int | None = None) -> int:
 
 
 def head_weights(model: nn.Module, scheme: QuantScheme) -> list[nn.Parameter]:
-    """The LM head and token tables ``scheme`` quantises (a tied pair once)."""
-    tables = [model.get_parameter(path) for path in token_table_paths(model)] if scheme.embeddings else []
+    """The LM head and token tables ``scheme`` quantises (a tied pair once; without
+    ``scheme.embeddings`` the tables stay float, and so does a head tied to one)."""
+    tables = [model.get_parameter(path) for path in token_table_paths(model)]
     head = getattr(model, "lm_head", None)
-    found = tables + ([head.weight] if isinstance(head, nn.Linear) else [])
-    return list({id(p): p for p in found}.values())
+    found = (tables if scheme.embeddings else []) + ([head.weight] if isinstance(head, nn.Linear) else [])
+    floats = set() if scheme.embeddings else {id(p) for p in tables}
+    return list({id(p): p for p in found if id(p) not in floats}.values())
 
 
 def own_head_block(model: nn.Module, scheme) -> bool:

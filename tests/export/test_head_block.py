@@ -109,3 +109,13 @@ def test_refusals_name_head_block_size(tmp_path):
     with pytest.raises(ValueError, match="head_block_size=True: expected None or one of"):
         C.calibrate(model, QuantScheme(4, 32), None, head_block_size=True)
     assert not any((tmp_path / n).exists() for n in "abc")
+
+
+def test_which_heads_take_their_own_blocks():
+    """A tied head whose table stays float (``embeddings=False``) is not quantised, so it takes
+    no blocks of its own; an untied head is, whatever ``embeddings`` says."""
+    tied, untied = perturbed(_config(tied=True)), perturbed(_config(tied=False))
+    assert C.own_head_block(tied, QuantScheme(4, 64)) and C.own_head_block(untied, QuantScheme(4, 64))
+    assert not C.own_head_block(tied, QuantScheme(4, 64, embeddings=False))
+    assert C.own_head_block(untied, QuantScheme(4, 64, embeddings=False))
+    assert not C.own_head_block(tied, QuantScheme(4, 32))  # E = 96 is whole blocks of 32
