@@ -218,7 +218,10 @@ def write_svg(result: dict[str, Any], path: str | Path) -> str:
     for p, x, y in zip(points, xs, ys):
         colour = COLOURS.get(p["engine"], "black")
         parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4" fill="{colour}"/>')
-        parts.append(f'<text x="{sx(x) + 6:.1f}" y="{sy(y) - 6:.1f}" fill="{colour}">{_escape(p["label"])}</text>')
+        right = sx(x) > width / 2  # the label on the point's left, so that it stays inside the plot
+        offset, anchor = (-6, ' text-anchor="end"') if right else (6, "")
+        parts.append(f'<text x="{sx(x) + offset:.1f}" y="{sy(y) - 6:.1f}" fill="{colour}"{anchor}>'
+                     f'{_escape(p["label"])}</text>')
     parts.append("</svg>")
     write_text_atomic(path, "\n".join(parts) + "\n")
     return str(path)
