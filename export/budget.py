@@ -333,9 +333,8 @@ def _speed(model: nn.Module, scheme: QuantScheme | PrecomputedQuantization, head
     with tempfile.TemporaryDirectory(prefix="tfport-max-loss-") as tmp:
         out = Path(tmp) / "candidate"
         export_model(model, out, ExportOptions(target=target, quantize=scheme, calibration="none",
-                                               head_bits=head_bits, validate=False,
-                                               head_block_size=None if isinstance(scheme, PrecomputedQuantization)
-                                               else head_block_size))
+                                               head_bits=head_bits, head_block_size=head_block_size,
+                                               validate=False))
         runtime = load_model(out)
         rng = np.random.default_rng(0)
         if config.family == "decoder":

@@ -92,6 +92,12 @@ def head_block(block_size: int, width: int, fixed: int | None = None) -> int:
     return max((b for b in BLOCK_SIZES if b <= block_size and width % b == 0), default=block_size)
 
 
+def check_head_block_size(head_block_size: int | None) -> None:
+    """``ValueError`` naming ``head_block_size`` unless None or one of ``BLOCK_SIZES``."""
+    if head_block_size is not None and (isinstance(head_block_size, bool) or head_block_size not in BLOCK_SIZES):
+        raise ValueError(f"head_block_size={head_block_size!r}: expected None or one of {list(BLOCK_SIZES)}")
+
+
 def head_weights(model: nn.Module, scheme: QuantScheme) -> list[nn.Parameter]:
     """The LM head and token tables ``scheme`` quantises (a tied pair once; without
     ``scheme.embeddings`` the tables stay float, and so does a head tied to one)."""
@@ -132,14 +138,12 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     at ``PROMOTED_BITS`` with the scheme's blocks, recorded as ``promoted``."""
     if head_bits is not None and head_bits not in HEAD_BITS:
         raise ValueError(f"head_bits={head_bits!r}: expected None or one of {list(HEAD_BITS)}")
-    if head_block_size is not None and (isinstance(head_block_size, bool) or head_block_size not in BLOCK_SIZES):
-        raise ValueError(f"head_block_size={head_block_size!r}: expected None or one of {list(BLOCK_SIZES)}")
+    check_head_block_size(head_block_size)
     threads = resolve_threads(threads)
     tables = [model.get_parameter(path) for path in token_table_paths(model)]
-    head = getattr(model, "lm_head", None)
-    heads = {id(p) for p in tables} | ({id(head.weight)} if isinstance(head, nn.Linear) else set())
+    heads = {id(p) for p in head_weights(model, scheme)}
     skipped = set() if scheme.embeddings else {id(p) for p in tables}  # the float table and a tied head
-    if head_bits is not None and not heads - skipped:
+    if head_bits is not None and not heads:
         raise ValueError(f"head_bits={head_bits!r}: this model has no LM head or token table quantised "
                          "apart from the other products (a tied head whose table stays float)")
     matrices = {f"{path}.weight": m.weight for path, m in model.named_modules() if isinstance(m, nn.Linear)}

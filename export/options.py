@@ -20,9 +20,9 @@ from tfport.embedding import EmbeddingSettings
 from tfport.files import check_output_dir
 from tfport.generation import GenerationDefaults
 
-from .calibrate import resolve_threads
+from .calibrate import check_head_block_size, resolve_threads
 from .hessians import AUTO, Calibration
-from .quantize import BLOCK_SIZES, QuantScheme, resolve_scheme
+from .quantize import QuantScheme, resolve_scheme
 from .w8a8 import W8A8
 from .targets import DEFAULT_TARGET, Target, get_target
 
@@ -180,11 +180,8 @@ def _check_budget(options: ExportOptions, scheme: QuantScheme | None) -> None:
 
 def _check_head_block(head_block_size: int | None, scheme) -> None:
     """``head_block_size``: one of ``BLOCK_SIZES``, for an int4 or int8 quantisation."""
-    if head_block_size is None:
-        return
-    if isinstance(head_block_size, bool) or head_block_size not in BLOCK_SIZES:
-        raise ValueError(f"head_block_size={head_block_size!r}: expected None or one of {list(BLOCK_SIZES)}")
-    if not isinstance(scheme, QuantScheme):
+    check_head_block_size(head_block_size)
+    if head_block_size is not None and not isinstance(scheme, QuantScheme):
         got = "no quantisation" if scheme is None else f"quantize={scheme.name!r}, whose layout is its own"
         raise ValueError(f"head_block_size={head_block_size!r}: applies to quantize='int4' or 'int8', got {got}")
 
