@@ -23,7 +23,7 @@ import numpy as np
 
 from tfport.files import write_text_atomic
 
-from .measurement import DEFAULT, load_average, machine_info, measure
+from .measurement import DEFAULT, check_counts, export_format, load_average, machine_info, measure
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +45,8 @@ class EmbedSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.batches or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.batches):
-            raise ValueError(f"batches={self.batches!r}: expected one or more positive integers")
-        for name in ("length", "sentences", "repeats", "threads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected a positive integer")
-        if isinstance(self.settle_ms, bool) or not isinstance(self.settle_ms, int) or self.settle_ms < 0:
-            raise ValueError(f"settle_ms={self.settle_ms!r}: expected a non-negative integer")
+        check_counts(self, lists=("batches",), positive=("length", "sentences", "repeats", "threads"),
+                     non_negative=("settle_ms",))
 
 
 QUICK_EMBED = EmbedSettings(batches=(1, 2), length=8, sentences=4, repeats=1, threads=1, settle_ms=0)
@@ -95,10 +89,8 @@ def run_embed(directories: Sequence[str], settings: EmbedSettings) -> dict[str, 
         runs = [lambda _steps, model=model, batch=batch: _embed_all(model, ids, batch) for model in models.values()]
         for (directory, model), seconds in zip(models.items(), measure(runs, 1, settings.repeats, settings.settle_ms)):
             per_s = settings.sentences / statistics.median(seconds)
-            scheme = model.manifest.quantization
-            result["rows"].append({"export": directory, "quantization": model.manifest.dtype if scheme is None
-                                   else scheme["format"], "batch": batch, "sentences_per_s": per_s,
-                                   "seconds_repeats": seconds})
+            result["rows"].append({"export": directory, "quantization": export_format(model), "batch": batch,
+                                   "sentences_per_s": per_s, "seconds_repeats": seconds})
             log.info("%s batch %d: %.1f sentences/s", directory, batch, per_s)
     result["machine"]["load_average_after"] = load_average()
     return result

@@ -73,17 +73,8 @@ class BenchSettings:
     settle_ms: int = 200
 
     def __post_init__(self) -> None:
-        for name in ("batches", "contexts"):
-            values = getattr(self, name)
-            if not values or any(not _is_int(v) or v < 1 for v in values):
-                raise ValueError(f"{name}={values!r}: expected one or more positive integers")
-        if not _is_int(self.settle_ms) or self.settle_ms < 0:
-            raise ValueError(f"settle_ms={self.settle_ms!r}: expected a non-negative integer")
-        for name in ("new_tokens", "repeats", "threads", "read_mib", "gemv_mib",
-                     "bandwidth_repeats"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected a positive integer")
+        check_counts(self, lists=("batches", "contexts"), non_negative=("settle_ms",),
+                     positive=("new_tokens", "repeats", "threads", "read_mib", "gemv_mib", "bandwidth_repeats"))
         if not self.targets or any(not isinstance(t, str) or not t for t in self.targets):
             raise ValueError(f"targets={self.targets!r}: expected one or more target names "
                              "(e.g. 'portable', 'ort')")
@@ -106,6 +97,31 @@ class BenchSettings:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_counts(settings: object, lists: Sequence[str] = (), positive: Sequence[str] = (),
+                 non_negative: Sequence[str] = ()) -> None:
+    """``ValueError`` naming the first field of ``settings`` that is not what its group asks:
+    ``lists`` one or more positive integers, ``positive`` a positive integer, ``non_negative`` an
+    integer >= 0 (a bool is not an integer here)."""
+    for name in lists:
+        values = getattr(settings, name)
+        if not values or any(not _is_int(v) or v < 1 for v in values):
+            raise ValueError(f"{name}={values!r}: expected one or more positive integers")
+    for name in non_negative:
+        value = getattr(settings, name)
+        if not _is_int(value) or value < 0:
+            raise ValueError(f"{name}={value!r}: expected a non-negative integer")
+    for name in positive:
+        value = getattr(settings, name)
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name}={value!r}: expected a positive integer")
+
+
+def export_format(model: Any) -> str:
+    """A loaded export's quantisation format ("int4", "w8a8", ...), or its dtype when not quantised."""
+    scheme = model.manifest.quantization
+    return model.manifest.dtype if scheme is None else scheme["format"]
 
 
 DEFAULT = BenchSettings()

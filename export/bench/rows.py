@@ -45,7 +45,8 @@ import numpy as np
 
 from tfport.files import write_text_atomic
 
-from .measurement import DEFAULT, MIB, load_average, machine_info, make_row, measure, time_tfport
+from .measurement import (DEFAULT, MIB, check_counts, export_format, load_average, machine_info, make_row,
+                          measure, time_tfport)
 from .products import (BLOCK_SIZE, CANDIDATES, ORT_ERRORS, SAMPLE_SECONDS, SESSIONS, bound_call, get_candidate,
                        open_measured, overhead_us, resident_mb, time_calls)
 
@@ -89,16 +90,8 @@ class RowsSettings:
     candidates: tuple[str, ...] = tuple(c.name for c in CANDIDATES)
 
     def __post_init__(self) -> None:
-        for name in ("rows", "export_rows"):
-            values = getattr(self, name)
-            if not values or any(not isinstance(v, int) or v < 1 for v in values):
-                raise ValueError(f"{name}={values!r}: expected one or more positive integers")
-        for name in ("repeats", "threads", "context", "new_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: expected a positive integer")
-        if not isinstance(self.settle_ms, int) or self.settle_ms < 0:
-            raise ValueError(f"settle_ms={self.settle_ms!r}: expected a non-negative integer")
+        check_counts(self, lists=("rows", "export_rows"), positive=("repeats", "threads", "context", "new_tokens"),
+                     non_negative=("settle_ms",))
         for name in self.candidates:
             get_candidate(name)
 
@@ -224,7 +217,7 @@ def run_exports(directories: Sequence[str], settings: RowsSettings) -> list[dict
         after = resident_mb()
         models[directory] = model
         files = sum(f.stat().st_size for f in Path(directory).iterdir() if f.is_file())
-        loaded[directory] = {"files_mib": files / MIB, "quantization": _quantization(model),
+        loaded[directory] = {"files_mib": files / MIB, "quantization": export_format(model),
                              "load_mib": None if before is None or after is None else after - before}
     vocab = min(model.config.vocab_size for model in models.values())
     rng = np.random.default_rng(settings.seed)
@@ -240,12 +233,6 @@ def run_exports(directories: Sequence[str], settings: RowsSettings) -> list[dict
                             "step_ms_repeats": row.step_ms_repeats, "prefill_ms": row.prefill_ms})
             log.info("%s rows %d: step %.2f ms", directory, batch, row.step_ms)
     return results
-
-
-def _quantization(model) -> str:
-    """The export's quantisation format ("int4", "int8", ...) or its dtype when not quantised."""
-    scheme = model.manifest.quantization
-    return model.manifest.dtype if scheme is None else scheme["format"]
 
 
 # ------------------------------------------------------------------------------------- report
