@@ -11,7 +11,10 @@ each row's context (prompt + tokens so far), and told when a row ends:
 ``Proposal.tokens`` may be shorter than asked (even empty: nothing to propose, the step is a
 plain one); ``probs`` [len(tokens), V] are the distributions the tokens were drawn from (a draft
 model that samples), or None for a deterministic drafter. The verification rule
-(``engine.verify``) needs them to keep the target's distribution exact.
+(``engine.verify``) needs them to keep the target's distribution exact. ``confidences`` (a draft
+model's probability of each token it proposed, or None) let the speculator learn how acceptance
+depends on them, and a draft model asks it (``keep``) whether to draft one more token; stopping
+on what the draft itself computed keeps the target's distribution exact.
 
 - ``PromptLookup``: n-gram lookup in the row's own context (no second model).
 - ``DraftModel``: another decoder export with the same vocabulary (a smaller family member, or
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,6 +44,7 @@ DecoderModel = Any
 class Proposal:
     tokens: list[int]
     probs: np.ndarray | None = None  # [len(tokens), V]: what each token was drawn from
+    confidences: list[float] | None = None  # the drafter's probability of each token
 
 
 class DraftRows(Protocol):
@@ -135,7 +139,11 @@ class DraftModelRows:
     """The draft's rows follow the target's: before proposing, each row's draft cache is cut to
     the longest prefix it shares with the row's context and fed the rest; then all rows draft
     together, one batched step per proposed token. A new row starts from the longest prefix of
-    its context in the draft model's ``prefix_cache`` (``Model.prefix_cache``; None: off)."""
+    its context in the draft model's ``prefix_cache`` (``Model.prefix_cache``; None: off).
+
+    ``keep`` (None: draft every row's k): ``keep(key, confidences)`` says whether row ``key``,
+    having drafted tokens with these probabilities (the draft's own), should draft one more; a
+    row told no stops proposing (the speculator sets it: ``KPolicy.keep_drafting``)."""
 
     def __init__(self, model: DecoderModel, capacity: int, max_length: int):
         config = model.config
@@ -147,6 +155,7 @@ class DraftModelRows:
         self.rows: dict[Hashable, object] = {}
         self.fed: dict[Hashable, list[int]] = {}  # key -> the tokens in its draft cache
         self.seconds: deque[float] = deque(maxlen=DRAFT_TIMES)
+        self.keep: Callable[[Hashable, list[float]], bool] | None = None
 
     def forget(self, key: Hashable) -> None:
         if key in self.rows:
@@ -188,21 +197,27 @@ class DraftModelRows:
                 states: Sequence[SequenceState]) -> list[Proposal]:
         wanted = {key: (k, state) for key, k, state in zip(keys, ks, states) if k}
         chunks = {key: self._sync(key, list(context)) for key, context in zip(keys, contexts) if key in wanted}
-        drafts: dict[Hashable, Proposal] = {key: Proposal([], []) for key in wanted}
+        drafts: dict[Hashable, Proposal] = {key: Proposal([], [], []) for key in wanted}
         if wanted:
             order = sorted(self.rows, key=lambda key: self.rows[key].index)
             steps = max(k for k, _ in wanted.values())
+            going = set(wanted)  # rows still drafting
             feed = {key: chunks.get(key, [self.fed[key][-1]]) for key in order}  # idle rows: rewound later
             logits = dict(zip(order, self._timed(self.batch.extend, [np.asarray(feed[key], np.int64)
                                                                      for key in order])))
             for step in range(steps):
                 for key in order:
                     self.fed[key].extend(int(t) for t in feed[key])
-                    if key in wanted and step < wanted[key][0]:
-                        token, q = _draw(logits[key][-1], wanted[key][1])
-                        drafts[key].tokens.append(token)
-                        drafts[key].probs.append(q)
-                if step + 1 == steps:
+                    if key in going:
+                        draft = drafts[key]
+                        token, q, confidence = _draw(logits[key][-1], wanted[key][1])
+                        draft.tokens.append(token)
+                        draft.probs.append(q)
+                        draft.confidences.append(confidence)
+                        if len(draft.tokens) == wanted[key][0] or (
+                                self.keep is not None and not self.keep(key, draft.confidences)):
+                            going.discard(key)
+                if not going:
                     break
                 feed = {key: [drafts[key].tokens[-1]] if key in drafts and len(drafts[key].tokens) > step
                         else [self.fed[key][-1]] for key in order}
@@ -212,14 +227,17 @@ class DraftModelRows:
         for key in keys:
             draft = drafts.get(key, Proposal([]))
             sampled = draft.tokens and draft.probs and draft.probs[0] is not None
-            out.append(Proposal(draft.tokens, np.stack(draft.probs) if sampled else None))
+            out.append(Proposal(draft.tokens, np.stack(draft.probs) if sampled else None, draft.confidences))
         return out
 
 
-def _draw(logits: np.ndarray, state: SequenceState) -> tuple[int, np.ndarray | None]:
+def _draw(logits: np.ndarray, state: SequenceState) -> tuple[int, np.ndarray | None, float]:
     """The draft's token from its logits [V] with the row's sampling: greedy, or drawn with the
-    row's generator (returning the distribution it was drawn from)."""
+    row's generator (returning the distribution it was drawn from); and the draft's probability
+    of the token (greedy: its softmax at temperature 1)."""
     if state.params.greedy:
-        return int(np.argmax(logits)), None
+        token = int(np.argmax(logits))
+        return token, None, float(1.0 / np.exp(logits - logits[token]).sum())
     q = distribution(logits[None], state.params)[0]
-    return int(sample(q[None], state.rng)[0]), q
+    token = int(sample(q[None], state.rng)[0])
+    return token, q, float(q[token])

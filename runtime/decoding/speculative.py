@@ -10,10 +10,10 @@ and forget the rest (``RowBatch.rewind``).
 its own over its running batch.)
 
 Greedy output is token for token plain greedy decoding's; sampled output follows the target's
-distribution exactly (the rejection rule). K is chosen per row and step by ``KPolicy`` from the
-row's running acceptance rate and the measured cost of verifying (``measure_costs``): the K that
-maximises the expected tokens per unit of target time, 0 (a plain step) when speculating does not
-pay.
+distribution exactly (the rejection rule). K is chosen per row and step by ``policy.KPolicy``
+from the row's running acceptance rate and the measured cost of verifying: the K that maximises
+the expected tokens per unit of target time, 0 (a plain step) when speculating does not pay; a
+draft model drafts on while the policy says one more token pays (``KPolicy.keep_drafting``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import numpy as np
 
 from .drafters import Drafter, DraftModel, PromptLookup, Proposal
 from .engine import SequenceState, choose, verify
+from .policy import KPolicy, measure_costs
 from .rows import Row, RowBatch
 
 
@@ -58,93 +58,6 @@ class SpeculationStats:
                 "tokens_per_forward": round(self.tokens_per_forward, 4)}
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one verification of k proposals yields when each is accepted with probability
-    ``alpha`` independently: 1 + alpha + ... + alpha^k (Leviathan et al. 2023, eq. 1)."""
-    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-class KPolicy:
-    """K per row: argmax over k in 0..``k_max`` of expected_tokens(alpha, k) / (cost(k + 1) +
-    k * draft_cost), where alpha is the row's running acceptance rate (exponential average,
-    starting at ``prior``), ``cost(s)`` the measured time of feeding s tokens per row relative to
-    one, and ``draft_cost`` the measured time of a draft model's forward relative to the same (0
-    for prompt lookup; drafting k tokens takes k forwards: the first also feeds the row's new
-    tokens). Without a cost function, always ``k_max``.
-
-    A row whose best k is 0 would never update its alpha again, so with a drafter that costs
-    nothing (prompt lookup) it probes: after ``PROBE_AFTER`` plain steps it proposes
-    ``PROBE_TOKENS``, and each probe that does not make speculation pay doubles the wait (up to
-    ``PROBE_MAX``). A draft model does not probe: before drafting it must be fed every token since
-    it last drafted, at several-row cost (SmolLM2's int4 draft on open chat, where it agrees on
-    37% of its tokens: 0.75x plain decoding with probes, as a probe after a row's acceptance
-    dipped kept it switching on and off). Its k falls to 0 only on measured costs: its forwards'
-    median time and the verification cost.
-    """
-
-    PROBE_AFTER, PROBE_MAX, PROBE_TOKENS = 8, 128, 2
-
-    def __init__(self, k_max: int, cost: Callable[[int], float] | None, prior: float = 0.6,
-                 decay: float = 0.7):
-        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
-            raise ValueError(f"draft_tokens={k_max!r}: expected a positive integer")
-        self.k_max, self.cost, self.prior, self.decay = k_max, cost, prior, decay
-        self.draft_cost = 0.0
-        self.alpha: dict[Hashable, float] = {}
-        self.waits: dict[Hashable, tuple[int, int]] = {}  # key -> (plain steps since a proposal, wait)
-
-    def k(self, key: Hashable) -> int:
-        if self.cost is None:
-            return self.k_max
-        alpha = self.alpha.get(key, self.prior)
-        gains = [expected_tokens(alpha, k) / (self.cost(k + 1) + k * self.draft_cost)
-                 for k in range(self.k_max + 1)]
-        best = int(np.argmax(gains))
-        if best:
-            self.waits.pop(key, None)
-            return best
-        if self.draft_cost:  # a draft model's probe first feeds it every token since its last one
-            return 0
-        plain, wait = self.waits.get(key, (0, self.PROBE_AFTER))
-        if plain + 1 < wait:
-            self.waits[key] = (plain + 1, wait)
-            return 0
-        self.waits[key] = (0, min(2 * wait, self.PROBE_MAX))
-        return min(self.k_max, self.PROBE_TOKENS)
-
-    def record(self, key: Hashable, proposed: int, accepted: int) -> None:
-        if proposed:
-            alpha = self.alpha.get(key, self.prior)
-            self.alpha[key] = self.decay * alpha + (1 - self.decay) * accepted / proposed
-
-    def forget(self, key: Hashable) -> None:
-        self.alpha.pop(key, None)
-        self.waits.pop(key, None)
-
-
-def measure_costs(batch: RowBatch, k_max: int, repeats: int = 3) -> tuple[Callable[[int], float], float]:
-    """(cost(s): the time of ``batch.extend`` with s tokens per live row over that with one, the
-    seconds of one such call with one token), from the medians of ``repeats`` timed calls each at
-    s = 1 and s = k_max + 1 (after one untimed call each), interpolated linearly between. Each
-    call is rewound: the rows are unchanged."""
-    last = [np.array([0], np.int64) for _ in batch.rows]  # token 0: the values do not matter
-
-    def timed(size: int) -> float:
-        times = []
-        for attempt in range(repeats + 1):
-            start = time.perf_counter()
-            batch.extend([np.repeat(t, size) for t in last])
-            if attempt:
-                times.append(time.perf_counter() - start)
-            for row in batch.rows:
-                batch.rewind(row, size)
-        return float(np.median(times))
-
-    one, many = timed(1), timed(k_max + 1)
-    slope = max(many / one - 1.0, 0.0) / k_max
-    return (lambda size: 1.0 + slope * (size - 1)), one
-
-
 class Speculator:
     """One decoding run's or scheduler's speculation over ``batch``: drafts, K per row, the
     verification of each row's run, and the statistics. Rows are named by any hashable key.
@@ -159,6 +72,10 @@ class Speculator:
         self.batch, self.speculation = batch, speculation
         self.policy = KPolicy(speculation.draft_tokens, None)
         self.drafts = drafter.start(batch.capacity, batch.max_length)
+        # A draft model drafts while the policy says one more token pays (up to K), not K always.
+        self.steered = speculation.adaptive and hasattr(self.drafts, "keep")
+        if self.steered:
+            self.drafts.keep = self.policy.keep_drafting
         self.stats = stats if stats is not None else SpeculationStats()
         self.costs = runner.kept.setdefault(_COSTS, {})  # (rows, K) -> (cost(s), seconds), per session
         self.step_seconds = 0.0  # one plain step of the live rows (measured)
@@ -173,9 +90,11 @@ class Speculator:
             if key not in self.costs:
                 self.costs[key] = measure_costs(self.batch, k_max)
             self.policy.cost, self.step_seconds = self.costs[key]
-        ks = [max(0, min(self.policy.k(key), state.max_tokens - len(state.tokens) - 1,
-                         self.batch.max_length - row.length - 1))
-              for key, state, row in zip(keys, states, rows)]
+        ks = [self.policy.k(key) for key in keys]
+        if self.steered:  # the draft stops where keep_drafting says (a plain step stays one)
+            ks = [k and k_max for k in ks]
+        ks = [max(0, min(k, state.max_tokens - len(state.tokens) - 1, self.batch.max_length - row.length - 1))
+              for k, state, row in zip(ks, states, rows)]
         proposals = self.drafts.propose(keys, contexts, ks, states)
         if self.step_seconds:  # a draft model's forward per drafted token (0 for prompt lookup)
             self.policy.draft_cost = getattr(self.drafts, "step_seconds", 0.0) / self.step_seconds
@@ -194,7 +113,7 @@ class Speculator:
         self.stats.proposed += len(offered)
         self.stats.accepted += accepted
         self.stats.tokens += len(pushed)
-        self.policy.record(key, len(offered), accepted)
+        self.policy.record(key, len(offered), accepted, proposal.confidences)
         if state.finish or error is not None:
             self.forget(key)
         else:

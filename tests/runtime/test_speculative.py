@@ -20,8 +20,10 @@ from tfport.export import ExportOptions, export_model
 from tfport.models import build_model
 from tfport.presets import get_preset
 from tfport.runtime import load_model
-from tfport.runtime.decoding.drafters import DraftModelRows, PromptLookup, Proposal
-from tfport.runtime.decoding.speculative import KPolicy, Speculation, SpeculationStats, expected_tokens
+from tfport.runtime.decoding.drafters import DraftModel, DraftModelRows, PromptLookup, Proposal
+from tfport.runtime.decoding.engine import SequenceState
+from tfport.runtime.decoding.policy import KPolicy, expected_tokens
+from tfport.runtime.decoding.speculative import Speculation, SpeculationStats
 from tfport.runtime.sampling import SamplingParams, distribution
 
 # (target, preset): both cache layouts; on concat, each way positions enter (RoPE, learned
@@ -188,6 +190,115 @@ def test_sampled_tokens_follow_the_target_distribution(models, drafter):
     assert _chi_square(counts, target) < 37.70
     if drafter == "draft":
         assert _chi_square(counts, accept_all) > 10 * 37.70
+
+
+class Doubting:
+    """The draft model, told to stop drafting a row at a token it gives under ``doubt`` (its own
+    probability): how long a run is depends on what the draft sampled."""
+
+    name = "doubting"
+
+    def __init__(self, draft, doubt: float):
+        self.draft, self.doubt = DraftModel(draft), doubt
+        self.decisions = collections.Counter()  # keep's answers
+
+    def start(self, capacity, max_length):
+        rows = self.draft.start(capacity, max_length)
+        rows.keep = self.keep
+        return rows
+
+    def keep(self, key, confidences) -> bool:
+        self.decisions[confidences[-1] >= self.doubt] += 1
+        return confidences[-1] >= self.doubt
+
+
+def test_a_draft_that_stops_on_its_own_doubt_keeps_the_target_distribution(models):
+    """Tokens 1-3 of many sampled rows, tokens 2 and 3 verified against up to two proposals of
+    a draft that stops after a token it doubts (so the run's length depends on its own sample),
+    against p(t1) p(t2 | t1) p(t3 | t1, t2) from the target's logits, top-k 4 (64 cells):
+    chi-square below the 0.1% critical value for 63 degrees of freedom (103.4)."""
+    model, draft = models[("portable", "tiny-decoder")], models["draft"]
+    params = SamplingParams(temperature=1.5, top_k=4)
+    prompt = prompts(model.config.vocab_size)[0][:9]
+
+    def next_probs(context) -> np.ndarray:
+        logits = model.decoding.score(model.runners["decoder"], np.array([context]))
+        return distribution(logits[-1:], params)[0]
+
+    first = next_probs(prompt)
+    target = np.zeros((first.size,) * 3)
+    for t1 in np.nonzero(first)[0]:
+        second = next_probs(prompt + [int(t1)])
+        for t2 in np.nonzero(second)[0]:
+            target[t1, t2] = first[t1] * second[t2] * next_probs(prompt + [int(t1), int(t2)])
+    counts = np.zeros_like(target)
+    stats = SpeculationStats()
+    rng = np.random.default_rng(4321)
+    doubting = Doubting(draft, 0.3)
+    for _ in range(6):  # a 4th token, so that the 2nd and 3rd can be one verified run
+        tokens = model.generate([prompt] * 400, max_new_tokens=4, stop_token_ids=(), temperature=1.5, top_k=4,
+                                seed=rng, speculative=Speculation(doubting, 2, adaptive=False),
+                                speculation=stats)
+        np.add.at(counts, (tokens[:, 0], tokens[:, 1], tokens[:, 2]), 1)
+    assert doubting.decisions[True] > 100 and doubting.decisions[False] > 100  # both run lengths drafted
+    assert 0 < stats.accepted < stats.proposed
+    assert _chi_square(counts, target) < 103.4
+
+
+def test_acceptance_counts_tokens_not_rounds():
+    """A verification observes its accepted proposals and the first rejected one (not the ones
+    after it), averaged with weight decay ** age from the prior: a round rejected at its first
+    token after a long accepted run is one rejection."""
+    policy = KPolicy(8, None, prior=0.6, decay=0.9)
+    for proposed, accepted in [(8, 8), (6, 0), (4, 2), (3, 3), (0, 0)]:
+        policy.record("row", proposed, accepted)
+    seen = [1] * 8 + [0] + [1, 1, 0] + [1] * 3  # the round of nothing proposed observes nothing
+    weights = 0.9 ** np.arange(len(seen))[::-1]
+    prior = policy.prior_weight * 0.9 ** len(seen)
+    want = (0.6 * prior + weights @ seen) / (prior + weights.sum())
+    assert policy.alpha["row"] == pytest.approx(want)
+    assert policy.alpha["row"] > 0.75  # a per-round average would read the (6, 0) round as alpha 0
+
+
+def test_the_policy_drafts_on_while_the_draft_is_sure():
+    """``keep_drafting``: each drafted token's acceptance is estimated from the rate observed at
+    its confidence; one more draft forward is taken while it raises the expected tokens per unit
+    of target time, computed here directly."""
+    cost = lambda size: 1.0 + 0.05 * (size - 1)  # noqa: E731
+    policy = KPolicy(8, cost)
+    policy.draft_cost = 0.3
+    for _ in range(20):  # sure drafts are accepted, doubted ones rejected
+        policy.record("row", 3, 2, [0.95, 0.97, 0.2])
+    assert policy.acceptance("row", 0.96) > 0.95 and policy.acceptance("row", 0.25) < 0.1
+
+    def direct(confidences):
+        rates = []
+        for j in (len(confidences), len(confidences) + 1):
+            accepts = [policy.acceptance("row", c) for c in confidences] + [policy.alpha["row"]]
+            tokens = 1 + sum(np.prod(accepts[:i + 1]) for i in range(j))
+            rates.append(tokens / (cost(j + 1) + j * policy.draft_cost))
+        return rates[1] > rates[0]
+
+    for confidences in ([0.95], [0.95, 0.97, 0.99], [0.95, 0.2], [0.15], [0.99] * 7):
+        assert policy.keep_drafting("row", confidences) == direct(confidences), confidences
+    assert policy.keep_drafting("row", [0.95, 0.97]) and not policy.keep_drafting("row", [0.95, 0.2])
+
+
+def test_the_draft_model_stops_a_row_where_keep_says(models):
+    """A draft model with ``keep`` drafts a row until keep says no (each further token would be a
+    forward), not up to its k; without it, every row gets its k."""
+    draft = models["draft"]
+    context = prompts(draft.config.vocab_size)[0]
+    rows = DraftModel(draft).start(2, 64)
+    asked = []
+    rows.keep = lambda key, confidences: asked.append((key, list(confidences))) or len(confidences) < 2
+    before = len(rows.seconds)
+    out = rows.propose([0], [context], [6], [SequenceState(SamplingParams(), None, 30)])
+    assert len(out[0].tokens) == 2 and len(out[0].confidences) == 2
+    assert all(0 < c <= 1 for c in out[0].confidences) and [len(c) for _, c in asked] == [1, 2]
+    assert len(rows.seconds) - before == 2  # the feeding forward and one step
+    rows.keep = None
+    assert len(rows.propose([0], [context + out[0].tokens], [5], [SequenceState(SamplingParams(), None, 30)])[0].tokens) == 5
 
 
 def test_expected_tokens_is_the_geometric_sum():

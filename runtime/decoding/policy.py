@@ -1,0 +1,150 @@
+"""How many tokens to propose: ``KPolicy`` chooses K per row and step (and tells a draft model
+when to stop drafting) from the row's running acceptance and the measured cost of verifying
+(``measure_costs``): the K that maximises the expected tokens per unit of target time, 0 (a plain
+step) when speculating does not pay."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+
+from .rows import RowBatch
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one verification of k proposals yields when each is accepted with probability
+    ``alpha`` independently: 1 + alpha + ... + alpha^k (Leviathan et al. 2023, eq. 1)."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+class KPolicy:
+    """K per row: argmax over k in 0..``k_max`` of expected_tokens(alpha, k) / (cost(k + 1) +
+    k * draft_cost), where alpha is the row's running acceptance rate per proposed token (each
+    verification observes its accepted proposals and, if one was rejected, that one: the ones
+    after it say nothing; observations are averaged with weight ``decay`` ** age, starting from
+    ``prior`` counted as ``prior_weight`` observations: with one, a first rejection cut alpha to
+    0.28 and switched an int4 self-draft off for good on open chat), ``cost(s)`` the measured time of feeding s tokens per row relative to
+    one, and ``draft_cost`` the measured time of a draft model's forward relative to the same (0
+    for prompt lookup; drafting k tokens takes k forwards: the first also feeds the row's new
+    tokens). Without a cost function, always ``k_max``.
+
+    A row whose best k is 0 would never update its alpha again, so with a drafter that costs
+    nothing (prompt lookup) it probes: after ``PROBE_AFTER`` plain steps it proposes
+    ``PROBE_TOKENS``, and each probe that does not make speculation pay doubles the wait (up to
+    ``PROBE_MAX``). A draft model does not probe: before drafting it must be fed every token since
+    it last drafted, at several-row cost (SmolLM2's int4 draft on open chat, where it agrees on
+    37% of its tokens: 0.75x plain decoding with probes, as a probe after a row's acceptance
+    dipped kept it switching on and off). Its k falls to 0 only on measured costs: its forwards'
+    median time and the verification cost.
+
+    A draft model that gives its confidence in each token (its own probability of it) is not
+    held to k: while drafting it asks ``keep_drafting``, which estimates each drafted token's
+    acceptance from its confidence (``acceptance``: the rate observed for drafts of about that
+    confidence) and goes on while one more forward raises the expected tokens per unit of
+    target time. A run the draft is sure of grows up to ``k_max``; it stops at a token the draft
+    doubts, where the target is likely to reject it and every later draft forward is wasted.
+    """
+
+    PROBE_AFTER, PROBE_MAX, PROBE_TOKENS = 8, 128, 2
+    BINS = 10  # confidence bins of ``acceptance``: [0, 0.1), [0.1, 0.2), ... [0.9, 1]
+
+    def __init__(self, k_max: int, cost: Callable[[int], float] | None, prior: float = 0.6,
+                 decay: float = 0.9, prior_weight: float = 4.0):
+        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+            raise ValueError(f"draft_tokens={k_max!r}: expected a positive integer")
+        self.k_max, self.cost, self.prior, self.decay = k_max, cost, prior, decay
+        self.prior_weight = prior_weight
+        self.draft_cost = 0.0
+        self.alpha: dict[Hashable, float] = {}
+        self.counts: dict[Hashable, tuple[float, float]] = {}  # key -> decayed (accepted, observed)
+        self.by_confidence = np.zeros((2, self.BINS))  # (accepted, observed) drafts per confidence bin
+        self.waits: dict[Hashable, tuple[int, int]] = {}  # key -> (plain steps since a proposal, wait)
+
+    def k(self, key: Hashable) -> int:
+        if self.cost is None:
+            return self.k_max
+        alpha = self.alpha.get(key, self.prior)
+        gains = [expected_tokens(alpha, k) / (self.cost(k + 1) + k * self.draft_cost)
+                 for k in range(self.k_max + 1)]
+        best = int(np.argmax(gains))
+        if best:
+            self.waits.pop(key, None)
+            return best
+        if self.draft_cost:  # a draft model's probe first feeds it every token since its last one
+            return 0
+        plain, wait = self.waits.get(key, (0, self.PROBE_AFTER))
+        if plain + 1 < wait:
+            self.waits[key] = (plain + 1, wait)
+            return 0
+        self.waits[key] = (0, min(2 * wait, self.PROBE_MAX))
+        return min(self.k_max, self.PROBE_TOKENS)
+
+    def acceptance(self, key: Hashable, confidence: float) -> float:
+        """The estimated probability that row ``key``'s target accepts a draft token of this
+        confidence: the acceptance observed in its confidence bin (all rows), shrunk towards the
+        row's alpha by one pseudo-observation."""
+        accepted, observed = self.by_confidence[:, min(int(confidence * self.BINS), self.BINS - 1)]
+        return float((accepted + self.alpha.get(key, self.prior)) / (observed + 1.0))
+
+    def keep_drafting(self, key: Hashable, confidences: Sequence[float]) -> bool:
+        """Whether row ``key``, having drafted j tokens with ``confidences``, should draft one
+        more: with c_i the product of the first i tokens' ``acceptance`` and T(j) = cost(j + 1) +
+        j * draft_cost, whether (1 + c_1 + ... + c_j + c_j * alpha) / T(j + 1) exceeds
+        (1 + c_1 + ... + c_j) / T(j) (the next token's confidence is unknown: alpha stands for
+        it). Without a cost function, always."""
+        if self.cost is None:
+            return True
+        chain, tokens = 1.0, 1.0
+        for confidence in confidences:
+            chain *= self.acceptance(key, confidence)
+            tokens += chain
+        j = len(confidences)
+        now = tokens / (self.cost(j + 1) + j * self.draft_cost)
+        more = (tokens + chain * self.alpha.get(key, self.prior)) / (self.cost(j + 2) + (j + 1) * self.draft_cost)
+        return more > now
+
+    def record(self, key: Hashable, proposed: int, accepted: int,
+               confidences: Sequence[float] | None = None) -> None:
+        """A verification of ``proposed`` tokens accepted the first ``accepted``: that many
+        acceptances, then one rejection if any was rejected (the ones after it say nothing). A
+        round of 6 rejected at its first token is one rejection, not six (a per-round rate read
+        it as alpha 0 and cut K to 1 after a long accepted run, climbing back over several
+        rounds). ``confidences`` (the drafter's, per proposed token) count in their bins."""
+        if not proposed:
+            return
+        for i, confidence in enumerate((confidences or [])[:accepted + 1]):
+            self.by_confidence[:, min(int(confidence * self.BINS), self.BINS - 1)] += (i < accepted, 1)
+        hits, seen = self.counts.get(key, (self.prior * self.prior_weight, self.prior_weight))
+        for hit in [1.0] * accepted + [0.0] * (accepted < proposed):
+            hits, seen = self.decay * hits + hit, self.decay * seen + 1.0
+        self.counts[key] = hits, seen
+        self.alpha[key] = hits / seen
+
+    def forget(self, key: Hashable) -> None:
+        self.alpha.pop(key, None)
+        self.counts.pop(key, None)
+        self.waits.pop(key, None)
+
+
+def measure_costs(batch: RowBatch, k_max: int, repeats: int = 3) -> tuple[Callable[[int], float], float]:
+    """(cost(s): the time of ``batch.extend`` with s tokens per live row over that with one, the
+    seconds of one such call with one token), from the medians of ``repeats`` timed calls each at
+    s = 1 and s = k_max + 1 (after one untimed call each), interpolated linearly between. Each
+    call is rewound: the rows are unchanged."""
+    last = [np.array([0], np.int64) for _ in batch.rows]  # token 0: the values do not matter
+
+    def timed(size: int) -> float:
+        times = []
+        for attempt in range(repeats + 1):
+            start = time.perf_counter()
+            batch.extend([np.repeat(t, size) for t in last])
+            if attempt:
+                times.append(time.perf_counter() - start)
+            for row in batch.rows:
+                batch.rewind(row, size)
+        return float(np.median(times))
+
+    one, many = timed(1), timed(k_max + 1)
+    slope = max(many / one - 1.0, 0.0) / k_max
+    return (lambda size: 1.0 + slope * (size - 1)), one
