@@ -14,6 +14,10 @@ the untimed run's prompt, whose keys and values then come from tfport's prefix c
 target's and a draft model's; llama.cpp keeps its last prompt's too), so the figures are close
 to decode speed. tfport's engines are timed a second time with their prefix caches off
 (``cold``): every run prefills the prompt, the draft model's too, as a first request does.
+
+``chunk_deviation`` measures why a quantised target's speculative tokens can differ: the largest
+logit difference between feeding the plain continuation's first tokens as one chunk (what a
+verification computes) and one step at a time (what plain decoding computes), per workload.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from .peers import GenaiPeer, LlamaCppPeer, available
 logger = logging.getLogger(__name__)
 
 PASSAGE_CHARS = 1200  # of the perplexity text: ~250 tokens for SmolLM2's tokenizer
+CHUNK_TOKENS = 8  # chunk_deviation's chunk: the plain continuation's first tokens
 
 
 def workloads() -> dict[str, list[dict]]:
@@ -77,6 +82,21 @@ def _timed(run, repeats: int, models) -> tuple[float, float, Any]:
     return seconds, cold, out
 
 
+def chunk_deviation(model, ids, tokens) -> float:
+    """max |logits of ``tokens`` fed as one chunk - the same fed one step at a time| on top of
+    the cache of ``ids`` (int64 [P], [S]); float32 kernels differ by rounding only (SmolLM2
+    float32 ~3e-5), int8 activations amplify that (SmolLM2 int4 ~1)."""
+    tokens = np.asarray(tokens, np.int64)
+    batch = model.decoding.rows(model.runner("decoder", "generate"), 1, len(ids) + len(tokens) + 1,
+                                model.config.fill_token_id)
+    row, _ = batch.add(np.asarray(ids, np.int64))
+    chunk = np.array(batch.extend([tokens])[0]).reshape(len(tokens), -1)  # copies: the buffers are reused
+    batch.rewind(row, len(tokens))
+    steps = np.stack([np.array(batch.step(tokens[i:i + 1])[0]).reshape(-1) for i in range(len(tokens))])
+    batch.remove(row)
+    return float(np.abs(chunk - steps).max())
+
+
 def run_speculative(export: str | Path, drafters: tuple[str, ...], threads: int, repeats: int,
                     max_new_tokens: int, genai: tuple[str, ...] = (), gguf: tuple[str, ...] = ()
                     ) -> dict[str, Any]:
@@ -104,7 +124,8 @@ def run_speculative(export: str | Path, drafters: tuple[str, ...], threads: int,
         count = plain.shape[1]
         base = {"workload": workload, "prompt_tokens": len(ids), "tokens": count}
         rows.append({**base, "engine": "tfport plain", "tokens_per_s": count / seconds,
-                     "cold_tokens_per_s": count / cold})
+                     "cold_tokens_per_s": count / cold,
+                     "chunk_deviation": chunk_deviation(model, ids, plain[0, :CHUNK_TOKENS])})
         for name, draft in drafts.items():
             stats = SpeculationStats()
             seconds, cold, tokens = _timed(lambda: model.generate(
@@ -152,6 +173,8 @@ def format_speculative(result: dict[str, Any]) -> str:
         lines.append(f"{row['workload']:<9} {row['engine']:<34} {row['tokens']:>6} {row['tokens_per_s']:>7.1f} "
                      f"{row['vs_plain']:>7.2f} {cold} {accept:>6} {per:>7} {same:>5}")
     settings = result["settings"]
+    lines.extend(f"{row['workload']}: logits of {CHUNK_TOKENS} tokens fed as one chunk vs one step at a time: "
+                 f"max difference {row['chunk_deviation']:.2g}" for row in result["rows"] if "chunk_deviation" in row)
     lines.append(f"greedy; {settings['threads']} threads; median of {settings['repeats']} runs; "
                  f"tokens/s over the whole generation (the repeated prompt from the prefix caches; "
                  f"cold: caches off, every run prefills it)"
