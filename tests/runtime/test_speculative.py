@@ -461,6 +461,37 @@ def test_adaptive_k_keeps_the_plain_tokens(models, key):
             model.generate(rows, max_new_tokens=30, stop_token_ids=(), speculative=drafter), plain)
 
 
+def test_verification_costs_are_measured_at_one_two_and_k_plus_one_tokens(monkeypatch):
+    """``measure_costs`` on a batch whose extend takes a known time per chunk size (a fake clock):
+    2 tokens are measured on their own (a chunk's kernels differ from a step's), sizes between
+    are interpolated, and a cost never falls as the chunk grows."""
+    from tfport.runtime.decoding import policy as policy_module
+
+    clock = [0.0]
+    monkeypatch.setattr(policy_module.time, "perf_counter", lambda: clock[0])
+
+    class Batch:
+        rows = [object()]
+
+        def __init__(self, seconds):
+            self.seconds, self.sizes = seconds, []
+
+        def extend(self, chunks):
+            self.sizes.append(len(chunks[0]))
+            clock[0] += self.seconds[len(chunks[0])]
+
+        def rewind(self, row, count):
+            pass
+
+    batch = Batch({1: 0.02, 2: 0.03, 9: 0.1})
+    cost, one = policy_module.measure_costs(batch, 8)
+    assert sorted(set(batch.sizes)) == [1, 2, 9] and one == pytest.approx(0.02)
+    assert [cost(s) for s in (1, 2, 9)] == pytest.approx([1.0, 1.5, 5.0])
+    assert cost(5) == pytest.approx(1.5 + 3 * 3.5 / 7)
+    cost, _ = policy_module.measure_costs(Batch({1: 0.02, 2: 0.01, 9: 0.1}), 8)  # a noisy 2
+    assert cost(2) == 1.0 and cost(9) == pytest.approx(5.0)
+
+
 def test_the_policy_counts_k_draft_forwards_for_k_tokens():
     """Drafting k tokens takes k draft forwards (the first also feeds the row's new tokens): the
     policy's k is the argmax of the expected tokens over that cost, computed here directly."""
