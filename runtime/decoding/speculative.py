@@ -227,12 +227,12 @@ def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:
     if speculation.exact and quantization is not None:
         raise ValueError(
             f"speculative: this export's weights are quantised ({quantization.get('format', 'int')}); "
-            "ONNX Runtime's CPU kernel for them (MatMulNBits at accuracy level 4) rounds a step of "
-            "one row differently from a step of several (SmolLM2-135M int4 logits 3e-5 apart on an "
-            "AVX2 CPU, 1.25 on another; greedy tokens diverged on both), and w8a8's per-row "
-            "activation codes turn the float kernels' few-ulp differences between a step of one "
-            "token and a verified chunk into logits units apart (SmolLM2), so verified tokens can "
-            "differ from plain greedy decoding. Speculate on a float export (a quantised "
+            "the int8 rounding of activations in ONNX Runtime's CPU kernels for them (MatMulNBits "
+            "at accuracy level 4, w8a8) turns the few-ulp differences between a step of one token "
+            "and a verified chunk into whole logits (SmolLM2-135M int4: 1.4 apart on an AVX2 CPU, "
+            "1.25 on a VNNI one, against 4e-5 for float32; tfport bench --speculative measures "
+            "it), so verified tokens can differ from plain greedy decoding. Speculate on a float "
+            "export (a quantised "
             "export can be its draft), or accept inexact tokens: Speculation(..., exact=False), "
             "--speculative-inexact")
     if not batch.all_logits:
