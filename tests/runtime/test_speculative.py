@@ -292,11 +292,12 @@ def test_the_draft_model_stops_a_row_where_keep_says(models):
     rows = DraftModel(draft).start(2, 64)
     asked = []
     rows.keep = lambda key, confidences: asked.append((key, list(confidences))) or len(confidences) < 2
-    before = len(rows.seconds)
+    forwards = [0.0]  # a clock the batch's forwards advance: 1 per feeding forward, 0.001 per step
+    rows.batch = Clocked(rows.batch, forwards, feed=1.0, step=0.001)
     out = rows.propose([0], [context], [6], [SequenceState(SamplingParams(), None, 30)])
     assert len(out[0].tokens) == 2 and len(out[0].confidences) == 2
     assert all(0 < c <= 1 for c in out[0].confidences) and [len(c) for _, c in asked] == [1, 2]
-    assert len(rows.seconds) - before == 2  # the feeding forward and one step
+    assert forwards[0] == pytest.approx(1.001)  # the feeding forward and one step
     rows.keep = None
     assert len(rows.propose([0], [context + out[0].tokens], [5], [SequenceState(SamplingParams(), None, 30)])[0].tokens) == 5
 
@@ -524,14 +525,45 @@ def test_a_row_that_stopped_speculating_probes_again():
     assert not any(policy.k("row") for _ in range(KPolicy.PROBE_MAX * 2))
 
 
-def test_the_draft_cost_is_a_median_not_swayed_by_one_slow_forward():
-    """``DraftModelRows.step_seconds`` (the policy's draft cost) is the median of the recent
-    forwards: a first forward that binds anew measured 1.7x the later ones."""
-    rows = DraftModelRows.__new__(DraftModelRows)  # the timing alone, no model
-    rows.seconds = collections.deque(maxlen=15)
-    for pause in [0.2, 0.001, 0.001, 0.001, 0.001]:
-        rows._timed(time.sleep, pause)
-    assert 0.001 <= rows.step_seconds < 0.01  # an average led by the first would be ~0.05
+class Clocked:
+    """A draft row batch on a fake clock: a feeding forward (``extend``) takes ``feed`` seconds,
+    a drafting step ``step``."""
+
+    def __init__(self, batch, clock, feed: float, step: float):
+        self.batch, self.clock, self.feed, self.step_time = batch, clock, feed, step
+
+    def __getattr__(self, name):
+        return getattr(self.batch, name)
+
+    def extend(self, chunks):
+        self.clock[0] += self.feed
+        return self.batch.extend(chunks)
+
+    def step(self, tokens):
+        self.clock[0] += self.step_time
+        return self.batch.step(tokens)
+
+
+def test_the_draft_cost_is_its_time_per_drafted_token(models, monkeypatch):
+    """``DraftModelRows.step_seconds`` (the policy's draft cost): a proposal's drafting time,
+    the feeding forward in full, over the tokens drafted; the median over recent proposals, not
+    swayed by one slow round."""
+    from tfport.runtime.decoding import drafters as drafters_module
+
+    clock = [0.0]
+    monkeypatch.setattr(drafters_module.time, "perf_counter", lambda: clock[0])
+    draft = models["draft"]
+    context = prompts(draft.config.vocab_size)[0]
+    rows = DraftModel(draft).start(1, 96)
+    rows.batch = Clocked(rows.batch, clock, feed=0.05, step=0.01)
+    greedy = SequenceState(SamplingParams(), None, 60)
+    tokens = rows.propose([0], [context], [3], [greedy])[0].tokens
+    assert rows.step_seconds == pytest.approx((0.05 + 2 * 0.01) / 3)
+    rows.batch.feed = 1.0  # one slow round
+    tokens = rows.propose([0], [context + tokens], [3], [greedy])[0].tokens
+    rows.batch.feed = 0.05
+    rows.propose([0], [context + tokens], [3], [greedy])
+    assert rows.step_seconds == pytest.approx((0.05 + 2 * 0.01) / 3)
 
 
 SHARED_POOL_SCRIPT = """
