@@ -10,7 +10,6 @@ import collections
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from tfport.export import ExportOptions, export_model
 from tfport.models import build_model
 from tfport.presets import get_preset
 from tfport.runtime import load_model
-from tfport.runtime.decoding.drafters import DraftModel, DraftModelRows, PromptLookup, Proposal
+from tfport.runtime.decoding.drafters import DraftModel, PromptLookup, Proposal
 from tfport.runtime.decoding.engine import SequenceState
 from tfport.runtime.decoding.policy import KPolicy, expected_tokens
 from tfport.runtime.decoding.speculative import Speculation, SpeculationStats
