@@ -34,7 +34,7 @@ import numpy as np
 from ..sampling import distribution, sample
 from .engine import SequenceState
 
-DRAFT_TIMES = 15  # proposals whose median time per drafted token is the draft's cost
+DRAFT_TIMES = 15  # draft forwards of each kind (feeding, drafting) whose median is their cost
 
 # A loaded decoder ``tfport.runtime.Model`` (not imported: the model module imports this package).
 DecoderModel = Any
@@ -154,7 +154,8 @@ class DraftModelRows:
                                          prefix=getattr(model, "prefix_cache", None))
         self.rows: dict[Hashable, object] = {}
         self.fed: dict[Hashable, list[int]] = {}  # key -> the tokens in its draft cache
-        self.seconds: deque[float] = deque(maxlen=DRAFT_TIMES)
+        self.feeds: deque[float] = deque(maxlen=DRAFT_TIMES)  # seconds of feeding forwards
+        self.seconds: deque[float] = deque(maxlen=DRAFT_TIMES)  # seconds of drafting steps
         self.keep: Callable[[Hashable, list[float]], bool] | None = None
 
     def forget(self, key: Hashable) -> None:
@@ -179,16 +180,27 @@ class DraftModelRows:
         return context[common:]
 
     @property
+    def feed_seconds(self) -> float:
+        """A proposal's first forward, which feeds the rows' new tokens (the accepted run and
+        the target's token: a chunk, which on an int4 draft on AVX2 costs 1.4 steps for 2 tokens,
+        5 for 9): the median of the last ``DRAFT_TIMES``."""
+        return float(np.median(self.feeds)) if self.feeds else 0.0
+
+    @property
     def step_seconds(self) -> float:
-        """The draft's time per drafted token (``KPolicy``'s draft cost): the median over the last
-        ``DRAFT_TIMES`` proposals of their drafting time (the forward that feeds the rows' new
-        tokens, each drafting step, picking the tokens) over the tokens drafted. The feeding
-        forward counts in full: on an int4 draft it is a chunk, which costs several steps where
-        the rows come back after plain steps (SmolLM2 on an AVX2 CPU: 1.4x a step for 2 tokens,
-        5x for 9; a median of single forwards missed that and kept drafting on open chat at 0.78x
-        plain speed). The median is not swayed by a first forward after the rows grow or change
-        count, which binds anew (1.7x a later one)."""
+        """One drafting step of all rows: the median of the last ``DRAFT_TIMES`` (a first
+        forward after the rows grow or change count binds anew and measured 1.7x a later one:
+        SmolLM2 int4, 17.5 against 10.3 ms). Drafting k tokens costs ``feed_seconds`` + (k - 1)
+        ``step_seconds``."""
         return float(np.median(self.seconds)) if self.seconds else 0.0
+
+    @staticmethod
+    def _timed(forward, feed, times: deque):
+        """``forward(feed)``, its time appended to ``times``."""
+        start = time.perf_counter()
+        out = forward(feed)
+        times.append(time.perf_counter() - start)
+        return out
 
     def propose(self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]], ks: Sequence[int],
                 states: Sequence[SequenceState]) -> list[Proposal]:
@@ -199,9 +211,9 @@ class DraftModelRows:
             order = sorted(self.rows, key=lambda key: self.rows[key].index)
             steps = max(k for k, _ in wanted.values())
             going = set(wanted)  # rows still drafting
-            start = time.perf_counter()
             feed = {key: chunks.get(key, [self.fed[key][-1]]) for key in order}  # idle rows: rewound later
-            logits = dict(zip(order, self.batch.extend([np.asarray(feed[key], np.int64) for key in order])))
+            logits = dict(zip(order, self._timed(self.batch.extend, [np.asarray(feed[key], np.int64)
+                                                                     for key in order], self.feeds)))
             for step in range(steps):
                 for key in order:
                     self.fed[key].extend(int(t) for t in feed[key])
@@ -218,9 +230,9 @@ class DraftModelRows:
                     break
                 feed = {key: [drafts[key].tokens[-1]] if key in drafts and len(drafts[key].tokens) > step
                         else [self.fed[key][-1]] for key in order}
-                stepped = self.batch.step(np.array([feed[key][0] for key in order], np.int64))
+                stepped = self._timed(self.batch.step, np.array([feed[key][0] for key in order], np.int64),
+                                      self.seconds)
                 logits = {key: stepped[b][None] for b, key in enumerate(order)}
-            self.seconds.append((time.perf_counter() - start) / max(len(d.tokens) for d in drafts.values()))
         out = []
         for key in keys:
             draft = drafts.get(key, Proposal([]))

@@ -19,15 +19,17 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class KPolicy:
-    """K per row: argmax over k in 0..``k_max`` of expected_tokens(alpha, k) / (cost(k + 1) +
-    k * draft_cost), where alpha is the row's running acceptance rate per proposed token (each
+    """K per row: argmax over k in 0..``k_max`` of expected_tokens(alpha, k) / ``time(k)``, where
+    time(k) = cost(k + 1) + draft_feed + (k - 1) draft_cost (time(0) = 1), alpha is the row's running acceptance rate per proposed token (each
     verification observes its accepted proposals and, if one was rejected, that one: the ones
     after it say nothing; observations are averaged with weight ``decay`` ** age, starting from
     ``prior`` counted as ``prior_weight`` observations: with one, a first rejection cut alpha to
     0.28 and switched an int4 self-draft off for good on open chat), ``cost(s)`` the measured time of feeding s tokens per row relative to
-    one, and ``draft_cost`` the measured time of a draft model's forward relative to the same (0
-    for prompt lookup; drafting k tokens takes k forwards: the first also feeds the row's new
-    tokens). Without a cost function, always ``k_max``.
+    one, and ``draft_feed`` / ``draft_cost`` the measured times of a draft model's first forward
+    of a proposal (it also feeds the row's new tokens: a chunk) and of each further drafting step,
+    relative to the same (0 for prompt lookup). Charging k equal forwards read a short proposal's
+    chunk as the price of every drafted token and switched an int4 draft off for good. Without a
+    cost function, always ``k_max``.
 
     A row whose best k is 0 would never update its alpha again, so with a drafter that costs
     nothing (prompt lookup) it probes: after ``PROBE_AFTER`` plain steps it proposes
@@ -55,7 +57,8 @@ class KPolicy:
             raise ValueError(f"draft_tokens={k_max!r}: expected a positive integer")
         self.k_max, self.cost, self.prior, self.decay = k_max, cost, prior, decay
         self.prior_weight = prior_weight
-        self.draft_cost = 0.0
+        self.draft_cost = 0.0  # a drafting step, relative to a target step
+        self.draft_feed = 0.0  # a proposal's first draft forward (it feeds the new tokens), the same
         self.alpha: dict[Hashable, float] = {}
         self.counts: dict[Hashable, tuple[float, float]] = {}  # key -> decayed (accepted, observed)
         self.by_confidence = np.zeros((2, self.BINS))  # (accepted, observed) drafts per confidence bin
@@ -65,8 +68,7 @@ class KPolicy:
         if self.cost is None:
             return self.k_max
         alpha = self.alpha.get(key, self.prior)
-        gains = [expected_tokens(alpha, k) / (self.cost(k + 1) + k * self.draft_cost)
-                 for k in range(self.k_max + 1)]
+        gains = [expected_tokens(alpha, k) / self.time(k) for k in range(self.k_max + 1)]
         best = int(np.argmax(gains))
         if best:
             self.waits.pop(key, None)
@@ -89,8 +91,7 @@ class KPolicy:
 
     def keep_drafting(self, key: Hashable, confidences: Sequence[float]) -> bool:
         """Whether row ``key``, having drafted j tokens with ``confidences``, should draft one
-        more: with c_i the product of the first i tokens' ``acceptance`` and T(j) = cost(j + 1) +
-        j * draft_cost, whether (1 + c_1 + ... + c_j + c_j * alpha) / T(j + 1) exceeds
+        more: with c_i the product of the first i tokens' ``acceptance`` and T = ``time``, whether (1 + c_1 + ... + c_j + c_j * alpha) / T(j + 1) exceeds
         (1 + c_1 + ... + c_j) / T(j) (the next token's confidence is unknown: alpha stands for
         it). Without a cost function, always."""
         if self.cost is None:
@@ -100,9 +101,12 @@ class KPolicy:
             chain *= self.acceptance(key, confidence)
             tokens += chain
         j = len(confidences)
-        now = tokens / (self.cost(j + 1) + j * self.draft_cost)
-        more = (tokens + chain * self.alpha.get(key, self.prior)) / (self.cost(j + 2) + (j + 1) * self.draft_cost)
-        return more > now
+        return (tokens + chain * self.alpha.get(key, self.prior)) / self.time(j + 1) > tokens / self.time(j)
+
+    def time(self, k: int) -> float:
+        """A verification of k proposals in target steps: cost(k + 1), and drafting them, one
+        feeding forward and k - 1 drafting steps (0 for prompt lookup)."""
+        return self.cost(k + 1) + (self.draft_feed + (k - 1) * self.draft_cost if k else 0.0)
 
     def record(self, key: Hashable, proposed: int, accepted: int,
                confidences: Sequence[float] | None = None) -> None:

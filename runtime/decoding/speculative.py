@@ -96,8 +96,10 @@ class Speculator:
         ks = [max(0, min(k, state.max_tokens - len(state.tokens) - 1, self.batch.max_length - row.length - 1))
               for k, state, row in zip(ks, states, rows)]
         proposals = self.drafts.propose(keys, contexts, ks, states)
-        if self.step_seconds:  # a draft model's forward per drafted token (0 for prompt lookup)
+        if self.step_seconds:  # a draft model's forwards (0 for prompt lookup)
             self.policy.draft_cost = getattr(self.drafts, "step_seconds", 0.0) / self.step_seconds
+            feed = getattr(self.drafts, "feed_seconds", None)
+            self.policy.draft_feed = self.policy.draft_cost if feed is None else feed / self.step_seconds
         return proposals
 
     def verify(self, key: Hashable, row: Row, state: SequenceState, logits: np.ndarray,

@@ -265,7 +265,7 @@ def test_the_policy_drafts_on_while_the_draft_is_sure():
     of target time, computed here directly."""
     cost = lambda size: 1.0 + 0.05 * (size - 1)  # noqa: E731
     policy = KPolicy(8, cost)
-    policy.draft_cost = 0.3
+    policy.draft_cost, policy.draft_feed = 0.3, 0.45
     for _ in range(20):  # sure drafts are accepted, doubted ones rejected
         policy.record("row", 3, 2, [0.95, 0.97, 0.2])
     assert policy.acceptance("row", 0.96) > 0.95 and policy.acceptance("row", 0.25) < 0.1
@@ -275,7 +275,7 @@ def test_the_policy_drafts_on_while_the_draft_is_sure():
         for j in (len(confidences), len(confidences) + 1):
             accepts = [policy.acceptance("row", c) for c in confidences] + [policy.alpha["row"]]
             tokens = 1 + sum(np.prod(accepts[:i + 1]) for i in range(j))
-            rates.append(tokens / (cost(j + 1) + j * policy.draft_cost))
+            rates.append(tokens / (cost(j + 1) + policy.draft_feed + (j - 1) * policy.draft_cost))
         return rates[1] > rates[0]
 
     for confidences in ([0.95], [0.95, 0.97, 0.99], [0.95, 0.2], [0.15], [0.99] * 7):
@@ -493,13 +493,15 @@ def test_verification_costs_are_measured_at_one_two_and_k_plus_one_tokens(monkey
 
 
 def test_the_policy_counts_k_draft_forwards_for_k_tokens():
-    """Drafting k tokens takes k draft forwards (the first also feeds the row's new tokens): the
-    policy's k is the argmax of the expected tokens over that cost, computed here directly."""
+    """Drafting k tokens takes one feeding forward (it also feeds the row's new tokens) and k - 1
+    drafting steps: the policy's k is the argmax of the expected tokens over that cost, computed
+    here directly."""
     cost = lambda size: 1.0 + 0.05 * (size - 1)  # noqa: E731
     policy = KPolicy(8, cost)
-    for alpha, draft_cost in [(0.8, 0.35), (0.95, 0.2), (0.6, 0.1), (0.9, 0.6)]:
-        policy.alpha["row"], policy.draft_cost = alpha, draft_cost
-        rates = [sum(alpha ** i for i in range(k + 1)) / (cost(k + 1) + k * draft_cost) for k in range(9)]
+    for alpha, draft_cost, feed in [(0.8, 0.35, 0.35), (0.95, 0.2, 0.5), (0.6, 0.1, 0.1), (0.9, 0.6, 0.6)]:
+        policy.alpha["row"], policy.draft_cost, policy.draft_feed = alpha, draft_cost, feed
+        rates = [sum(alpha ** i for i in range(k + 1)) / (cost(k + 1) + (feed + (k - 1) * draft_cost if k else 0))
+                 for k in range(9)]
         want = int(np.argmax(rates))
         assert want > 0 and policy.k("row") == want, (alpha, draft_cost, rates)
 
@@ -543,10 +545,10 @@ class Clocked:
         return self.batch.step(tokens)
 
 
-def test_the_draft_cost_is_its_time_per_drafted_token(models, monkeypatch):
-    """``DraftModelRows.step_seconds`` (the policy's draft cost): a proposal's drafting time,
-    the feeding forward in full, over the tokens drafted; the median over recent proposals, not
-    swayed by one slow round."""
+def test_the_draft_costs_are_medians_of_feeding_and_drafting_forwards(models, monkeypatch):
+    """``DraftModelRows.feed_seconds`` and ``step_seconds`` (the policy's draft_feed and
+    draft_cost): the medians of recent feeding forwards and drafting steps, not swayed by one
+    slow forward."""
     from tfport.runtime.decoding import drafters as drafters_module
 
     clock = [0.0]
@@ -557,12 +559,12 @@ def test_the_draft_cost_is_its_time_per_drafted_token(models, monkeypatch):
     rows.batch = Clocked(rows.batch, clock, feed=0.05, step=0.01)
     greedy = SequenceState(SamplingParams(), None, 60)
     tokens = rows.propose([0], [context], [3], [greedy])[0].tokens
-    assert rows.step_seconds == pytest.approx((0.05 + 2 * 0.01) / 3)
-    rows.batch.feed = 1.0  # one slow round
-    tokens = rows.propose([0], [context + tokens], [3], [greedy])[0].tokens
-    rows.batch.feed = 0.05
+    assert (rows.feed_seconds, rows.step_seconds) == pytest.approx((0.05, 0.01))
+    rows.batch.feed, rows.batch.step_time = 1.0, 0.5  # one slow round
+    tokens = rows.propose([0], [context + tokens], [2], [greedy])[0].tokens
+    rows.batch.feed, rows.batch.step_time = 0.05, 0.01
     rows.propose([0], [context + tokens], [3], [greedy])
-    assert rows.step_seconds == pytest.approx((0.05 + 2 * 0.01) / 3)
+    assert (rows.feed_seconds, rows.step_seconds) == pytest.approx((0.05, 0.01))
 
 
 SHARED_POOL_SCRIPT = """
