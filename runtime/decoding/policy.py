@@ -12,6 +12,7 @@ import numpy as np
 
 from .rows import RowBatch
 
+
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens one verification of k proposals yields when each is accepted with probability
     ``alpha`` independently: 1 + alpha + ... + alpha^k (Leviathan et al. 2023, eq. 1)."""
@@ -20,16 +21,17 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 class KPolicy:
     """K per row: argmax over k in 0..``k_max`` of expected_tokens(alpha, k) / ``time(k)``, where
-    time(k) = cost(k + 1) + draft_feed + (k - 1) draft_cost (time(0) = 1), alpha is the row's running acceptance rate per proposed token (each
-    verification observes its accepted proposals and, if one was rejected, that one: the ones
-    after it say nothing; observations are averaged with weight ``decay`` ** age, starting from
-    ``prior`` counted as ``prior_weight`` observations: with one, a first rejection cut alpha to
-    0.28 and switched an int4 self-draft off for good on open chat), ``cost(s)`` the measured time of feeding s tokens per row relative to
-    one, and ``draft_feed`` / ``draft_cost`` the measured times of a draft model's first forward
-    of a proposal (it also feeds the row's new tokens: a chunk) and of each further drafting step,
-    relative to the same (0 for prompt lookup). Charging k equal forwards read a short proposal's
-    chunk as the price of every drafted token and switched an int4 draft off for good. Without a
-    cost function, always ``k_max``.
+    time(k) = cost(k + 1) + draft_feed + (k - 1) draft_cost (time(0) = 1); alpha (``alpha``) is
+    the row's running acceptance rate per proposed token (each verification observes its
+    accepted proposals and, if one was rejected, that one: the ones after it say nothing;
+    observations are averaged with weight ``decay`` ** age, starting from ``prior`` counted as
+    ``prior_weight`` observations: with one, a first rejection cut alpha to 0.28 and switched an
+    int4 self-draft off for good on open chat); ``cost(s)`` is the measured time of feeding s
+    tokens per row relative to one; ``draft_feed`` / ``draft_cost`` are the measured times of a
+    draft model's first forward of a proposal (it also feeds the row's new tokens: a chunk) and of
+    each further drafting step, relative to the same (0 for prompt lookup). Charging every
+    drafted token its proposal's average read a short proposal's chunk as the price of each token
+    and switched an int4 draft off for good. Without a cost function, always ``k_max``.
 
     A row whose best k is 0 would never update its alpha again, so with a drafter that costs
     nothing (prompt lookup) it probes: after ``PROBE_AFTER`` plain steps it proposes
@@ -59,7 +61,6 @@ class KPolicy:
         self.prior_weight = prior_weight
         self.draft_cost = 0.0  # a drafting step, relative to a target step
         self.draft_feed = 0.0  # a proposal's first draft forward (it feeds the new tokens), the same
-        self.alpha: dict[Hashable, float] = {}
         self.counts: dict[Hashable, tuple[float, float]] = {}  # key -> decayed (accepted, observed)
         self.by_confidence = np.zeros((2, self.BINS))  # (accepted, observed) drafts per confidence bin
         self.waits: dict[Hashable, tuple[int, int]] = {}  # key -> (plain steps since a proposal, wait)
@@ -67,7 +68,7 @@ class KPolicy:
     def k(self, key: Hashable) -> int:
         if self.cost is None:
             return self.k_max
-        alpha = self.alpha.get(key, self.prior)
+        alpha = self.alpha(key)
         gains = [expected_tokens(alpha, k) / self.time(k) for k in range(self.k_max + 1)]
         best = int(np.argmax(gains))
         if best:
@@ -86,14 +87,15 @@ class KPolicy:
         """The estimated probability that row ``key``'s target accepts a draft token of this
         confidence: the acceptance observed in its confidence bin (all rows), shrunk towards the
         row's alpha by one pseudo-observation."""
-        accepted, observed = self.by_confidence[:, min(int(confidence * self.BINS), self.BINS - 1)]
-        return float((accepted + self.alpha.get(key, self.prior)) / (observed + 1.0))
+        accepted, observed = self.by_confidence[:, self._bin(confidence)]
+        return float((accepted + self.alpha(key)) / (observed + 1.0))
 
     def keep_drafting(self, key: Hashable, confidences: Sequence[float]) -> bool:
         """Whether row ``key``, having drafted j tokens with ``confidences``, should draft one
-        more: with c_i the product of the first i tokens' ``acceptance`` and T = ``time``, whether (1 + c_1 + ... + c_j + c_j * alpha) / T(j + 1) exceeds
-        (1 + c_1 + ... + c_j) / T(j) (the next token's confidence is unknown: alpha stands for
-        it). Without a cost function, always."""
+        more: with c_i the product of the first i tokens' ``acceptance`` and T = ``time``,
+        whether (1 + c_1 + ... + c_j + c_j * alpha) / T(j + 1) exceeds (1 + c_1 + ... + c_j) /
+        T(j) (the next token's confidence is unknown: alpha stands for it). Without a cost
+        function, always."""
         if self.cost is None:
             return True
         chain, tokens = 1.0, 1.0
@@ -101,7 +103,7 @@ class KPolicy:
             chain *= self.acceptance(key, confidence)
             tokens += chain
         j = len(confidences)
-        return (tokens + chain * self.alpha.get(key, self.prior)) / self.time(j + 1) > tokens / self.time(j)
+        return (tokens + chain * self.alpha(key)) / self.time(j + 1) > tokens / self.time(j)
 
     def time(self, k: int) -> float:
         """A verification of k proposals in target steps: cost(k + 1), and drafting them, one
@@ -118,15 +120,21 @@ class KPolicy:
         if not proposed:
             return
         for i, confidence in enumerate((confidences or [])[:accepted + 1]):
-            self.by_confidence[:, min(int(confidence * self.BINS), self.BINS - 1)] += (i < accepted, 1)
+            self.by_confidence[:, self._bin(confidence)] += (i < accepted, 1)
         hits, seen = self.counts.get(key, (self.prior * self.prior_weight, self.prior_weight))
         for hit in [1.0] * accepted + [0.0] * (accepted < proposed):
             hits, seen = self.decay * hits + hit, self.decay * seen + 1.0
         self.counts[key] = hits, seen
-        self.alpha[key] = hits / seen
+
+    def alpha(self, key: Hashable) -> float:
+        """Row ``key``'s running acceptance rate per proposed token (``prior`` before any)."""
+        hits, seen = self.counts.get(key, (self.prior, 1.0))
+        return hits / seen
+
+    def _bin(self, confidence: float) -> int:
+        return min(int(confidence * self.BINS), self.BINS - 1)
 
     def forget(self, key: Hashable) -> None:
-        self.alpha.pop(key, None)
         self.counts.pop(key, None)
         self.waits.pop(key, None)
 

@@ -234,9 +234,8 @@ def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:
             "and a verified chunk into whole logits (SmolLM2-135M int4: 1.4 apart on an AVX2 CPU, "
             "1.25 on a VNNI one, against 4e-5 for float32; tfport bench --speculative measures "
             "it), so verified tokens can differ from plain greedy decoding. Speculate on a float "
-            "export (a quantised "
-            "export can be its draft), or accept inexact tokens: Speculation(..., exact=False), "
-            "--speculative-inexact")
+            "export (a quantised export can be its draft), or accept inexact tokens: "
+            "Speculation(..., exact=False), --speculative-inexact")
     if not batch.all_logits:
         raise ValueError("speculative: this export returns the last position's logits only "
                          "(logits='last'); verifying proposals needs every position's (re-export "

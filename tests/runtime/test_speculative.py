@@ -255,8 +255,8 @@ def test_acceptance_counts_tokens_not_rounds():
     weights = 0.9 ** np.arange(len(seen))[::-1]
     prior = policy.prior_weight * 0.9 ** len(seen)
     want = (0.6 * prior + weights @ seen) / (prior + weights.sum())
-    assert policy.alpha["row"] == pytest.approx(want)
-    assert policy.alpha["row"] > 0.75  # a per-round average would read the (6, 0) round as alpha 0
+    assert policy.alpha("row") == pytest.approx(want)
+    assert policy.alpha("row") > 0.75  # a per-round average would read the (6, 0) round as alpha 0
 
 
 def test_the_policy_drafts_on_while_the_draft_is_sure():
@@ -273,7 +273,7 @@ def test_the_policy_drafts_on_while_the_draft_is_sure():
     def direct(confidences):
         rates = []
         for j in (len(confidences), len(confidences) + 1):
-            accepts = [policy.acceptance("row", c) for c in confidences] + [policy.alpha["row"]]
+            accepts = [policy.acceptance("row", c) for c in confidences] + [policy.alpha("row")]
             tokens = 1 + sum(np.prod(accepts[:i + 1]) for i in range(j))
             rates.append(tokens / (cost(j + 1) + policy.draft_feed + (j - 1) * policy.draft_cost))
         return rates[1] > rates[0]
@@ -499,7 +499,7 @@ def test_the_policy_counts_k_draft_forwards_for_k_tokens():
     cost = lambda size: 1.0 + 0.05 * (size - 1)  # noqa: E731
     policy = KPolicy(8, cost)
     for alpha, draft_cost, feed in [(0.8, 0.35, 0.35), (0.95, 0.2, 0.5), (0.6, 0.1, 0.1), (0.9, 0.6, 0.6)]:
-        policy.alpha["row"], policy.draft_cost, policy.draft_feed = alpha, draft_cost, feed
+        policy.counts["row"], policy.draft_cost, policy.draft_feed = (alpha, 1.0), draft_cost, feed
         rates = [sum(alpha ** i for i in range(k + 1)) / (cost(k + 1) + (feed + (k - 1) * draft_cost if k else 0))
                  for k in range(9)]
         want = int(np.argmax(rates))
@@ -511,7 +511,7 @@ def test_a_row_that_stopped_speculating_probes_again():
     PROBE_AFTER plain steps, each failed probe doubling the wait; a probe whose tokens were
     accepted brings speculation back."""
     policy = KPolicy(8, lambda size: 1.0 + 0.05 * (size - 1))
-    policy.alpha["row"] = 0.02  # speculation does not pay at this acceptance, with prompt lookup
+    policy.counts["row"] = (0.02, 1.0)  # speculation does not pay at this acceptance, with prompt lookup
     ks = [policy.k("row") for _ in range(KPolicy.PROBE_AFTER * 7)]
     probes = [i for i, k in enumerate(ks) if k]
     assert all(ks[i] == KPolicy.PROBE_TOKENS for i in probes)
@@ -521,8 +521,8 @@ def test_a_row_that_stopped_speculating_probes_again():
         policy.record("row", 2, 2)
     assert policy.k("row") > 0
     policy.forget("row")
-    assert "row" not in policy.alpha and "row" not in policy.waits
-    policy.alpha["row"], policy.draft_cost = 0.05, 0.4  # a draft model: no probes (feeding it costs)
+    assert "row" not in policy.counts and "row" not in policy.waits
+    policy.counts["row"], policy.draft_cost = (0.05, 1.0), 0.4  # a draft model: no probes (feeding it costs)
     assert not any(policy.k("row") for _ in range(KPolicy.PROBE_MAX * 2))
 
 
