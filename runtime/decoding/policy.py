@@ -36,11 +36,20 @@ class KPolicy:
     A row whose best k is 0 would never update its alpha again, so with a drafter that costs
     nothing (prompt lookup) it probes: after ``PROBE_AFTER`` plain steps it proposes
     ``PROBE_TOKENS``, and each probe that does not make speculation pay doubles the wait (up to
-    ``PROBE_MAX``). A draft model does not probe: before drafting it must be fed every token since
-    it last drafted, at several-row cost (SmolLM2's int4 draft on open chat, where it agrees on
-    37% of its tokens: 0.75x plain decoding with probes, as a probe after a row's acceptance
-    dipped kept it switching on and off). Its k falls to 0 only on measured costs: its forwards'
-    median time and the verification cost.
+    ``PROBE_MAX``). A draft model's row does not probe once it has drafted: before drafting again
+    it must be fed every token since it last drafted, at several-row cost (SmolLM2's int4 draft on
+    open chat, where it agrees on 37% of its tokens: 0.75x plain decoding with probes, as a probe
+    after a row's acceptance dipped kept it switching on and off).
+
+    A new row starts from the acceptance pooled over the rows before it (``pooled``: every
+    observation, weighted ``POOL_DECAY`` ** age, from the prior), not from the fixed prior: a
+    server's later requests start from what its earlier ones saw. With the fixed prior and an int4
+    self-draft on an AVX2 CPU (a drafting step 0.45 of a float32 target step), no new request
+    drafted once the draft's costs were known, at any acceptance the earlier requests had shown.
+    A new row for which even that does not pay makes a first proposal of ``PROBE_TOKENS`` anyway
+    after ``PROBE_AFTER`` such rows (the wait doubling up to ``PROBE_MAX``, back to
+    ``PROBE_AFTER`` once a new row drafts on its own merit): otherwise the pooled acceptance, and
+    with it every later row, would never change again.
 
     A draft model that gives its confidence in each token (its own probability of it) is not
     held to k: while drafting it asks ``keep_drafting``, which estimates each drafted token's
@@ -51,6 +60,7 @@ class KPolicy:
     """
 
     PROBE_AFTER, PROBE_MAX, PROBE_TOKENS = 8, 128, 2
+    POOL_DECAY = 0.99  # per observation, for the acceptance pooled over rows (a new row's start)
     BINS = 10  # confidence bins of ``acceptance``: [0, 0.1), [0.1, 0.2), ... [0.9, 1]
 
     def __init__(self, k_max: int, cost: Callable[[int], float] | None, prior: float = 0.6,
@@ -64,23 +74,40 @@ class KPolicy:
         self.counts: dict[Hashable, tuple[float, float]] = {}  # key -> decayed (accepted, observed)
         self.by_confidence = np.zeros((2, self.BINS))  # (accepted, observed) drafts per confidence bin
         self.waits: dict[Hashable, tuple[int, int]] = {}  # key -> (plain steps since a proposal, wait)
+        self.pooled = (prior * prior_weight, prior_weight)  # decayed (accepted, observed) of all rows
+        self.asked: set[Hashable] = set()  # rows k was chosen for
+        self.new_rows = (0, self.PROBE_AFTER)  # (new rows a draft model skipped since one drafted, wait)
 
     def k(self, key: Hashable) -> int:
         if self.cost is None:
             return self.k_max
+        new = key not in self.asked and key not in self.counts
+        self.asked.add(key)
         alpha = self.alpha(key)
         gains = [expected_tokens(alpha, k) / self.time(k) for k in range(self.k_max + 1)]
         best = int(np.argmax(gains))
         if best:
             self.waits.pop(key, None)
+            if new:
+                self.new_rows = (0, self.PROBE_AFTER)
             return best
         if self.draft_cost:  # a draft model's probe first feeds it every token since its last one
-            return 0
+            return self._probe_new_row() if new else 0
         plain, wait = self.waits.get(key, (0, self.PROBE_AFTER))
         if plain + 1 < wait:
             self.waits[key] = (plain + 1, wait)
             return 0
         self.waits[key] = (0, min(2 * wait, self.PROBE_MAX))
+        return min(self.k_max, self.PROBE_TOKENS)
+
+    def _probe_new_row(self) -> int:
+        """k for a new row of a draft model that would not draft it: ``PROBE_TOKENS`` once every
+        ``new_rows`` wait (doubling), else 0."""
+        skipped, wait = self.new_rows
+        if skipped + 1 < wait:
+            self.new_rows = (skipped + 1, wait)
+            return 0
+        self.new_rows = (0, min(2 * wait, self.PROBE_MAX))
         return min(self.k_max, self.PROBE_TOKENS)
 
     def acceptance(self, key: Hashable, confidence: float) -> float:
@@ -121,15 +148,25 @@ class KPolicy:
             return
         for i, confidence in enumerate((confidences or [])[:accepted + 1]):
             self.by_confidence[:, self._bin(confidence)] += (i < accepted, 1)
-        hits, seen = self.counts.get(key, (self.prior * self.prior_weight, self.prior_weight))
+        hits, seen = self.counts.get(key) or self._start()
+        pooled_hits, pooled_seen = self.pooled
         for hit in [1.0] * accepted + [0.0] * (accepted < proposed):
             hits, seen = self.decay * hits + hit, self.decay * seen + 1.0
+            pooled_hits, pooled_seen = self.POOL_DECAY * pooled_hits + hit, self.POOL_DECAY * pooled_seen + 1.0
         self.counts[key] = hits, seen
+        self.pooled = pooled_hits, pooled_seen
 
     def alpha(self, key: Hashable) -> float:
-        """Row ``key``'s running acceptance rate per proposed token (``prior`` before any)."""
-        hits, seen = self.counts.get(key, (self.prior, 1.0))
+        """Row ``key``'s running acceptance rate per proposed token (before any, the rate pooled
+        over the rows before it)."""
+        hits, seen = self.counts.get(key) or self._start()
         return hits / seen
+
+    def _start(self) -> tuple[float, float]:
+        """A new row's (accepted, observed): the pooled rate, counted as ``prior_weight``
+        observations."""
+        hits, seen = self.pooled
+        return hits / seen * self.prior_weight, self.prior_weight
 
     def _bin(self, confidence: float) -> int:
         return min(int(confidence * self.BINS), self.BINS - 1)
@@ -137,6 +174,7 @@ class KPolicy:
     def forget(self, key: Hashable) -> None:
         self.counts.pop(key, None)
         self.waits.pop(key, None)
+        self.asked.discard(key)
 
 
 def measure_costs(batch: RowBatch, k_max: int, repeats: int = 3) -> tuple[Callable[[int], float], float]:

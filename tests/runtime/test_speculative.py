@@ -369,6 +369,62 @@ def test_the_scheduler_speculates_with_continuous_batching(models, key, drafter)
         assert scheduler.speculation_stats.accepted > 0
 
 
+class Oracle:
+    """Proposes the target's own greedy continuation (``replies``: prompt -> its solo greedy
+    tokens), reporting draft forwards that cost ``step`` / ``feed`` of a target step (the
+    verification costs are patched to take 1 second a step)."""
+
+    name = "oracle"
+
+    def __init__(self, replies: dict[tuple[int, ...], list[int]], step: float, feed: float):
+        self.replies, self.step_seconds, self.feed_seconds = replies, step, feed
+
+    def start(self, capacity: int, max_length: int) -> "Oracle":
+        return self
+
+    def propose(self, keys, contexts, ks, states):
+        out = []
+        for context, k in zip(contexts, ks):
+            prompt = next(p for p in self.replies if tuple(context[:len(p)]) == p)
+            whole = [*prompt, *self.replies[prompt]]
+            out.append(Proposal(whole[len(context):len(context) + k]))
+        return out
+
+    def forget(self, key) -> None:
+        pass
+
+
+def test_a_server_s_later_requests_draft_from_the_acceptance_earlier_ones_showed(models, monkeypatch):
+    """A scheduler's speculator outlives its requests: once a draft's costs are known (here a
+    drafting step 0.45 of a target step, an int4 self-draft's on an AVX2 CPU), a new request
+    whose acceptance started from the fixed prior (0.6) never drafted. It starts from the
+    acceptance pooled over the earlier requests, and drafts (with the solo greedy tokens)."""
+    from tfport.runtime.decoding import speculative
+    from tfport.runtime.serve.scheduler import GenerationRequest, Scheduler, SchedulerLimits
+
+    cost = lambda size: float(np.interp(size, [1, 2, 9], [1.0, 1.05, 1.25]))  # noqa: E731
+    monkeypatch.setattr(speculative, "measure_costs", lambda batch, k_max: (cost, 1.0))
+    monkeypatch.setattr(speculative, "_COSTS", "oracle-costs")  # not the costs earlier tests measured
+    model = models["portable", "tiny-decoder"]
+    rows = prompts(model.config.vocab_size)[:2]
+    solos = [model.generate([p], max_new_tokens=24, stop_token_ids=())[0].tolist() for p in rows]
+    oracle = Oracle({tuple(p): solo for p, solo in zip(rows, solos)}, step=0.45, feed=0.63)
+    policy = KPolicy(8, cost)
+    policy.draft_cost, policy.draft_feed = 0.45, 0.63
+    assert policy.k("fresh") == 0  # the fixed prior does not pay at these costs
+    scheduler = Scheduler(model, SchedulerLimits(max_rows=2, max_queue=4),
+                          speculation=Speculation(oracle)).start()
+    try:
+        handles = []
+        for prompt in rows:  # one after the other: the second starts with the costs known
+            handles += scheduler.submit([GenerationRequest(prompt, 24)])
+            assert handles[-1].result() == (solos[len(handles) - 1], "length")
+    finally:
+        scheduler.stop()
+    assert handles[0].accepted == handles[0].proposed > 0
+    assert handles[1].accepted == handles[1].proposed > 0
+
+
 @pytest.mark.parametrize("key", [("portable", "tiny-decoder"), ("ort", "tiny-decoder")], ids=lambda k: "-".join(k))
 def test_a_single_prompt_speculates_from_the_prefix_cache_and_leaves_its_tokens(models, key):
     """As plain decoding does: the second call finds the first one's prompt and output cached

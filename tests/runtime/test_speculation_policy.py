@@ -1,0 +1,77 @@
+"""``KPolicy``'s start for new rows (runtime/decoding/policy.py): the acceptance pooled over
+earlier rows, computed here directly, and the first proposals that new rows of a costly draft
+make anyway, on a doubling wait."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tfport.runtime.decoding.policy import KPolicy
+
+
+def cost(size: int) -> float:
+    return float(np.interp(size, [1, 2, 9], [1.0, 1.05, 1.25]))
+
+
+def test_a_new_row_starts_from_the_acceptance_pooled_over_earlier_rows():
+    """Every observation of every row counts in the pool with weight POOL_DECAY ** age, from the
+    prior counted as ``prior_weight`` observations; a new row's alpha is the pooled rate, which
+    its own counts start from (as ``prior_weight`` observations)."""
+    policy = KPolicy(8, cost, prior=0.6, prior_weight=4.0)
+    seen = []
+    for key, proposed, accepted in [("a", 8, 8), ("b", 4, 1), ("a", 3, 3), ("c", 5, 0), ("b", 0, 0)]:
+        policy.record(key, proposed, accepted)
+        seen += [1] * accepted + [0] * (accepted < proposed)
+    weights = KPolicy.POOL_DECAY ** np.arange(len(seen))[::-1]
+    prior = 4.0 * KPolicy.POOL_DECAY ** len(seen)
+    pooled = (0.6 * prior + weights @ seen) / (prior + weights.sum())
+    assert policy.alpha("new") == pytest.approx(pooled)
+    assert pooled != pytest.approx(0.6, abs=0.05)  # the observations moved it off the prior
+    policy.record("new", 2, 2)
+    assert policy.alpha("new") == pytest.approx((4 * pooled * 0.81 + 0.9 + 1) / (4 * 0.81 + 0.9 + 1))
+
+
+def test_new_rows_start_drafting_once_earlier_rows_showed_it_pays():
+    """At these costs (a drafting step 0.45 of a target step), the prior does not pay for a draft
+    model; a row that starts after rows whose drafts were accepted does."""
+    policy = KPolicy(8, cost)
+    policy.draft_cost, policy.draft_feed = 0.45, 0.63
+    assert policy.alpha("first") == 0.6 and policy.k("first") == 0
+    for _ in range(6):
+        policy.record("earlier", 5, 5)
+    assert policy.k("later") > 0
+
+
+def test_new_rows_of_a_costly_draft_probe_on_a_doubling_wait():
+    """Where even the pooled acceptance does not pay, new rows do not draft, except one in
+    PROBE_AFTER (the wait doubling after each such row, up to PROBE_MAX), which proposes
+    PROBE_TOKENS: otherwise nothing would ever be observed again. A row counts once however often
+    it is asked, and a row that drafted and stopped does not probe."""
+    policy = KPolicy(8, cost)
+    policy.draft_cost, policy.draft_feed = 0.45, 0.63
+    for _ in range(60):
+        policy.record("earlier", 4, 0)
+    ks = []
+    for row in range(KPolicy.PROBE_AFTER * 7):
+        ks.append(policy.k(row))
+        policy.k(row)  # asked again: still one row (the waits below would halve otherwise)
+    probes = [row for row, k in enumerate(ks) if k]
+    assert all(ks[row] == KPolicy.PROBE_TOKENS for row in probes)
+    waits = np.diff([-1] + probes).tolist()
+    assert waits == [KPolicy.PROBE_AFTER * 2 ** n for n in range(len(waits))] and len(waits) == 3
+    policy.record(probes[0], 2, 0)  # the probe was rejected: that row stops, for good
+    assert not any(policy.k(probes[0]) for _ in range(KPolicy.PROBE_MAX * 2))
+    for _ in range(30):  # later rows' drafts are accepted: new rows draft on their own merit
+        policy.record("recovered", 6, 6)
+    assert policy.k("next") > 0 and policy.new_rows == (0, KPolicy.PROBE_AFTER)
+
+
+def test_prompt_lookup_rows_start_from_the_pool_and_probe_as_before():
+    """Prompt lookup costs nothing to draft: a new row whose pooled start does not pay waits
+    PROBE_AFTER plain steps of its own and then probes (rows are not skipped whole)."""
+    policy = KPolicy(8, cost)
+    for _ in range(60):
+        policy.record("earlier", 4, 0)
+    ks = [policy.k("new") for _ in range(KPolicy.PROBE_AFTER)]
+    assert ks == [0] * (KPolicy.PROBE_AFTER - 1) + [KPolicy.PROBE_TOKENS]
