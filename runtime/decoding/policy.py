@@ -47,7 +47,7 @@ class KPolicy:
     self-draft on an AVX2 CPU (a drafting step 0.45 of a float32 target step), no new request
     drafted once the draft's costs were known, at any acceptance the earlier requests had shown.
     A new row for which even that does not pay makes a first proposal of ``PROBE_TOKENS`` anyway
-    after ``PROBE_AFTER`` such rows (the wait doubling up to ``PROBE_MAX``, back to
+    (a steered draft: as far as ``keep_drafting`` says) after ``PROBE_AFTER`` such rows (the wait doubling up to ``PROBE_MAX``, back to
     ``PROBE_AFTER`` once a new row drafts on its own merit): otherwise the pooled acceptance, and
     with it every later row, would never change again.
 
@@ -67,6 +67,8 @@ class KPolicy:
                  decay: float = 0.9, prior_weight: float = 4.0):
         if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
             raise ValueError(f"draft_tokens={k_max!r}: expected a positive integer")
+        if not prior_weight > 0:
+            raise ValueError(f"prior_weight={prior_weight!r}: expected a positive number of observations")
         self.k_max, self.cost, self.prior, self.decay = k_max, cost, prior, decay
         self.prior_weight = prior_weight
         self.draft_cost = 0.0  # a drafting step, relative to a target step
@@ -91,7 +93,7 @@ class KPolicy:
             if new:
                 self.new_rows = (0, self.PROBE_AFTER)
             return best
-        if self.draft_cost:  # a draft model's probe first feeds it every token since its last one
+        if self.draft_cost or self.draft_feed:  # a draft model: a probe feeds it every token since it drafted
             return self._probe_new_row() if new else 0
         plain, wait = self.waits.get(key, (0, self.PROBE_AFTER))
         if plain + 1 < wait:
@@ -149,12 +151,12 @@ class KPolicy:
         for i, confidence in enumerate((confidences or [])[:accepted + 1]):
             self.by_confidence[:, self._bin(confidence)] += (i < accepted, 1)
         hits, seen = self.counts.get(key) or self._start()
-        pooled_hits, pooled_seen = self.pooled
+        pool, pooled = self.pooled
         for hit in [1.0] * accepted + [0.0] * (accepted < proposed):
             hits, seen = self.decay * hits + hit, self.decay * seen + 1.0
-            pooled_hits, pooled_seen = self.POOL_DECAY * pooled_hits + hit, self.POOL_DECAY * pooled_seen + 1.0
+            pool, pooled = self.POOL_DECAY * pool + hit, self.POOL_DECAY * pooled + 1.0
         self.counts[key] = hits, seen
-        self.pooled = pooled_hits, pooled_seen
+        self.pooled = pool, pooled
 
     def alpha(self, key: Hashable) -> float:
         """Row ``key``'s running acceptance rate per proposed token (before any, the rate pooled

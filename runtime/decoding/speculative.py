@@ -90,11 +90,14 @@ class Speculator:
             if key not in self.costs:
                 self.costs[key] = measure_costs(self.batch, k_max)
             self.policy.cost, self.step_seconds = self.costs[key]
-        ks = [self.policy.k(key) for key in keys]
+        # The row's token budget and cache room; a row with none left is not put to the policy
+        # (a probe it was given would be spent with nothing proposed).
+        room = [min(state.max_tokens - len(state.tokens) - 1, self.batch.max_length - row.length - 1)
+                for state, row in zip(states, rows)]
+        ks = [self.policy.k(key) if left > 0 else 0 for key, left in zip(keys, room)]
         if self.steered:  # the draft stops where keep_drafting says (a plain step stays one)
             ks = [k and k_max for k in ks]
-        ks = [max(0, min(k, state.max_tokens - len(state.tokens) - 1, self.batch.max_length - row.length - 1))
-              for k, state, row in zip(ks, states, rows)]
+        ks = [max(0, min(k, left)) for k, left in zip(ks, room)]
         proposals = self.drafts.propose(keys, contexts, ks, states)
         if self.step_seconds:  # a draft model's forwards (0 for prompt lookup)
             self.policy.draft_cost = getattr(self.drafts, "step_seconds", 0.0) / self.step_seconds

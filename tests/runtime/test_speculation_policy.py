@@ -65,6 +65,8 @@ def test_new_rows_of_a_costly_draft_probe_on_a_doubling_wait():
     for _ in range(30):  # later rows' drafts are accepted: new rows draft on their own merit
         policy.record("recovered", 6, 6)
     assert policy.k("next") > 0 and policy.new_rows == (0, KPolicy.PROBE_AFTER)
+    policy.forget(probes[0])  # a key reused by a later request (a server's id(handle)) is new again
+    assert probes[0] not in policy.asked and policy.k(probes[0]) > 0
 
 
 def test_prompt_lookup_rows_start_from_the_pool_and_probe_as_before():
@@ -75,3 +77,33 @@ def test_prompt_lookup_rows_start_from_the_pool_and_probe_as_before():
         policy.record("earlier", 4, 0)
     ks = [policy.k("new") for _ in range(KPolicy.PROBE_AFTER)]
     assert ks == [0] * (KPolicy.PROBE_AFTER - 1) + [KPolicy.PROBE_TOKENS]
+
+
+def test_a_row_with_no_room_left_is_not_put_to_the_policy():
+    """The speculator asks the policy for K only for rows with token budget and cache room left:
+    a row on its last token would otherwise spend a new row's probe (and its place on the
+    doubling wait) with nothing proposed."""
+    from types import SimpleNamespace
+
+    from tfport.runtime.decoding.drafters import PromptLookup
+    from tfport.runtime.decoding.engine import SequenceState
+    from tfport.runtime.decoding.speculative import Speculation, Speculator
+    from tfport.runtime.sampling import SamplingParams
+
+    class Recording(KPolicy):
+        asked_for: list = []
+
+        def k(self, key):
+            self.asked_for.append(key)
+            return super().k(key)
+
+    batch = SimpleNamespace(capacity=3, max_length=32, rows=[0, 1, 2])
+    runner = SimpleNamespace(kept={"verify-costs": {(3, 8): (cost, 1.0)}})  # measured costs, given
+    speculator = Speculator(batch, runner, Speculation("lookup"), PromptLookup())
+    speculator.policy = Recording(8, None)
+    states = [SequenceState(SamplingParams(), None, n) for n in (1, 6, 6)]  # budget: none, 5, 5
+    rows = [SimpleNamespace(length=10), SimpleNamespace(length=10), SimpleNamespace(length=31)]  # room: -, -, none
+    context = [5, 6, 7, 5, 6, 7, 5, 6]
+    proposals = speculator.propose(["last", "open", "full"], [context] * 3, states, rows)
+    assert Recording.asked_for == ["open"]
+    assert [len(p.tokens) for p in proposals] == [0, 3, 0]  # what followed the match, to the context's end
