@@ -13,6 +13,8 @@ import os
 
 import pytest
 
+pytestmark = pytest.mark.timing  # latency bounds: make test runs these alone, after the rest
+
 pytest.importorskip("fastapi", reason="needs the 'serve' extra: pip install -e '.[serve]'")
 pytest.importorskip("httpx", reason="needs the 'serve' extra (httpx)")
 

@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.timing  # latency bounds: make test runs these alone, after the rest
+
 pytest.importorskip("fastapi", reason="needs the 'serve' extra: pip install -e '.[serve]'")
 httpx = pytest.importorskip("httpx", reason="needs the 'serve' extra (httpx)")
 
