@@ -1,11 +1,14 @@
 """How many tokens to propose: ``KPolicy`` chooses K per row and step (and tells a draft model
 when to stop drafting) from the row's running acceptance and the measured cost of verifying
-(``measure_costs``): the K that maximises the expected tokens per unit of target time, 0 (a plain
-step) when speculating does not pay."""
+(``measure_costs``, then the decoding's own forwards: ``VerifyCosts``): the K that maximises the
+expected tokens per unit of target time, 0 (a plain step) when speculating does not pay."""
 
 from __future__ import annotations
 
+import itertools
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
@@ -179,28 +182,68 @@ class KPolicy:
         self.asked.discard(key)
 
 
-def measure_costs(batch: RowBatch, k_max: int, repeats: int = 3) -> tuple[Callable[[int], float], float]:
-    """(cost(s): the time of ``batch.extend`` with s tokens per live row over that with one, the
-    seconds of one such call with one token), from the medians of ``repeats`` timed calls each at
-    s = 1, 2 and k_max + 1 (after one untimed call each), interpolated linearly between (never
-    falling as s grows). The second token is measured on its own: a chunk runs other kernels
-    than a step (SmolLM2 int4 on an AVX2 CPU: 1.43x a step for 2 tokens, 4.97x for 9, where a
-    line through 1 and 9 tokens said 1.31x and left speculation on at acceptances where it
-    lost). Each call is rewound: the rows are unchanged."""
-    last = [np.array([0], np.int64) for _ in batch.rows]  # token 0: the values do not matter
+class VerifyCosts:
+    """The time of a target forward feeding s tokens per row relative to one (``cost(s)``) for
+    one row count, and of one such step in seconds (``step_seconds``): first from
+    ``measure_costs``' timed calls, then from the decoding's own forwards (``observe``). Per
+    chunk size, the median of the last ``KEEP`` forwards replaces the measured time once it holds
+    ``MIN_SEEN``. Sizes between are interpolated; a cost never falls as the chunk grows.
 
-    def timed(size: int) -> float:
-        times = []
-        for attempt in range(repeats + 1):
+    The measurement alone is a few calls at one moment of a shared machine: on SmolLM2 float32 it
+    once read a 2-token chunk as costing no more than a step (later runs: 1.02-1.16), so prompt
+    lookup proposed one token at acceptance rates near 0 all along an open chat, at 0.93x plain
+    decoding. With ``learn`` False the measured figures stay (tests that set the costs)."""
+
+    KEEP, MIN_SEEN = 16, 4
+
+    def __init__(self, seconds: dict[int, float], learn: bool = True):
+        if 1 not in seconds or not all(t > 0 for t in seconds.values()):
+            raise ValueError(f"seconds={seconds!r}: expected positive seconds per chunk size, size 1 among them")
+        self.learn = learn
+        self.points = dict(seconds)  # chunk size -> seconds: measured, or the observed median
+        self.seen: dict[int, deque[float]] = {}  # chunk size -> seconds of the latest forwards
+        self._tabulate()
+
+    def observe(self, size: int, seconds: float) -> None:
+        """A forward of ``size`` tokens per row took ``seconds``."""
+        if self.learn:
+            times = self.seen.setdefault(size, deque(maxlen=self.KEEP))
+            times.append(seconds)
+            median = statistics.median(times) if len(times) >= self.MIN_SEEN else None
+            if median is not None and median != self.points.get(size):  # numpy's median: 2% of a step
+                self.points[size] = median
+                self._tabulate()
+
+    def __call__(self, size: float) -> float:
+        cost = self.whole.get(size)  # the policy asks for whole sizes, several times a step
+        return float(np.interp(size, self.sizes, self.relative)) if cost is None else cost
+
+    def _tabulate(self) -> None:
+        points = self.points
+        self.sizes = sorted(points)
+        self.step_seconds = points[1]
+        self.relative = list(itertools.accumulate((points[size] / points[1] for size in self.sizes), max))
+        whole = range(1, self.sizes[-1] + 1)
+        self.whole = dict(zip(whole, np.interp(whole, self.sizes, self.relative).tolist()))
+
+
+def measure_costs(batch: RowBatch, k_max: int, repeats: int = 3) -> VerifyCosts:
+    """The costs of verifying on ``batch``: the medians of ``repeats`` timed calls of
+    ``batch.extend`` each at s = 1, 2 and k_max + 1 tokens per live row (after one untimed
+    round), the sizes taking turns so that a change in the machine's speed reaches all of them.
+    The second token is measured on its own: a chunk runs other kernels than a step (SmolLM2
+    int4 on an AVX2 CPU: 1.43x a step for 2 tokens, 4.97x for 9, where a line through 1 and 9
+    tokens said 1.31x and left speculation on at acceptances where it lost). Each call is
+    rewound: the rows are unchanged."""
+    last = [np.array([0], np.int64) for _ in batch.rows]  # token 0: the values do not matter
+    sizes = sorted({1, 2, k_max + 1})
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for attempt in range(repeats + 1):
+        for size in sizes:
             start = time.perf_counter()
             batch.extend([np.repeat(t, size) for t in last])
             if attempt:
-                times.append(time.perf_counter() - start)
+                times[size].append(time.perf_counter() - start)
             for row in batch.rows:
                 batch.rewind(row, size)
-        return float(np.median(times))
-
-    sizes = sorted({1, 2, k_max + 1})
-    seconds = [timed(size) for size in sizes]
-    relative = np.maximum.accumulate([t / seconds[0] for t in seconds])
-    return (lambda size: float(np.interp(size, sizes, relative))), seconds[0]
+    return VerifyCosts({size: float(np.median(t)) for size, t in times.items()})

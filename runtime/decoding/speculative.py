@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import time
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import numpy as np
 
 from .drafters import Drafter, DraftModel, PromptLookup, Proposal
 from .engine import SequenceState, choose, verify
-from .policy import KPolicy, measure_costs
+from .policy import KPolicy, VerifyCosts, measure_costs
 from .rows import Row, RowBatch
 
 
@@ -63,7 +64,7 @@ class Speculator:
     verification of each row's run, and the statistics. Rows are named by any hashable key.
 
         proposals = speculator.propose(keys, contexts, states, rows)      # before a forward
-        logits = batch.extend([[last, *p.tokens] for each row])           # one target forward
+        logits = speculator.forward([[last, *p.tokens] for each row])     # one target forward
         pushed, accepted, error = speculator.verify(key, row, state, logits, proposal)
     """
 
@@ -77,8 +78,8 @@ class Speculator:
         if self.steered:
             self.drafts.keep = self.policy.keep_drafting
         self.stats = stats if stats is not None else SpeculationStats()
-        self.costs = runner.kept.setdefault(_COSTS, {})  # (rows, K) -> (cost(s), seconds), per session
-        self.step_seconds = 0.0  # one plain step of the live rows (measured)
+        self.costs = runner.kept.setdefault(_COSTS, {})  # (rows, K) -> VerifyCosts, per session
+        self.verify_costs: VerifyCosts | None = None  # the live rows' (adaptive only)
 
     def propose(self, keys: Sequence[Hashable], contexts: Sequence[Sequence[int]],
                 states: Sequence[SequenceState], rows: Sequence[Row]) -> list[Proposal]:
@@ -89,7 +90,7 @@ class Speculator:
             key = (len(self.batch.rows), k_max)
             if key not in self.costs:
                 self.costs[key] = measure_costs(self.batch, k_max)
-            self.policy.cost, self.step_seconds = self.costs[key]
+            self.policy.cost = self.verify_costs = self.costs[key]
         # The row's token budget and cache room; a row with none left is not put to the policy
         # (a probe it was given would be spent with nothing proposed).
         room = [min(state.max_tokens - len(state.tokens) - 1, self.batch.max_length - row.length - 1)
@@ -99,11 +100,23 @@ class Speculator:
             ks = [k and k_max for k in ks]
         ks = [max(0, min(k, left)) for k, left in zip(ks, room)]
         proposals = self.drafts.propose(keys, contexts, ks, states)
-        if self.step_seconds:  # a draft model's forwards (0 for prompt lookup)
-            self.policy.draft_cost = getattr(self.drafts, "step_seconds", 0.0) / self.step_seconds
+        if self.verify_costs is not None:  # a draft model's forwards (0 for prompt lookup)
+            step = self.verify_costs.step_seconds
+            self.policy.draft_cost = getattr(self.drafts, "step_seconds", 0.0) / step
             feed = getattr(self.drafts, "feed_seconds", None)
-            self.policy.draft_feed = self.policy.draft_cost if feed is None else feed / self.step_seconds
+            self.policy.draft_feed = self.policy.draft_cost if feed is None else feed / step
         return proposals
+
+    def forward(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
+        """The target forward verifying the live rows' ``chunks`` (``batch.extend``: each row's
+        last token and its proposal), timed into the costs the policy reads when every row feeds
+        as many tokens (the costs are per tokens per row)."""
+        start = time.perf_counter()
+        logits = self.batch.extend(chunks)
+        sizes = {len(chunk) for chunk in chunks}
+        if self.verify_costs is not None and len(sizes) == 1:
+            self.verify_costs.observe(sizes.pop(), time.perf_counter() - start)
+        return logits
 
     def verify(self, key: Hashable, row: Row, state: SequenceState, logits: np.ndarray,
                proposal: Proposal) -> tuple[list[int], int, RuntimeError | None]:
@@ -157,7 +170,7 @@ def speculative_steps(batch: RowBatch, prompts: Sequence[np.ndarray], states: Se
         proposals = speculator.propose(live, [contexts[b] for b in live], [states[b] for b in live],
                                        [rows[b] for b in live])
         chunks = [np.array([contexts[b][-1], *p.tokens], np.int64) for b, p in zip(live, proposals)]
-        for b, proposal, logits in zip(live, proposals, batch.extend(chunks)):
+        for b, proposal, logits in zip(live, proposals, speculator.forward(chunks)):
             pushed, _, error = speculator.verify(b, rows[b], states[b], logits, proposal)
             if error is not None:
                 raise error

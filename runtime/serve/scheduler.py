@@ -240,7 +240,7 @@ class Scheduler:
                                            [[*row.handle.request.prompt, *row.state.tokens] for row in live],
                                            [row.state for row in live], [row.row for row in live])
             chunks = [np.array([row.state.tokens[-1], *p.tokens], np.int64) for row, p in zip(live, proposals)]
-            logits = self.batch.extend(chunks)  # [S_b, V] per row, rows in the order of live
+            logits = speculator.forward(chunks)  # [S_b, V] per row, rows in the order of live
         except Exception as err:
             logger.exception("decode step failed")
             self._fail_live(err)

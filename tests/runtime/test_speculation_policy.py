@@ -1,13 +1,17 @@
 """``KPolicy``'s start for new rows (runtime/decoding/policy.py): the acceptance pooled over
 earlier rows, computed here directly, and the first proposals that new rows of a costly draft
-make anyway, on a doubling wait."""
+make anyway, on a doubling wait; the verification costs it reads, learnt from the forwards."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from tfport.runtime.decoding.policy import KPolicy
+from tfport.runtime.decoding.drafters import PromptLookup
+from tfport.runtime.decoding.policy import KPolicy, VerifyCosts
+from tfport.runtime.decoding.speculative import Speculation, Speculator
 
 
 def cost(size: int) -> float:
@@ -83,11 +87,7 @@ def test_a_row_with_no_room_left_is_not_put_to_the_policy():
     """The speculator asks the policy for K only for rows with token budget and cache room left:
     a row on its last token would otherwise spend a new row's probe (and its place on the
     doubling wait) with nothing proposed."""
-    from types import SimpleNamespace
-
-    from tfport.runtime.decoding.drafters import PromptLookup
     from tfport.runtime.decoding.engine import SequenceState
-    from tfport.runtime.decoding.speculative import Speculation, Speculator
     from tfport.runtime.sampling import SamplingParams
 
     class Recording(KPolicy):
@@ -98,7 +98,7 @@ def test_a_row_with_no_room_left_is_not_put_to_the_policy():
             return super().k(key)
 
     batch = SimpleNamespace(capacity=3, max_length=32, rows=[0, 1, 2])
-    runner = SimpleNamespace(kept={"verify-costs": {(3, 8): (cost, 1.0)}})  # measured costs, given
+    runner = SimpleNamespace(kept={"verify-costs": {(3, 8): VerifyCosts({1: 1.0, 2: 1.05, 9: 1.25})}})  # given
     speculator = Speculator(batch, runner, Speculation("lookup"), PromptLookup())
     speculator.policy = Recording(8, None)
     states = [SequenceState(SamplingParams(), None, n) for n in (1, 6, 6)]  # budget: none, 5, 5
@@ -107,3 +107,65 @@ def test_a_row_with_no_room_left_is_not_put_to_the_policy():
     proposals = speculator.propose(["last", "open", "full"], [context] * 3, states, rows)
     assert Recording.asked_for == ["open"]
     assert [len(p.tokens) for p in proposals] == [0, 3, 0]  # what followed the match, to the context's end
+
+
+def test_verification_costs_follow_the_forwards_observed():
+    """``VerifyCosts``: a chunk size's measured time gives way to the median of its latest
+    observed forwards once there are ``MIN_SEEN``; the policy's K follows. A measurement that
+    read a 2-token chunk as costing one step (1.0) kept K = 1 at an acceptance of 3%; forwards
+    showing it costs 1.2 steps make the row step plainly. With ``learn`` False nothing changes."""
+    measured = {1: 0.02, 2: 0.02, 9: 0.03}
+    for learn in (True, False):
+        costs = VerifyCosts(measured, learn=learn)
+        policy = KPolicy(8, costs)
+        policy.counts["row"] = (0.03, 1.0)
+        assert costs(2) == 1.0 and policy.k("row") == 1
+        for seconds in (0.019, 0.021, 0.020, 0.020):
+            costs.observe(1, seconds)
+        for seconds in (0.023, 0.025, 0.024):
+            costs.observe(2, seconds)
+        assert costs(2) == pytest.approx(1.0 if learn else 1.0)  # three are not enough
+        costs.observe(2, 0.024)
+        if learn:
+            assert costs.step_seconds == pytest.approx(0.02)
+            assert costs(2) == pytest.approx(0.024 / 0.02) and costs(9) == pytest.approx(1.5)
+            assert costs(5) == pytest.approx(1.2 + 3 * 0.3 / 7)
+            assert policy.k("row") == 0
+        else:
+            assert (costs.step_seconds, costs(2), policy.k("row")) == (0.02, 1.0, 1)
+
+
+def test_the_speculator_times_its_verifying_forwards(monkeypatch):
+    """``Speculator.forward`` times the target's forward (a fake clock: seconds per chunk size)
+    into the costs ``propose`` measured, when every row feeds as many tokens."""
+    from tfport.runtime.decoding import policy as policy_module
+
+    clock = [0.0]
+    monkeypatch.setattr(policy_module.time, "perf_counter", lambda: clock[0])
+
+    class Batch:
+        capacity, max_length = 2, 100
+
+        def __init__(self):
+            self.rows, self.seconds = [SimpleNamespace(length=5), SimpleNamespace(length=5)], {1: 0.02, 2: 0.02, 9: 0.03}
+
+        def extend(self, chunks):
+            clock[0] += self.seconds[max(len(c) for c in chunks)]
+            return [np.zeros((len(c), 4), np.float32) for c in chunks]
+
+        def rewind(self, row, count):
+            pass
+
+    batch = Batch()
+    speculator = Speculator(batch, SimpleNamespace(kept={}), Speculation("lookup"), PromptLookup())
+    states = [SimpleNamespace(max_tokens=50, tokens=[]) for _ in batch.rows]
+    speculator.propose(["a", "b"], [[1, 2, 3, 1, 2], [4, 5, 6]], states, batch.rows)  # measures
+    costs = speculator.verify_costs
+    assert speculator.policy.cost is costs and costs(2) == 1.0
+    batch.seconds = {1: 0.02, 2: 0.03}
+    for size in (1, 2):
+        for _ in range(VerifyCosts.MIN_SEEN):
+            speculator.forward([np.zeros(size, np.int64), np.zeros(size, np.int64)])
+    speculator.forward([np.zeros(1, np.int64), np.zeros(2, np.int64)])  # rows feeding unlike counts: not a cost
+    assert costs(2) == pytest.approx(1.5) and costs.step_seconds == pytest.approx(0.02)
+    assert {size: len(times) for size, times in costs.seen.items()} == {1: 4, 2: 4}

@@ -12,6 +12,7 @@ import pytest
 
 from tests.runtime.serve.conftest import running_server
 from tfport.runtime import load_model
+from tfport.runtime.decoding.policy import VerifyCosts
 
 
 def _prompts(count: int) -> list[list[int]]:
@@ -28,7 +29,7 @@ def test_speculation_on_returns_the_tokens_of_speculation_off(serve_exports, nam
     # Verification priced as a single step: K stays at its maximum (the measured cost, on a loaded
     # machine, can turn speculation off and leave nothing proposed to check).
     from tfport.runtime.decoding import speculative as spec
-    monkeypatch.setattr(spec, "measure_costs", lambda batch, k_max, repeats=3: (lambda size: 1.0, 1e-3))
+    monkeypatch.setattr(spec, "measure_costs", lambda batch, k_max, repeats=3: VerifyCosts({1: 1e-3}, learn=False))
     prompts = _prompts(16)
     model = load_model(serve_exports[name], intra_op_threads=1)
     expected = [model.generate([p], max_new_tokens=20, stop_token_ids=())[0].tolist() for p in prompts]
