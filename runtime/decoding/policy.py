@@ -205,8 +205,8 @@ class VerifyCosts:
         self._tabulate()
 
     def observe(self, size: int, seconds: float) -> None:
-        """A forward of ``size`` tokens per row took ``seconds``."""
-        if self.learn:
+        """A forward of ``size`` tokens per row took ``seconds`` (not positive: ignored)."""
+        if self.learn and seconds > 0:
             times = self.seen.setdefault(size, deque(maxlen=self.KEEP))
             times.append(seconds)
             median = statistics.median(times) if len(times) >= self.MIN_SEEN else None

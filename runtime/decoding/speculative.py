@@ -110,7 +110,7 @@ class Speculator:
     def forward(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
         """The target forward verifying the live rows' ``chunks`` (``batch.extend``: each row's
         last token and its proposal), timed into the costs the policy reads when every row feeds
-        as many tokens (the costs are per tokens per row)."""
+        as many tokens (the costs are per number of tokens each row feeds)."""
         start = time.perf_counter()
         logits = self.batch.extend(chunks)
         sizes = {len(chunk) for chunk in chunks}

@@ -169,3 +169,15 @@ def test_the_speculator_times_its_verifying_forwards(monkeypatch):
     speculator.forward([np.zeros(1, np.int64), np.zeros(2, np.int64)])  # rows feeding unlike counts: not a cost
     assert costs(2) == pytest.approx(1.5) and costs.step_seconds == pytest.approx(0.02)
     assert {size: len(times) for size, times in costs.seen.items()} == {1: 4, 2: 4}
+
+
+def test_verification_costs_refuse_what_would_divide_by_zero():
+    """Measured seconds must include one token's and be positive; an observed forward of no time
+    (a coarse clock) is ignored rather than made a step that costs nothing."""
+    for seconds in ({2: 0.02}, {1: 0.0, 2: 0.02}, {1: 0.02, 9: -1.0}):
+        with pytest.raises(ValueError, match="seconds="):
+            VerifyCosts(seconds)
+    costs = VerifyCosts({1: 0.02, 2: 0.03})
+    for _ in range(VerifyCosts.MIN_SEEN):
+        costs.observe(1, 0.0)
+    assert costs.step_seconds == 0.02 and costs(2) == pytest.approx(1.5)
