@@ -105,6 +105,21 @@ class KPolicy:
         self.waits[key] = (0, min(2 * wait, self.PROBE_MAX))
         return min(self.k_max, self.PROBE_TOKENS)
 
+    def pays_for_batch(self, keys: Sequence[Hashable], ks: Sequence[int]) -> bool:
+        """Whether one forward of the rows ``keys`` with these proposal counts (from ``k``)
+        yields more tokens per unit of target time than a plain step of every row. The rows'
+        chunks go in one forward, which costs about what every row feeding the longest does (the
+        ``concat`` layout pads the short ones; ``inplace`` runs each row on its own once one has
+        several tokens): so each row's k is paid by every row. With n rows: whether sum over
+        rows of expected_tokens(alpha, k) / ``time``(max k) exceeds n. Per-row choices alone
+        made prompt lookup run a served float32 SmolLM2 at 4 concurrent requests at 0.58x plain
+        (96 against 165 tokens/s, ``inplace``): one row's proposal made the others' steps run one
+        row at a time."""
+        if self.cost is None or len(keys) < 2 or not any(ks):
+            return True
+        tokens = sum(expected_tokens(self.alpha(key), k) for key, k in zip(keys, ks))
+        return tokens / self.time(max(ks)) > len(keys)
+
     def _probe_new_row(self) -> int:
         """k for a new row of a draft model that would not draft it: ``PROBE_TOKENS`` once every
         ``new_rows`` wait (doubling), else 0."""

@@ -96,6 +96,8 @@ class Speculator:
         room = [min(state.max_tokens - len(state.tokens) - 1, self.batch.max_length - row.length - 1)
                 for state, row in zip(states, rows)]
         ks = [self.policy.k(key) if left > 0 else 0 for key, left in zip(keys, room)]
+        if not self.policy.pays_for_batch(keys, ks):  # one row's proposal is every row's cost
+            ks = [0] * len(ks)
         if self.steered:  # the draft stops where keep_drafting says (a plain step stays one)
             ks = [k and k_max for k in ks]
         ks = [max(0, min(k, left)) for k, left in zip(ks, room)]

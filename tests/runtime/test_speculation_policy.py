@@ -181,3 +181,44 @@ def test_verification_costs_refuse_what_would_divide_by_zero():
     for _ in range(VerifyCosts.MIN_SEEN):
         costs.observe(1, 0.0)
     assert costs.step_seconds == 0.02 and costs(2) == pytest.approx(1.5)
+
+
+def test_a_batch_speculates_only_when_its_forward_pays_for_every_row():
+    """One row's proposal makes the whole forward cost cost(k + 1) (padded, or rows run one at a
+    time): a batch speculates when the rows' expected tokens over that time exceed a plain step's
+    one token per row, computed here directly. One row, or none proposing, is the row's own call."""
+    costly = lambda size: 1.0 + 0.35 * (size - 1)  # noqa: E731  rows run one at a time: 3.8 at 9
+    padded = lambda size: 1.0 + 0.04 * (size - 1)  # noqa: E731  one padded forward: 1.32 at 9
+    alphas = {"sure": 0.95, "a": 0.05, "b": 0.05, "c": 0.05}
+    for cost in (costly, padded):
+        policy = KPolicy(8, cost)
+        for key, alpha in alphas.items():
+            policy.counts[key] = (alpha, 1.0)
+        keys = list(alphas)
+        ks = [policy.k(key) for key in keys]
+        assert ks[0] > 0  # the sure row alone would speculate at either cost
+        tokens = sum(sum(alphas[key] ** i for i in range(k + 1)) for key, k in zip(keys, ks))
+        assert policy.pays_for_batch(keys, ks) == (tokens / cost(max(ks) + 1) > len(keys))
+        assert policy.pays_for_batch(keys, ks) == (cost is padded)
+        assert policy.pays_for_batch(["sure"], [8]) and policy.pays_for_batch(keys, [0] * 4)
+
+
+def test_the_speculator_proposes_nothing_when_the_batch_would_not_pay():
+    """Two rows on a layout whose chunked forward costs 4.5 steps at 9 tokens: the sure row's k
+    would pay for it alone, but not for both rows (7.3 + 1 expected tokens against 2 x 4.5), so
+    neither row proposes; two sure rows do."""
+    from tfport.runtime.decoding.engine import SequenceState
+    from tfport.runtime.sampling import SamplingParams
+
+    batch = SimpleNamespace(capacity=2, max_length=64, rows=[0, 1])
+    costs = VerifyCosts({1: 1.0, 2: 1.4375, 9: 4.5}, learn=False)
+    runner = SimpleNamespace(kept={"verify-costs": {(2, 8): costs}})
+    context = [5, 6, 7, 8, 9, 10, 11, 12, 13, 5, 6]  # lookup finds "5 6" and follows it
+    rows = [SimpleNamespace(length=20), SimpleNamespace(length=20)]
+    for alphas, proposing in [((0.95, 0.05), [False, False]), ((0.95, 0.95), [True, True])]:
+        speculator = Speculator(batch, runner, Speculation("lookup"), PromptLookup())
+        speculator.policy.counts.update({"x": (alphas[0], 1.0), "y": (alphas[1], 1.0)})
+        states = [SequenceState(SamplingParams(), None, 40) for _ in rows]
+        assert speculator.policy.k("x") == 8
+        proposals = speculator.propose(["x", "y"], [context, context], states, rows)
+        assert [bool(p.tokens) for p in proposals] == proposing
