@@ -6,19 +6,21 @@ checks every key and shape and says which are missing, unexpected or mismatched.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from tfport.config import ModelConfig
 from tfport.contract import CONFIG_FILE
 from tfport.files import atomic_directory, check_output_dir
 
-from . import build_model
+from .lazy import attach
+from .tensor_files import SafetensorsFile
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -59,25 +61,26 @@ def load_config(directory: str | os.PathLike) -> ModelConfig:
     return ModelConfig.from_dict(json.loads(path.read_text()))
 
 
-def load_checkpoint(directory: str | os.PathLike) -> nn.Module:
-    """Build the model in ``directory/config.json`` and load ``model.safetensors`` strictly."""
+def load_checkpoint(directory: str | os.PathLike, lazy: bool = False) -> nn.Module:
+    """Build the model in ``directory/config.json`` and load ``model.safetensors`` strictly; with
+    ``lazy``, each weight stays in the file until it is read (``tfport.models.lazy``)."""
+    from .lazy import lazy_module, materialize_all
+
     directory = Path(directory)
     config = load_config(directory)
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise ValueError(f"checkpoint={str(directory)!r}: no {WEIGHTS_FILE}")
-    tensors = load_file(str(weights))
-    model = build_model(config)
+    tensors = SafetensorsFile(weights)
+    model = lazy_module(config)
     canonical, _ = _aliases(model)
-    missing = sorted(set(canonical) - set(tensors))
-    unexpected = sorted(set(tensors) - set(canonical))
-    mismatched = [f"{name}: file {tuple(tensors[name].shape)}, model {tuple(t.shape)}"
+    missing = sorted(set(canonical) - set(tensors.keys()))
+    unexpected = sorted(set(tensors.keys()) - set(canonical))
+    mismatched = [f"{name}: file {tensors.shape(name)}, model {tuple(t.shape)}"
                   for name, t in canonical.items()
-                  if name in tensors and tensors[name].shape != t.shape]
+                  if name in tensors.header and tensors.shape(name) != tuple(t.shape)]
     if missing or unexpected or mismatched:
         raise ValueError(f"checkpoint={str(directory)!r} does not fit its config: missing keys "
                          f"{missing}, unexpected keys {unexpected}, shape mismatches {mismatched}")
-    with torch.no_grad():
-        for name, tensor in canonical.items():
-            tensor.copy_(tensors[name].to(tensor.dtype))
-    return model.eval()
+    attach(model, {name: functools.partial(tensors.get, name) for name in canonical})
+    return model.eval() if lazy else materialize_all(model).eval()

@@ -272,7 +272,9 @@ def dequantize_expert(file: GGUFFile, name: str, expert: int) -> np.ndarray:
 
     values = gguf.quants.dequantize(expert_blocks(file, name, expert),
                                     gguf.GGMLQuantizationType[file.tensor_type(name)])
-    return np.array(values, dtype=np.float32, order="C").reshape(file.shape(name)[1:])
+    values = np.array(values, dtype=np.float32, order="C").reshape(file.shape(name)[1:])
+    file.release(name)
+    return values
 
 
 class GGUFTensors:
@@ -373,14 +375,15 @@ def read_gguf(path: str | os.PathLike) -> tuple[GGUFFile, GGUFArchitecture, dict
     return file, arch, config, GGUFTensors(file, arch, config)
 
 
-def load_gguf(path: str | os.PathLike, tokenizer: bool = True) -> GGUFCheckpoint:
+def load_gguf(path: str | os.PathLike, tokenizer: bool = True, lazy: bool = False) -> GGUFCheckpoint:
     """Import the GGUF checkpoint at ``path`` (see the module doc). Raises ``ValueError`` naming
-    the architecture, tensor type or tensor that tfport cannot import."""
+    the architecture, tensor type or tensor that tfport cannot import. With ``lazy``, each weight
+    is dequantised from the memory-mapped file when it is read (``tfport.models.lazy``)."""
     from tfport.models.hf import load_from_tensors
 
     file, arch, config, tensors = read_gguf(path)
     try:
-        model = load_from_tensors(config, tensors, str(file.path))
+        model = load_from_tensors(config, tensors, str(file.path), lazy)
     except ValueError as err:
         raise gguf_error(err, file, arch) from None
     text = None

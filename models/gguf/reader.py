@@ -12,6 +12,7 @@ Hugging Face checkpoints.
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 from typing import Any
@@ -109,8 +110,21 @@ class GGUFFile:
         data = np.asarray(self._tensors[name].data)
         return data.view(np.uint8).reshape(data.shape[0], -1)
 
+    def release(self, name: str) -> None:
+        """Drop tensor ``name``'s pages of the memory-mapped file from this process's resident
+        memory (they stay in the page cache and are read again if touched: views stay valid).
+        Streaming a large file tensor by tensor, this keeps resident memory at what is in use."""
+        tensor = self._tensors[name]
+        mapping = getattr(self._reader.data, "_mmap", None)
+        if mapping is None or not hasattr(mapping, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        start = tensor.data_offset // page * page
+        end = tensor.data_offset + tensor.n_bytes
+        mapping.madvise(mmap.MADV_DONTNEED, start, min(end, len(mapping)) - start)
+
     def dequantize(self, name: str) -> np.ndarray:
-        """Tensor ``name`` as float32, numpy-order shape."""
+        """Tensor ``name`` as float32, numpy-order shape (its pages released, ``release``)."""
         tensor = self._tensors[name]
         kind = tensor.tensor_type.name
         if kind not in SUPPORTED_TYPES:
@@ -118,4 +132,6 @@ class GGUFFile:
                              f"not dequantise; supported: {list(SUPPORTED_TYPES)}")
         values = _gguf().quants.dequantize(tensor.data, tensor.tensor_type)
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.
-        return np.array(values, dtype=np.float32, order="C").reshape(self.shape(name))
+        values = np.array(values, dtype=np.float32, order="C").reshape(self.shape(name))
+        self.release(name)
+        return values

@@ -125,7 +125,7 @@ def hf_config_to_tfport(hf_config: dict, keys: Iterable[str] | None = None) -> M
     return arch.config(hf_config, normalized)
 
 
-def load_from_tensors(hf_config: dict, tensors: TensorSource, origin: str) -> nn.Module:
+def load_from_tensors(hf_config: dict, tensors: TensorSource, origin: str, lazy: bool = False) -> nn.Module:
     """The tfport reference module (eval mode, float32, ``.config`` set) of a Hugging Face config
     (the dict of a ``config.json``) and its tensors.
 
@@ -134,17 +134,19 @@ def load_from_tensors(hf_config: dict, tensors: TensorSource, origin: str) -> nn
     ``tfport.models.hf.loader.TensorSource``). ``origin`` starts every error message (e.g.
     ``checkpoint='dir'``). Does everything ``load_hf_model`` does after reading the directory: the
     architecture lookup, the config translation, the strict key and shape check, tied copies
-    checked equal. Raises ``ValueError`` (``TypeError`` if ``hf_config`` is not a dict).
+    checked equal. Raises ``ValueError`` (``TypeError`` if ``hf_config`` is not a dict). With
+    ``lazy``, the weights stay in ``tensors`` until read (``tfport.models.lazy``).
     """
-    return loader.load(_architecture(hf_config), hf_config, tensors, origin)
+    return loader.load(_architecture(hf_config), hf_config, tensors, origin, lazy)
 
 
-def load_hf_model(path: str | os.PathLike) -> nn.Module:
+def load_hf_model(path: str | os.PathLike, lazy: bool = False) -> nn.Module:
     """The tfport reference module (eval mode, ``.config`` set) of a Hugging Face checkpoint.
 
     ``path`` holds ``config.json`` and ``model.safetensors`` (or ``model.safetensors.index.json``
     and its shards). Raises ``ValueError`` naming the file, key and shape on an unknown
-    architecture, a missing, unexpected or mis-shaped tensor, or pickled weights only.
+    architecture, a missing, unexpected or mis-shaped tensor, or pickled weights only. With
+    ``lazy``, the weights stay in the files until read (``tfport.models.lazy``).
     """
     directory = Path(path)
     if not directory.is_dir():
@@ -154,7 +156,7 @@ def load_hf_model(path: str | os.PathLike) -> nn.Module:
         raise ValueError(f"checkpoint={str(path)!r}: no {CONFIG_FILE}")
     hf = read_json(directory / CONFIG_FILE)
     arch = _architecture(hf)  # an unknown model type is said before the weights are opened
-    return loader.load(arch, hf, SafetensorsTensors(directory), f"checkpoint={str(directory)!r}")
+    return loader.load(arch, hf, SafetensorsTensors(directory), f"checkpoint={str(directory)!r}", lazy)
 
 
 __all__ = ["is_hf_checkpoint", "hf_config_to_tfport", "load_hf_model", "load_from_tensors",

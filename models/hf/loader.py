@@ -20,7 +20,6 @@ from torch import nn
 
 from tfport.config import ModelConfig
 
-from .. import build_model
 from ..checkpoint import _aliases
 from .rules import Architecture, Rule, Shape
 from .weights import MAX_LISTED
@@ -170,35 +169,56 @@ def _build(target: str, rule: Rule, names: tuple[str, ...], shape: Shape, config
     return out
 
 
-def load(arch: Architecture, hf: dict, source: TensorSource, origin: str) -> nn.Module:
+def load(arch: Architecture, hf: dict, source: TensorSource, origin: str, lazy: bool = False) -> nn.Module:
     """The module of ``arch`` for HF config ``hf`` with ``source``'s tensors (eval mode, float32).
 
+    With ``lazy``, its parameters stay on the meta device, each read from ``source`` when it is
+    used (``tfport.models.lazy``): nothing but the plan is read now. Eager loading is the same
+    readers run for every tensor.
+
     Raises ``ValueError`` starting with ``origin`` when the tensors do not map onto the module
-    (missing, unexpected, mis-shaped) or a tied copy differs from its original.
+    (missing, unexpected, mis-shaped), or (when the tensor is read) a tied copy differs from its
+    original.
     """
+    from ..lazy import attach, lazy_module, materialize_all
+
     tensors = _Normalized(source, arch, origin)
     config = arch.config(hf, tensors.keys())
-    model = build_model(config)
+    model = lazy_module(config)
     plan = _plan(model, arch, tensors)
     problems = _problems(plan, arch, tensors)
     if problems:
         raise ValueError(f"{origin} ({hf.get('model_type')}) does not map onto tfport's modules: "
                          + " | ".join(problems))
     canonical, _ = _aliases(model)
-    with torch.no_grad():
-        for target, rule, names in plan.loads:
-            tensor = canonical[target]
-            tensor.copy_(_build(target, rule, names, tuple(tensor.shape), config, tensors))
-        for alias, target, rule, names in plan.tied:
-            saved = _build(alias, rule, names, tuple(canonical[target].shape), config, tensors)
-            if not torch.equal(saved, canonical[target]):
-                raise ValueError(f"{origin}: {', '.join(map(tensors.where, names))} differs from the "
-                                 f"tensor it is tied to ({target}); tfport holds them as one tensor "
-                                 "(tie_word_embeddings, or the one token table an encoder-decoder's "
-                                 "stacks share), so they must be equal")
-        for copy, original in arch.duplicates.items():
-            if copy in tensors and original in plan.used and not torch.equal(tensors.get(copy), tensors.get(original)):
-                raise ValueError(f"{origin}: {tensors.where(copy)} differs from {tensors.where(original)}, "
-                                 "of which it is a tied copy")
-    log.info("imported %s %s (%d tensors)", hf.get("model_type"), origin, len(plan.loads))
-    return model.eval()
+    tied: dict[str, list[tuple[str, Rule, tuple[str, ...]]]] = {}
+    for alias, target, rule, names in plan.tied:
+        tied.setdefault(target, []).append((alias, rule, names))
+    duplicates = [(copy, original) for copy, original in arch.duplicates.items()
+                  if copy in tensors and original in plan.used]
+
+    def reader(target: str, rule: Rule, names: tuple[str, ...]):
+        shape = tuple(canonical[target].shape)
+
+        def read() -> torch.Tensor:
+            with torch.no_grad():
+                values = _build(target, rule, names, shape, config, tensors)
+                for alias, alias_rule, alias_names in tied.get(target, ()):
+                    if not torch.equal(_build(alias, alias_rule, alias_names, shape, config, tensors), values):
+                        raise ValueError(
+                            f"{origin}: {', '.join(map(tensors.where, alias_names))} differs from the "
+                            f"tensor it is tied to ({target}); tfport holds them as one tensor "
+                            "(tie_word_embeddings, or the one token table an encoder-decoder's "
+                            "stacks share), so they must be equal")
+                for copy, original in duplicates:
+                    if original in names and not torch.equal(tensors.get(copy), tensors.get(original)):
+                        raise ValueError(f"{origin}: {tensors.where(copy)} differs from "
+                                         f"{tensors.where(original)}, of which it is a tied copy")
+            return values
+
+        return read
+
+    attach(model, {target: reader(target, rule, names) for target, rule, names in plan.loads})
+    log.info("imported %s %s (%d tensors%s)", hf.get("model_type"), origin, len(plan.loads),
+             ", lazily" if lazy else "")
+    return model.eval() if lazy else materialize_all(model).eval()

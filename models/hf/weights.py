@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from ..tensor_files import SafetensorsFile
 from .configs import read_json
 
 WEIGHTS_FILE = "model.safetensors"
@@ -47,23 +47,20 @@ def weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
 
 
 class SafetensorsTensors:
-    """The tensors of ``directory``'s safetensors file(s) by name as stored, read lazily.
+    """The tensors of ``directory``'s safetensors file(s) by name as stored, read lazily, one
+    tensor per ``get`` (``tensor_files.SafetensorsFile``).
 
     A key stored in two shards, or not in the shard the index names, is refused on opening.
     """
 
     def __init__(self, directory: Path):
         self.directory = directory
-        self.handles = {}
+        self.shards: dict[Path, SafetensorsFile] = {}
         self.file: dict[str, Path] = {}  # key -> file
         files, weight_map = weight_files(directory)
         for path in files:
-            try:
-                handle = safe_open(str(path), framework="pt")
-            except Exception as err:  # safetensors raises its own error types
-                raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
-            self.handles[path] = handle
-            for key in handle.keys():
+            self.shards[path] = SafetensorsFile(path)
+            for key in self.shards[path].keys():
                 if key in self.file:
                     raise ValueError(f"{path}: tensor {key!r} is also in {self.file[key].name}")
                 self.file[key] = path
@@ -82,8 +79,8 @@ class SafetensorsTensors:
         return f"{self.file[name].name}: {name}"
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.handles[self.file[name]].get_slice(name).get_shape())
+        return self.shards[self.file[name]].shape(name)
 
     def get(self, name: str) -> torch.Tensor:
         """As stored (any dtype); the loader converts to float32."""
-        return self.handles[self.file[name]].get_tensor(name)
+        return self.shards[self.file[name]].get(name)

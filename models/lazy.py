@@ -1,0 +1,154 @@
+"""Reference modules whose weights stay in their file until they are read.
+
+A *lazy* module is a tfport module whose parameters live on PyTorch's ``meta`` device (a shape and
+a dtype, no storage) and carry a loader that reads them from the checkpoint when asked: a GGUF file
+(memory-mapped, dequantised one tensor at a time), a safetensors file (read tensor by tensor) or a
+tfport checkpoint. Buffers (RoPE frequencies, ALiBi slopes) are computed from the config as usual.
+
+This is what lets an export stream: the exporter reads each weight as it emits it
+(``read_weight``), quantises it and writes it to disk, so no more than a few tensors are ever held
+in float32; a check that needs a module runs it one piece at a time (``materialized``).
+
+    model = lazy_module(config, {"decoder.layers.0.attn.qkv.weight": load_qkv, ...})
+    read_weight(model.decoder.layers[0].attn.qkv.weight)    # float32 numpy [3E, E], read now
+    with materialized(model.decoder.layers[0]):             # real tensors inside, meta after
+        y = model.decoder.layers[0](x, ...)
+
+Loading a whole model eagerly (``materialize_all``) is the same loaders run for every tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from tfport.config import ModelConfig
+
+Loader = Callable[[], torch.Tensor]
+LOADER_ATTR = "_tfport_loader"  # set on a meta parameter: how to read its values
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers inside goes to the meta device at once (its storage,
+    allocated by ``torch.empty`` and never touched, is freed); buffers are computed as usual.
+    A parameter registered twice (tied weights) stays the one meta parameter."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def parameter_names(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Canonical name -> parameter, each parameter once (a tied one under its first name)."""
+    seen: dict[int, str] = {}
+    names = {}
+    for name, param in model.named_parameters(remove_duplicate=True):
+        if id(param) not in seen:
+            seen[id(param)] = name
+            names[name] = param
+    return names
+
+
+def lazy_module(config: ModelConfig, loaders: Mapping[str, Loader] | None = None) -> nn.Module:
+    """The module of ``config`` (eval mode) with its parameters on the meta device; ``loaders``
+    (canonical parameter name -> a function returning its values, any float dtype) are attached
+    with ``attach``. Costs no memory for weights."""
+    from . import FAMILY_CLASSES
+
+    with _parameters_on_meta():
+        model = FAMILY_CLASSES[config.family](config)
+    if loaders is not None:
+        attach(model, loaders)
+    return model.eval()
+
+
+def attach(model: nn.Module, loaders: Mapping[str, Loader]) -> None:
+    """Attach each loader to the meta parameter of that canonical name; every meta parameter
+    must get one (a ``ValueError`` lists those without)."""
+    params = parameter_names(model)
+    unknown = sorted(set(loaders) - set(params))
+    missing = sorted(name for name, p in params.items() if p.is_meta and name not in loaders)
+    if unknown or missing:
+        raise ValueError(f"lazy weights do not fit the module: no loader for {missing[:12]}, "
+                         f"loaders for unknown parameters {unknown[:12]}")
+    for name, loader in loaders.items():
+        setattr(params[name], LOADER_ATTR, loader)
+
+
+def is_lazy(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is still on the meta device."""
+    return any(p.is_meta for p in model.parameters())
+
+
+def _load(param: torch.Tensor) -> torch.Tensor:
+    """A meta parameter's values from its loader, float32 of its shape."""
+    loader = getattr(param, LOADER_ATTR, None)
+    if loader is None:
+        raise RuntimeError(f"a weight of shape {list(param.shape)} is on the meta device without a "
+                           "loader: a lazy module's weights are read with read_weight or inside "
+                           "materialized(...)")
+    values = loader().float()
+    if tuple(values.shape) != tuple(param.shape):
+        raise RuntimeError(f"a loader gave shape {list(values.shape)} for a weight of shape "
+                           f"{list(param.shape)}")
+    return values
+
+
+def read_weight(tensor: torch.Tensor) -> np.ndarray:
+    """A weight's values as float32 numpy: read from its file now if it is lazy (the caller holds
+    the only copy), else a copy of the tensor's."""
+    if tensor.is_meta:
+        return _load(tensor).numpy()
+    return tensor.detach().float().cpu().numpy()
+
+
+@contextlib.contextmanager
+def materialized(module: nn.Module) -> Iterator[nn.Module]:
+    """Inside, ``module``'s lazy parameters hold their real values (read on entry); on exit they
+    are meta again and the values are freed. Tied parameters stay tied. Nothing changes for a
+    module without lazy parameters."""
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    real: dict[int, nn.Parameter] = {}
+    try:
+        for owner in module.modules():
+            for name, param in list(owner._parameters.items()):
+                if param is None or not param.is_meta:
+                    continue
+                if id(param) not in real:
+                    real[id(param)] = nn.Parameter(_load(param), requires_grad=False)
+                owner._parameters[name] = real[id(param)]
+                swapped.append((owner, name, param))
+        yield module
+    finally:
+        for owner, name, param in swapped:
+            owner._parameters[name] = param
+
+
+def materialize_all(model: nn.Module) -> nn.Module:
+    """Read every lazy parameter of ``model`` for good (an eagerly loaded module, float32)."""
+    real: dict[int, nn.Parameter] = {}
+    for owner in model.modules():
+        for name, param in list(owner._parameters.items()):
+            if param is not None and param.is_meta:
+                if id(param) not in real:
+                    real[id(param)] = nn.Parameter(_load(param), requires_grad=param.requires_grad)
+                owner._parameters[name] = real[id(param)]
+    return model
+
+
+def weight_bytes(model: nn.Module, bytes_per_value: int = 4) -> int:
+    """Bytes of ``model``'s parameters at ``bytes_per_value`` each (tied ones once)."""
+    return sum(p.numel() for p in parameter_names(model).values()) * bytes_per_value
