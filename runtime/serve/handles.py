@@ -147,3 +147,12 @@ class Handle:
             if isinstance(event, Finished):
                 return list(self.tokens), event.reason
         raise AssertionError("unreachable")
+
+
+def finished(request: GenerationRequest, reason: str,
+             loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+    """A handle of ``request`` that ended with ``reason`` before it was queued (a completion
+    with ``max_tokens`` 0: its prompt scored, nothing generated)."""
+    handle = Handle(request) if loop is None else Handle(request).attach(loop)
+    handle.deliver(Finished(reason))
+    return handle

@@ -247,6 +247,7 @@ class DecodingRequest(BaseModel):
 
 class CompletionRequest(DecodingRequest):
     prompt: Prompt
+    max_tokens: Optional[StrictInt] = Field(default=None, ge=0)  # 0: the prompt scored (echo) only
     echo: bool = False
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=5)
     suffix: Optional[str] = None
@@ -257,6 +258,9 @@ class CompletionRequest(DecodingRequest):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError(400, "max_tokens=0: generates nothing; it is taken with echo: true only "
+                                "(the prompt scored, as the legacy API and vLLM allow)", "max_tokens")
         if self.suffix:
             raise ApiError(400, "suffix: not supported by this server", "suffix")
         if self.best_of not in (None, self.n):

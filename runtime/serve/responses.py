@@ -6,7 +6,10 @@ its end could be the start of a ``stop`` string (``StopText``); every choice als
 ``token_ids`` (stop token excluded), so exports without a tokenizer are served on ids, and its
 ``logprobs`` when asked (``logprobs``: OpenAI's shapes; a streamed chunk carries its tokens').
 A completion with ``echo`` starts with its prompt (the first chunk of a stream), and with
-``logprobs`` the prompt tokens' too (``ServedModel.prompt_logprobs``). A chat with ``tools``
+``logprobs`` the prompt tokens' too (``ServedModel.prompt_logprobs``); ``max_tokens: 0`` with
+``echo`` scores the prompt only. A completion's stop token (end-of-text) is counted in its usage
+and, with logprobs, has the last entry (not shown in the text), as OpenAI's and vLLM's
+completions do; a chat's end of turn is neither. A chat with ``tools``
 has its replies parsed in the template's call format (``tfport.runtime.tools``): ``tool_calls``
 in the message, ``delta.tool_calls`` items in a stream, finish reason "tool_calls". A client
 that goes away (a closed stream, or a disconnect while a JSON answer is pending) cancels its rows,
@@ -74,27 +77,45 @@ class StopText:
         return out
 
 
+@dataclass(frozen=True)
+class Piece:
+    """What one step of a choice adds: its ``text``, its token ``ids`` (the stop token left
+    out), its ``finish`` reason once it ends, the ``scored`` entries of its tokens when logprobs
+    are asked (``logprobs.Scored``) and the tokens it ``generated`` (usage)."""
+
+    text: str
+    ids: list[int]
+    finish: str | None = None
+    scored: list[Scored] = field(default_factory=list)
+    generated: int = 0
+
+
 async def choice_pieces(served: ServedModel, handle: Handle, stops: list[str],
-                        markers: Mapping[int, str] | None = None
-                        ) -> AsyncIterator[tuple[str, list[int], str | None, list[Scored]]]:
-    """One choice's (text piece, new token ids, finish reason or None, the new tokens' scores
-    when logprobs are asked: ``logprobs.Scored``) as it is generated; ``ApiError`` for a row that
-    timed out, was cancelled by the server or failed. ``markers``: special token ids shown as
-    their text (tool-call markers, ``ChatFormat.marker_ids``)."""
+                        markers: Mapping[int, str] | None = None, stop_token: bool = False
+                        ) -> AsyncIterator[Piece]:
+    """One choice's ``Piece``s as it is generated; ``ApiError`` for a row that timed out, was
+    cancelled by the server or failed. ``markers``: special token ids shown as their text
+    (tool-call markers, ``ChatFormat.marker_ids``). ``stop_token``: the stop token that ends the
+    row is scored and counted as generated, though neither shown nor in ``ids`` (completions, as
+    OpenAI's and vLLM's: lm-eval scores a continuation with ``echo`` and ``max_tokens: 1`` and
+    drops the last entry, the token generated, end-of-text included)."""
     markers = markers or {}
     text = served.text_stream()
     stop = StopText(stops)
     stop_ids = handle.request.stop_ids
     async for event in handle:
         if isinstance(event, Token):
-            if event.id in stop_ids:
-                continue  # the Finished("stop") that follows ends the choice
             offset = len(text.shown) if text is not None else 0  # the choice's text before it
+            scored = [] if event.logprob is None else [(event.logprob, offset)]
+            if event.id in stop_ids:  # the Finished("stop") that follows ends the choice
+                if stop_token:
+                    yield Piece("", [], None, scored, 1)
+                continue
             piece = stop.push(text.push(event.id) + markers.get(event.id, "")) if text is not None else ""
-            yield piece, [event.id], None, [] if event.logprob is None else [(event.logprob, offset)]
+            yield Piece(piece, [event.id], None, scored, 1)
             if stop.stopped:
                 handle.cancel()
-                yield "", [], "stop", []
+                yield Piece("", [], "stop")
                 return
         elif isinstance(event, Finished):
             if event.reason == "timeout":
@@ -104,7 +125,7 @@ async def choice_pieces(served: ServedModel, handle: Handle, stops: list[str],
                 raise ApiError(503, "the request was cancelled: the server is stopping (running "
                                     "requests get --shutdown-timeout seconds)", code="shutting_down")
             tail = text.finish() if text is not None else ""
-            yield stop.push(tail) + stop.finish(), [], "stop" if stop.stopped else event.reason, []
+            yield Piece(stop.push(tail) + stop.finish(), [], "stop" if stop.stopped else event.reason)
             return
         elif isinstance(event, Failed):
             raise ApiError.internal(event.error, "generation")
@@ -160,8 +181,8 @@ class Completion:
             self.cancel()  # a no-op for finished rows; frees the others after an error
         choices = []
         completion_tokens = 0
-        for index, (text, ids, reason, scored) in enumerate(results):
-            completion_tokens += len(ids)
+        for index, (text, ids, reason, scored, generated) in enumerate(results):
+            completion_tokens += generated
             echo = echoes[index]
             output = {"message": self._message(text)} if self.chat else {"text": echo.text + text}
             if self.chat and output["message"].get("tool_calls") and reason == "stop":
@@ -187,15 +208,20 @@ class Completion:
             await asyncio.sleep(DISCONNECT_POLL_S)
         self.cancel()
 
-    async def _collect(self, handle: Handle) -> tuple[str, list[int], str, list[Scored]]:
-        pieces, ids, reason, scored = [], [], None, []
-        async for piece, new, finish, scores in choice_pieces(self.served, handle, self.stops,
-                                                              self.markers):
-            pieces.append(piece)
-            ids.extend(new)
-            scored.extend(scores)
-            reason = finish or reason
-        return "".join(pieces), ids, reason, scored
+    async def _collect(self, handle: Handle) -> tuple[str, list[int], str, list[Scored], int]:
+        """A choice's (text, ids, finish reason, scored entries, tokens generated)."""
+        texts, ids, reason, scored, generated = [], [], None, [], 0
+        async for piece in self._pieces(handle):
+            texts.append(piece.text)
+            ids.extend(piece.ids)
+            scored.extend(piece.scored)
+            generated += piece.generated
+            reason = piece.finish or reason
+        return "".join(texts), ids, reason, scored, generated
+
+    def _pieces(self, handle: Handle) -> AsyncIterator[Piece]:
+        """``choice_pieces`` of a choice; a completion's stop token is scored and counted."""
+        return choice_pieces(self.served, handle, self.stops, self.markers, stop_token=not self.chat)
 
     async def _echoes(self) -> list[Echo]:
         """Each choice's ``Echo``: its prompt (text, ids, scores) with ``echo``, else empty.
@@ -282,7 +308,7 @@ class Completion:
 
         async def pump(index: int, handle: Handle) -> None:
             try:
-                async for item in choice_pieces(self.served, handle, self.stops, self.markers):
+                async for item in self._pieces(handle):
                     await events.put((index, item))
             except ApiError as err:
                 await events.put((index, err))
@@ -312,13 +338,13 @@ class Completion:
                 elif isinstance(item, ApiError):
                     yield sse(item.body())
                 else:
-                    piece, ids, reason, scored = item
-                    piece, calls, reason = self._parse(index, piece, reason)
-                    completion_tokens += len(ids)
-                    if piece or ids or reason or calls:
-                        logprobs = self._logprobs(scored, echoes[index], prompt=False) if scored else None
+                    piece, calls, reason = self._parse(index, item.text, item.finish)
+                    completion_tokens += item.generated
+                    if piece or item.ids or item.scored or reason or calls:
+                        logprobs = self._logprobs(item.scored, echoes[index], prompt=False) \
+                            if item.scored else None
                         yield sse(self._choice_chunk(index, piece if piece or not reason else None,
-                                                     reason, ids, logprobs, calls))
+                                                     reason, item.ids, logprobs, calls))
             if (self.body.stream_options or {}).get("include_usage"):
                 yield sse(self._chunk([], usage=self._usage(completion_tokens)))
             yield "data: [DONE]\n\n"

@@ -35,7 +35,7 @@ from .batcher import EmbeddingBatcher
 from .options import ServeOptions
 from .request_limits import Inputs, RequestLimits, text_lengths
 from .protocol import ApiError, ChatRequest, CompletionRequest, DecodingRequest, check_text, quote
-from .handles import GenerationRequest, Handle, QueueFull
+from .handles import GenerationRequest, Handle, QueueFull, finished
 from .request_queue import Stopped
 from .scheduler import Scheduler
 from .seq2seq import Seq2SeqScheduler, refuse_for_seq2seq
@@ -310,6 +310,8 @@ class ServedModel(RequestLimits):
             raise ApiError(400, f"n: {len(prompts)} prompt(s) x n={body.n} = {count} sequences, more "
                                 f"than this server's queue of {self.options.max_queue}", "n")
         rows = [prompt for prompt in prompts for _ in range(body.n)]
+        if max_tokens == 0:  # echo only (CompletionRequest): nothing to generate
+            return [finished(GenerationRequest(prompt, 0), "length", loop) for prompt in rows]
         requests = [GenerationRequest(prompt, max_tokens, params,
                                       None if body.seed is None else body.seed + index, stop_ids,
                                       self.options.timeout, body.logprobs_top())

@@ -82,7 +82,8 @@ def test_seq2seq_completions_equal_generate(client, s2s_model):
     out = client.completions.create(model="s2s", prompt="w17 w33 w8 w40", max_tokens=12, temperature=0)
     assert out.choices[0].token_ids == expected
     assert out.choices[0].text == " ".join(f"w{t}" for t in expected if t >= 4)
-    assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == len(expected)
+    stopped = out.choices[0].finish_reason == "stop"  # the end-of-text generated counts (not in token_ids)
+    assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == len(expected) + stopped
     assert client.completions.create(model="s2s", prompt=prompt, max_tokens=12,
                                      temperature=0).choices[0].token_ids == expected
     sampled = client.completions.create(model="s2s", prompt=prompt, max_tokens=10, temperature=0.9,

@@ -160,6 +160,70 @@ def test_echo_with_logprobs_scores_the_prompt(server, client, module, stream):
         assert token_logprobs[n] == pytest.approx(reference_log_softmax(every[n - 1])[PROMPT[n]], abs=2e-4)
 
 
+def prompt_ending_in_eos(module) -> list[int]:
+    """A prompt "[BOS] wA wB" after which the module's greedy token is [EOS] (id 2)."""
+    pairs = torch.tensor([[1, a, b] for a in range(4, 96) for b in range(4, 96)])
+    with torch.no_grad():
+        last = module(pairs)[0][:, -1].argmax(-1)  # [B]
+    found = torch.nonzero(last == 2).flatten()
+    assert len(found), "no prompt of three tokens ends in [EOS]: pick longer prompts"
+    return pairs[int(found[0])].tolist()
+
+
+def echoed_logprobs(answer, stream: bool) -> tuple[str, list[str], list, str, int | None]:
+    """A completion's (text, logprobs tokens, token_logprobs, finish reason, completion tokens)
+    joined over its chunks when streamed."""
+    chunks = list(answer) if stream else [answer]
+    choices = [c.choices[0] for c in chunks if c.choices]
+    usage = next((c.usage for c in reversed(chunks) if c.usage), None)
+    return ("".join(c.text for c in choices), [t for c in choices if c.logprobs for t in c.logprobs.tokens],
+            [v for c in choices if c.logprobs for v in c.logprobs.token_logprobs],
+            [c.finish_reason for c in choices if c.finish_reason][-1],
+            None if usage is None else usage.completion_tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_scores_a_generated_end_of_text(server, client, module, stream):
+    """lm-eval's loglikelihood request (echo, logprobs, max_tokens 1) drops the last entry as the
+    token generated: when that token is [EOS], the entry is there (not shown in the text) and
+    counted, as OpenAI's and vLLM's completions do; before the fix the prompt's last token was
+    dropped instead."""
+    prompt = prompt_ending_in_eos(module)
+    answer = client.completions.create(model="dec-ort", prompt=prompt, max_tokens=1, temperature=0,
+                                       logprobs=1, echo=True, stream=stream,
+                                       stream_options={"include_usage": True} if stream else None)
+    text, tokens, token_logprobs, reason, generated = echoed_logprobs(answer, stream)
+    assert tokens == [word(t) for t in prompt] + ["[EOS]"]
+    assert text == " ".join(word(t) for t in prompt[1:]) and reason == "stop"
+    assert generated == 1
+    with torch.no_grad():
+        every = module(torch.tensor([prompt]))[0][0].double().numpy()  # [S, V]
+    scored = [*prompt[1:], 2]
+    for n, token in enumerate(scored):
+        assert token_logprobs[n + 1] == pytest.approx(reference_log_softmax(every[n])[token], abs=2e-4)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(server, client, module, stream):
+    answer = client.completions.create(model="dec-portable", prompt=PROMPT, max_tokens=0, logprobs=0,
+                                       echo=True, stream=stream,
+                                       stream_options={"include_usage": True} if stream else None)
+    text, tokens, token_logprobs, reason, generated = echoed_logprobs(answer, stream)
+    assert tokens == [word(t) for t in PROMPT] and text == TEXT_PROMPT
+    assert (reason, generated) == ("length", 0)
+    with torch.no_grad():
+        every = module(torch.tensor([PROMPT]))[0][0].double().numpy()  # [S, V]
+    assert token_logprobs[0] is None
+    for n in range(1, len(PROMPT)):
+        assert token_logprobs[n] == pytest.approx(reference_log_softmax(every[n - 1])[PROMPT[n]], abs=2e-4)
+
+
+def test_max_tokens_zero_without_echo_is_refused(server):
+    response = httpx.post(server[0] + "/v1/completions", json={"model": "dec-ort", "prompt": "w5",
+                                                               "max_tokens": 0})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens", response.text
+
+
 def test_echo_without_logprobs_prepends_the_prompt(server, client):
     plain = complete(client, "dec-ort")
     echoed = complete(client, "dec-ort", echo=True)
