@@ -126,10 +126,12 @@ class ToolFormat:
         """A Lark grammar (llguidance's dialect) of a reply that calls one of ``tools`` (several
         when ``parallel`` and the format allows), the arguments valid against the function's
         ``parameters`` schema. ``literal(text)`` writes a marker (a special token: ``<[id]>``)."""
+        where = (lambda i: "") if len(tools) == 1 else (lambda i: f"/anyOf/{i}")
         objects = [{"type": "object", "additionalProperties": False, "required": ["name", self.key],
                     "properties": {"name": {"const": tool["function"]["name"]},
-                                   self.key: tool["function"].get("parameters") or {"type": "object"}}}
-                   for tool in tools]
+                                   self.key: rebased(tool["function"].get("parameters") or {"type": "object"},
+                                                     f"{where(i)}/properties/{self.key}")}}
+                   for i, tool in enumerate(tools)]
         schema = objects[0] if len(objects) == 1 else {"anyOf": objects}
         schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
         many = parallel and self.parallel
@@ -145,6 +147,34 @@ class ToolFormat:
         parts = text.split(self.start) if self.start else [text]
         pieces = [json.dumps(part) if part else "" for part in parts]
         return f" {literal(self.start)} ".join(pieces).strip() if len(parts) > 1 else pieces[0]
+
+
+# Keywords whose values are data, not schemas (a "$ref" in them is no reference), and those
+# whose values map names to schemas (a property may be called "default").
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def rebased(schema: Any, base: str) -> Any:
+    """``schema`` with its local references (``#/$defs/Address``, ``#``) pointing to where it
+    sits in a document that embeds it at JSON pointer ``base`` (``/properties/arguments``):
+    a function's ``parameters`` inside the schema of a call, where ``#/$defs/...`` would look
+    for definitions at the call's top (pydantic models with nested models send them)."""
+    if isinstance(schema, list):
+        return [rebased(item, base) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + base + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, Mapping):
+            out[key] = {name: rebased(item, base) for name, item in value.items()}
+        else:
+            out[key] = rebased(value, base)
+    return out
 
 
 HERMES = ToolFormat("hermes", markers=("<tool_call>",), start="<tool_call>", key="arguments",

@@ -15,7 +15,7 @@ pytest.importorskip("llguidance", reason="tool_choice 'required' needs llguidanc
 openai = pytest.importorskip("openai", reason="the tests speak through the openai client")
 jsonschema = pytest.importorskip("jsonschema", reason="arguments are checked with jsonschema")
 
-from tests.runtime.tool_cases import TOOLS, tool_exports  # noqa: E402
+from tests.runtime.tool_cases import TOOLS, WEATHER, tool_exports  # noqa: E402
 
 from .conftest import running_server  # noqa: E402
 
@@ -91,6 +91,39 @@ def test_named_function_and_parallel_calls(tool_server):
             assert choice.finish_reason == "tool_calls"
         _check_calls(calls, names=("book_table",))
         assert len({call_id for call_id, _, _ in calls}) == len(calls)
+
+
+# What openai.pydantic_function_tool and instructor's TOOLS mode send for nested pydantic models:
+# the nested models in "$defs", referred to as "#/$defs/..." from the parameters' top.
+DEFS = {"type": "function", "function": {
+    "name": "save_person", "description": "Save a person.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["name", "home"],
+                   "properties": {"name": {"type": "string", "maxLength": 6},
+                                  "home": {"$ref": "#/$defs/Address"},
+                                  "work": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}]}},
+                   "$defs": {"Address": {"type": "object", "additionalProperties": False,
+                                         "required": ["city", "zip"],
+                                         "properties": {"city": {"type": "string", "maxLength": 6},
+                                                        "zip": {"type": "integer", "minimum": 0,
+                                                                "maximum": 99}}}}}}}
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_forced_calls_resolve_the_parameters_defs(tool_server, name, choice):
+    """A forced call's grammar embeds the parameters in the call's schema, so "#/$defs/..."
+    must be made to point there (a 400 "Pointer '/$defs/Address' does not exist" before)."""
+    client, models = tool_server
+    tool_choice = choice if choice == "required" else {"type": "function",
+                                                        "function": {"name": "save_person"}}
+    answer = client.chat.completions.create(
+        model=models[name], messages=MESSAGES, tools=[WEATHER, DEFS], tool_choice=tool_choice,
+        parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=1)
+    calls = answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    schemas = {**SCHEMAS, "save_person": DEFS["function"]["parameters"]}
+    assert choice == "required" or calls[0].function.name == "save_person"
+    jsonschema.validate(json.loads(calls[0].function.arguments), schemas[calls[0].function.name])
 
 
 def test_auto_and_a_conversation_with_tool_results(tool_server):
