@@ -214,6 +214,25 @@ class EncoderMethods:
         return self.embed_encoded(self.encode_texts(texts, method="embed_text"), pooling=pooling,
                                   normalize=normalize, batch_size=batch_size, progress=progress)
 
+    def matryoshka(self, vectors: np.ndarray, dimensions: int) -> np.ndarray:
+        """The first ``dimensions`` of each embedding float32 [B, E] -> [B, dimensions],
+        L2-normalised again where the export normalises (a unit vector stays one, as vLLM's and
+        OpenAI's ``dimensions`` give it). ``ValueError`` naming ``dimensions`` unless it is E or
+        one of the export's ``matryoshka_dimensions`` (embedding.json): cutting a vector of a
+        model not trained for it gives a worse embedding, not a shorter one."""
+        width = vectors.shape[-1]
+        if dimensions == width:
+            return vectors
+        declared = (self.embedding.matryoshka_dimensions if self.embedding else None) or ()
+        if dimensions not in declared:
+            expected = (f"one of {list(declared)} (its matryoshka_dimensions) or {width}" if declared else
+                        f"{width}: the export declares no Matryoshka dimensions to cut its vectors to "
+                        "(embedding.json's matryoshka_dimensions)")
+            raise ValueError(f"dimensions={dimensions!r}: this model's embeddings have {width} "
+                             f"dimensions; expected {expected}")
+        cut = vectors[:, :dimensions]
+        return l2_normalize(cut) if self._pooling(None, None)[1] else cut
+
     def embed_encoded(self, encoded: EncodedTexts, *, pooling: str | None = None,
                       normalize: bool | None = None, batch_size: int = BATCH_SIZE,
                       progress: bool | None = None) -> np.ndarray:

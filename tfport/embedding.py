@@ -27,12 +27,15 @@ class EmbeddingSettings:
     """``pooling`` (one of ``POOLINGS``), ``normalize`` (L2, the Normalize module),
     ``max_seq_length`` (inputs longer than this many tokens, special tokens included, are
     truncated; null: the model's own limit) and ``lowercase`` (sentence-transformers'
-    ``do_lower_case``: texts are lowercased before tokenizing)."""
+    ``do_lower_case``: texts are lowercased before tokenizing); ``matryoshka_dimensions``: the
+    lengths a vector may be cut to (a model trained with Matryoshka loss, e.g. jina-embeddings-v3's
+    config.json says them; null: none, the whole vector only)."""
 
     pooling: str = "mean"
     normalize: bool = False
     max_seq_length: int | None = None
     lowercase: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.pooling not in POOLINGS:
@@ -43,9 +46,20 @@ class EmbeddingSettings:
         length = self.max_seq_length
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
             raise ValueError(f"embedding.max_seq_length={length!r}: expected a positive integer or null")
+        dims = self.matryoshka_dimensions
+        if isinstance(dims, list):  # as JSON reads it
+            dims = tuple(dims)
+            object.__setattr__(self, "matryoshka_dimensions", dims)
+        if dims is not None and (not isinstance(dims, tuple) or not dims or any(
+                isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims)):
+            raise ValueError(f"embedding.matryoshka_dimensions={dims!r}: expected a non-empty list "
+                             "of positive integers or null")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.matryoshka_dimensions is None:  # left out: readers from before it take the file
+            del data["matryoshka_dimensions"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, origin: str = EMBEDDING_FILE) -> "EmbeddingSettings":

@@ -8,7 +8,7 @@ do. ``response_format`` (text, ``json_object``, ``json_schema``; extensions ``re
 param ``response_format``. Token ids and counts are strict integers (``true`` is
 not 1). Extensions, as vLLM names them: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``stop_token_ids``. Sampling options are checked against OpenAI's ranges
-(penalties in [-2, 2], ``logit_bias`` values in [-100, 100], completions' ``logprobs`` 0-5,
+(``temperature`` in [0, 2], penalties in [-2, 2], ``logit_bias`` values in [-100, 100], completions' ``logprobs`` 0-5,
 chat's ``top_logprobs`` 0-20 with ``logprobs: true``). Chat's ``tools``, ``tool_choice`` and
 ``parallel_tool_calls`` are OpenAI's (``tfport.runtime.tools``; a malformed one is a 400 naming it).
 
@@ -181,7 +181,7 @@ class DecodingRequest(BaseModel):
 
     model: str
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0, allow_inf_nan=False)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2, allow_inf_nan=False)  # OpenAI's range
     top_p: Optional[float] = Field(default=None, gt=0, le=1)
     top_k: Optional[StrictInt] = Field(default=None, ge=-1)  # extension; 0 or -1 keep all
     n: StrictInt = Field(default=1, ge=1, le=16)
@@ -328,7 +328,7 @@ class EmbeddingRequest(BaseModel):
     model: str
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = None
+    dimensions: Optional[StrictInt] = Field(default=None, ge=1)  # Matryoshka exports only
     user: Optional[str] = None
 
 

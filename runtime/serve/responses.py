@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..chat import chat_format
 from ..tool_parser import ToolCallParser, parse_reply
-from .protocol import ApiError, DecodingRequest, EmbeddingRequest, quote
+from .protocol import ApiError, DecodingRequest, EmbeddingRequest
 from .handles import Failed, Finished, Handle, Token
 from .logprobs import Scored, chat_logprobs, completion_logprobs
 from .served import ServedModel
@@ -362,11 +362,13 @@ def sse(data: dict) -> str:
 def embedding_response(served: ServedModel, body: EmbeddingRequest, vectors: np.ndarray,
                        tokens: int) -> JSONResponse:
     """The answer to /v1/embeddings: each of ``vectors`` float32 [B, E] (from ``tokens`` input
-    tokens) as floats or base64 of little-endian float32. Writes the JSON: call it in a worker
-    thread."""
-    if body.dimensions is not None and body.dimensions != vectors.shape[1]:
-        raise ApiError(400, f"dimensions={quote(body.dimensions)}: this model's embeddings have "
-                            f"{vectors.shape[1]}", "dimensions")
+    tokens), cut to ``dimensions`` where the export declares them (``Model.matryoshka``), as
+    floats or base64 of little-endian float32. Writes the JSON: call it in a worker thread."""
+    if body.dimensions is not None:
+        try:
+            vectors = served.model.matryoshka(vectors, body.dimensions)
+        except ValueError as err:
+            raise ApiError(400, str(err), "dimensions") from None
     data = []
     for index, vector in enumerate(vectors):
         if body.encoding_format == "base64":

@@ -175,6 +175,7 @@ def test_embeddings_equal_the_runtime(server, client, serve_exports):
 @pytest.mark.parametrize("body, param", [
     ({"model": "dec-ort", "prompt": "w5", "max_tokens": 0}, "max_tokens"),
     ({"model": "dec-ort", "prompt": "w5", "temperature": -1}, "temperature"),
+    ({"model": "dec-ort", "prompt": "w5", "temperature": 2.5}, "temperature"),  # OpenAI's 0-2
     ({"model": "dec-ort", "prompt": "w5", "max_tokens": 70}, "max_tokens"),  # context 64
     ({"model": "dec-ort", "prompt": [500]}, "prompt"),
     ({"model": "dec-ort", "prompt": "w5", "logprobs": 6}, "logprobs"),  # OpenAI's 0-5

@@ -92,9 +92,29 @@ def pipelines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     return out
 
 
+MATRYOSHKA = (8, 16)  # the lengths the "matryoshka" export declares its vectors may be cut to
+
+
 @pytest.fixture(scope="module")
-def server(pipelines):
-    with running_server([directory for directory, _ in pipelines.values()]) as (url, _):
+def matryoshka(pipelines) -> Path:
+    """The mean-normalize pipeline exported declaring ``MATRYOSHKA`` (as a model trained with
+    Matryoshka loss would): embedding.json's ``matryoshka_dimensions``."""
+    import dataclasses
+
+    from tfport.export import ExportOptions, export_checkpoint_or_preset
+    from tfport.export.sentence_transformers import read_sentence_transformers
+
+    directory = pipelines["mean-normalize"][0]
+    checkpoint = directory.parent / "st-mean-normalize"
+    embedding = dataclasses.replace(read_sentence_transformers(checkpoint), matryoshka_dimensions=MATRYOSHKA)
+    out = directory.parent / "matryoshka"
+    export_checkpoint_or_preset(str(checkpoint), out, ExportOptions(embedding=embedding))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(pipelines, matryoshka):
+    with running_server([*(directory for directory, _ in pipelines.values()), matryoshka]) as (url, _):
         yield url
 
 
@@ -140,3 +160,25 @@ def test_token_ids_past_the_context_are_refused(pipelines, server):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == "input" and "64" in error["message"], error
+
+
+def test_dimensions_cut_a_matryoshka_export_and_are_refused_elsewhere(pipelines, server):
+    """``dimensions`` (OpenAI's): the first d of each vector, normalised again where the export
+    normalises, for the d the export declares; a 400 naming ``dimensions`` elsewhere."""
+    full = pipelines["mean-normalize"][1].encode(TEXTS, convert_to_numpy=True)  # [B, 32], unit rows
+    for dimensions in (*MATRYOSHKA, 32):
+        response = httpx.post(server + "/v1/embeddings", json={"model": "matryoshka", "input": TEXTS,
+                                                               "dimensions": dimensions}, timeout=60)
+        assert response.status_code == 200, response.text
+        vectors = np.array([d["embedding"] for d in response.json()["data"]])
+        cut = full[:, :dimensions]
+        np.testing.assert_allclose(vectors, cut / np.linalg.norm(cut, axis=-1, keepdims=True),
+                                   rtol=RTOL, atol=ATOL)
+    for model, dimensions, message in (("matryoshka", 12, "one of [8, 16]"),
+                                       ("mean-normalize", 8, "declares no Matryoshka dimensions"),
+                                       ("matryoshka", 0, "greater than or equal to 1")):
+        response = httpx.post(server + "/v1/embeddings", json={"model": model, "input": TEXTS,
+                                                               "dimensions": dimensions}, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "dimensions" and message in error["message"], error
