@@ -114,6 +114,12 @@ class ServerState:
         for served in self.models.values():
             served.start()
 
+    def end_requests(self) -> None:
+        """End every model's waiting and running requests now, streams with their last event
+        (``Scheduler.end_now``); ``stop`` then stops the schedulers."""
+        for served in self.models.values():
+            served.end_requests()
+
     def stop(self) -> None:
         for served in self.models.values():
             served.stop()

@@ -7,8 +7,10 @@ On SIGTERM (or SIGINT, Ctrl-C):
    out of rotation) and a new completion, chat or embedding request gets a 503 with
    ``Retry-After``; the socket keeps listening, so both are answered rather than refused;
 2. running requests, streams included, get ``shutdown_timeout`` seconds to finish;
-3. then the schedulers stop: each stream still running ends with an error event (code
-   ``shutting_down``) and ``data: [DONE]``, a request waiting for a JSON answer gets that 503;
+3. then the requests still running end at once, without waiting for the step under way: each
+   stream with a last chunk whose ``finish_reason`` is "abort" (vLLM's; a Responses stream with
+   ``response.incomplete``) and ``data: [DONE]``, so a client's stream ends cleanly; a request
+   waiting for a JSON answer gets a 503 (code ``shutting_down``); the schedulers stop;
 4. uvicorn closes the connections (waiting at most ``CLOSE_S`` for answers being written) and
    the process exits with status 0.
 
@@ -68,11 +70,15 @@ class GracefulServer(uvicorn.Server):
                     "(--shutdown-timeout; a second signal exits at once)",
                     len(self.server_state.tasks), timeout)
         deadline = time.monotonic() + timeout
-        while self.server_state.tasks and time.monotonic() < deadline and not self.force_exit:
-            await asyncio.sleep(POLL_S)
+        while self.server_state.tasks and not self.force_exit:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.sleep(min(POLL_S, left))
         if self.server_state.tasks and not self.force_exit:
             logger.warning("%d requests still running after %g s: ending them",
                            len(self.server_state.tasks), timeout)
+            self.state.end_requests()  # their last events now, not after the step under way
             await asyncio.to_thread(self.state.stop)  # joins the scheduler threads
         self.should_exit = True
 

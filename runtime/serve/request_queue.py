@@ -100,6 +100,11 @@ class RequestQueue:
             self.stopping = True
             self.cond.notify_all()
 
+    def waiting(self) -> list[Handle]:
+        """The handles in the queue, left there."""
+        with self.cond:
+            return list(self._handles)
+
     def take_all(self) -> list[Handle]:
         """Empty the queue -> the handles that were in it."""
         with self.cond:

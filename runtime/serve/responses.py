@@ -13,7 +13,9 @@ completions do; a chat's end of turn is neither. A chat with ``tools``
 has its replies parsed in the template's call format (``tfport.runtime.tools``): ``tool_calls``
 in the message, ``delta.tool_calls`` items in a stream, finish reason "tool_calls". A client
 that goes away (a closed stream, or a disconnect while a JSON answer is pending) cancels its rows,
-which frees them at the scheduler's next step. ``embedding_response`` builds an embeddings answer
+which frees them at the scheduler's next step. A stream the stopping server ends
+(``lifecycle``) ends cleanly: a last chunk with finish reason "abort", then ``[DONE]``; a JSON
+answer gets a 503. ``embedding_response`` builds an embeddings answer
 (in a worker thread: the JSON of 2,048 vectors takes a while).
 """
 
@@ -42,6 +44,8 @@ from .served import ServedModel
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+SHUTTING_DOWN = "shutting_down"  # the error code of a request the stopping server ended
+ABORT = "abort"  # the finish reason of a stream the stopping server ended (vLLM's)
 
 
 class StopText:
@@ -123,7 +127,7 @@ async def choice_pieces(served: ServedModel, handle: Handle, stops: list[str],
                                     f"{handle.request.timeout:g} s", code="timeout")
             if event.reason == "cancelled":
                 raise ApiError(503, "the request was cancelled: the server is stopping (running "
-                                    "requests get --shutdown-timeout seconds)", code="shutting_down")
+                                    "requests get --shutdown-timeout seconds)", code=SHUTTING_DOWN)
             tail = text.finish() if text is not None else ""
             yield Piece(stop.push(tail) + stop.finish(), [], "stop" if stop.stopped else event.reason)
             return
@@ -335,6 +339,8 @@ class Completion:
                 index, item = await events.get()
                 if item is None:
                     remaining -= 1
+                elif isinstance(item, ApiError) and item.code == SHUTTING_DOWN:  # a clean end
+                    yield sse(self._choice_chunk(index, None, ABORT, []))
                 elif isinstance(item, ApiError):
                     yield sse(item.body())
                 else:

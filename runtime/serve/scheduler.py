@@ -176,6 +176,17 @@ class Scheduler:
             self._thread.start()
         return self
 
+    def end_now(self) -> None:
+        """Take no more requests and end every waiting and live one at once (``Finished``
+        "cancelled"), without waiting for the step under way: a stream's last event goes out
+        now, not after a long prefill. Any thread may call it; ``stop`` then joins the thread
+        (the rows' later tokens are dropped) and counts the requests it ended."""
+        self._queue.close()
+        with self._queue.cond:
+            handles = [*self._queue.waiting(), *(live.handle for live in list(self._live))]
+        for handle in handles:
+            handle.deliver(Finished("cancelled"))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Stop after the current step; waiting and live requests are cancelled."""
         self._queue.close()

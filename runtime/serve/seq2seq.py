@@ -113,15 +113,20 @@ class Seq2SeqScheduler:
                 thread.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop after each running sequence's current token; waiting and running requests are
-        cancelled."""
+    def end_now(self) -> None:
+        """Take no more requests and end every waiting and running one at once (``Finished``
+        "cancelled"); each worker stops after its sequence's current token."""
         with self._queue.cond:
             self._queue.close()
             handles = [*self._queue.take_all(), *self._running]
         for handle in handles:
             handle.cancel()
             handle.deliver(Finished("cancelled"))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after each running sequence's current token; waiting and running requests are
+        cancelled."""
+        self.end_now()
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))

@@ -104,6 +104,11 @@ class ServedModel(RequestLimits):
         if self.scheduler is not None:
             self.scheduler.start()
 
+    def end_requests(self) -> None:
+        """End the scheduler's waiting and running requests now (``Scheduler.end_now``)."""
+        if self.scheduler is not None:
+            self.scheduler.end_now()
+
     def stop(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()

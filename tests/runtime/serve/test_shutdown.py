@@ -1,8 +1,8 @@
 """Graceful shutdown (issue 27, finding 6), against ``tfport serve`` processes on 127.0.0.1 with a
 model slowed to ``STEP_S`` a token: on SIGTERM /health and new requests answer 503 with
-Retry-After, streams that can finish within --shutdown-timeout do, the rest end with an error
-event and ``[DONE]`` (a JSON request gets a 503), the process exits; a second SIGTERM exits at
-once."""
+Retry-After, streams that can finish within --shutdown-timeout do, the rest end at the timeout
+with a last chunk (finish reason "abort") and ``[DONE]`` (a JSON request gets a 503), the process
+exits; a second SIGTERM exits at once."""
 
 from __future__ import annotations
 
@@ -111,17 +111,59 @@ def test_sigterm_drains_then_ends_the_streams_left_cleanly(serve_exports):
         assert short.events[-1][0] > signalled
         assert short.chunks()[-1]["choices"][0]["finish_reason"] == "length"
         assert not any("error" in chunk for chunk in short.chunks())
-        # the long one ran until the timeout, then ended with an error event and [DONE]
-        *_, (error_at, error), (_, done) = long.events
-        assert done == "[DONE]" and json.loads(error)["error"]["code"] == "shutting_down", long.events[-3:]
+        # the long one ran until the timeout, then ended cleanly: a last chunk and [DONE]
+        *_, (last_at, last), (_, done) = long.events
+        assert done == "[DONE]" and json.loads(last)["choices"][0]["finish_reason"] == "abort", long.events[-3:]
+        assert not any("error" in chunk for chunk in long.chunks())
         assert 0 < len(long.token_ids()) < LONG
-        assert SHUTDOWN_S - 0.2 <= error_at - signalled <= SHUTDOWN_S + SLACK_S, error_at - signalled
+        assert SHUTDOWN_S - 0.2 <= last_at - signalled <= SHUTDOWN_S + SLACK_S, last_at - signalled
         # a request waiting for its JSON answer got a 503
         assert answer and answer[0].status_code == 503, answer
         assert answer[0].json()["error"]["code"] == "shutting_down"
 
         assert server.process.wait(EXIT_S) == 0, server.output()
         assert time.monotonic() - signalled <= SHUTDOWN_S + EXIT_S
+
+
+def test_streams_end_at_the_timeout_whatever_step_is_under_way(serve_exports):
+    """A step that runs past the deadline (a long prefill; here a model slowed to 3 s a step)
+    does not hold the streams' ends: they end at --shutdown-timeout, cleanly as the openai
+    client reads them (chat and completion); before, they ended with an error event once the
+    step was over."""
+    openai = pytest.importorskip("openai", reason="the client of the dev extra")
+    step_s, shutdown_s = 3.0, 1.0
+    with serve_process(serve_exports["dec-portable"], "--shutdown-timeout", str(shutdown_s),
+                       step_s=step_s) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        ends: dict[str, tuple[float, str | None]] = {}
+        first = {kind: threading.Event() for kind in ("chat", "completion")}
+
+        def read(kind: str) -> None:
+            kwargs = dict(model=MODEL, max_tokens=LONG, temperature=0, stream=True,
+                          extra_body={"ignore_eos": True})
+            stream = (client.chat.completions.create(messages=[{"role": "user", "content": "w5"}], **kwargs)
+                      if kind == "chat" else client.completions.create(prompt=[1, 5, 7], **kwargs))
+            reason = None
+            for chunk in stream:  # raises on an error event
+                if chunk.choices and (chunk.choices[0].finish_reason or getattr(chunk.choices[0], "text", "")
+                                      or getattr(getattr(chunk.choices[0], "delta", None), "content", "")):
+                    first[kind].set()
+                reason = chunk.choices[0].finish_reason if chunk.choices else reason
+            ends[kind] = (time.monotonic(), reason)
+
+        threads = [threading.Thread(target=read, args=(kind,), daemon=True) for kind in first]
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(30) for event in first.values())  # the first tokens: a step just began
+        signalled = time.monotonic()
+        server.signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(step_s + SLACK_S + 5)
+        assert sorted(ends) == ["chat", "completion"], (ends, server.output())
+        for kind, (ended, reason) in ends.items():
+            assert reason == "abort", kind
+            assert ended - signalled <= shutdown_s + 0.8, (kind, ended - signalled)  # the step ran to 3 s
+        assert server.process.wait(step_s + EXIT_S) == 0, server.output()
 
 
 def test_a_second_sigterm_exits_at_once(serve_exports):
