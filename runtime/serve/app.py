@@ -8,12 +8,13 @@ Prometheus metrics, on FastAPI.
 | --- | --- |
 | ``POST /v1/completions`` | prompt (text, texts, ids, id lists) -> text; ``n``, ``stream`` (SSE) |
 | ``POST /v1/chat/completions`` | messages rendered with the export's chat template -> message |
+| ``POST /v1/responses`` | the Responses API on the chat machinery (``responses_api``); ``GET /v1/responses/{id}`` a stored one |
 | ``POST /v1/completions`` (encoder-decoder) | translation / summarisation: ``seq2seq``, no continuous batching |
 | ``POST /v1/embeddings`` | encoder exports: vectors as ``tfport embed`` gives them, batched across requests (``batcher``) |
 | ``POST /v1/rerank`` | cross-encoders: documents by relevance to a query, best first (``scoring``) |
 | ``POST /v1/score`` | cross-encoders: a score per text pair (vLLM's shape) |
 | ``POST /v1/classify`` | classifiers: each text's label and probabilities (vLLM's shape) |
-| ``GET /v1/models`` | the served models (id = directory name; ``family``, ``chat_template``) |
+| ``GET /v1/models`` | the served models (id = directory name; ``family``, ``chat_template``); ``/v1/models/{id}`` one |
 | ``GET /health`` | 200 while every scheduler runs, else 503 |
 | ``GET /metrics`` | Prometheus text: requests, queue depth, tokens/s, time to first token |
 | ``GET /`` | the chat page (``page``; not routed with ``--no-ui``) |
@@ -63,8 +64,9 @@ from .memory import TrimMemory
 from .metrics import CONTENT_TYPE_LATEST, MetricsMiddleware, ServeMetrics
 from .page import mount_page
 from .protocol import (ApiError, ChatRequest, ClassifyRequest, CompletionRequest, EmbeddingRequest, RerankRequest,
-                       ScoreRequest, check_text, quote)
+                       ResponsesRequest, ScoreRequest, check_text, quote)
 from .responses import Completion, embedding_response
+from .responses_api import ResponseStore, ResponseTurn, stored_response
 from .scoring import classify_response, require_head, rerank_response, score_response
 from .options import ServeOptions
 from .served import ServedModel
@@ -83,6 +85,7 @@ class ServerState:
     models: dict[str, ServedModel]
     options: ServeOptions
     metrics: ServeMetrics = field(default_factory=ServeMetrics)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
 
@@ -221,13 +224,18 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
     async def metrics():
         return Response(state().metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> dict:
+        served = state().models[name]
+        return {"id": name, "object": "model", "created": state().created, "owned_by": "tfport",
+                "family": served.family, "chat_template": served.chats}
+
     @app.get("/v1/models", responses=openapi.MODELS)
     async def models():
-        server = state()
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": server.created, "owned_by": "tfport",
-             "family": served.family, "chat_template": served.chats}
-            for name, served in server.models.items()]}
+        return {"object": "list", "data": [model_card(name) for name in state().models]}
+
+    @app.get("/v1/models/{model_id:path}", responses=openapi.MODEL)
+    async def model(model_id: str):
+        return model_card(state().get(model_id).name)
 
     @app.post("/v1/completions", responses=openapi.COMPLETIONS)
     async def completions(body: CompletionRequest, request: Request):
@@ -244,6 +252,20 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
         prompts, max_tokens, stop_ids = await offload(served.chat_inputs, body)
         handles = served.submit(prompts, body, max_tokens, stop_ids, asyncio.get_running_loop())
         return await Completion(served, body, handles, prompts, chat=True).respond(request)
+
+    @app.post("/v1/responses", responses=openapi.RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request):
+        server = state()
+        served = server.get(body.model)
+        served.require("decoder", "/v1/responses")
+        turn = await offload(ResponseTurn, served, body, server.responses)
+        handles = served.submit(turn.prompts, turn.chat, turn.max_tokens, turn.stop_ids,
+                                asyncio.get_running_loop())
+        return await turn.respond(handles, request)
+
+    @app.get("/v1/responses/{response_id}", responses=openapi.RESPONSE)
+    async def response(response_id: str):
+        return stored_response(state().responses, response_id)
 
     @app.post("/v1/embeddings", responses=openapi.EMBEDDINGS)
     async def embeddings(body: EmbeddingRequest):

@@ -162,6 +162,18 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class ResponseObject(BaseModel):
+    """/v1/responses: OpenAI's Response object (its items described loosely)."""
+
+    id: str
+    object: str
+    created_at: int
+    status: str
+    model: str
+    output: list[dict[str, Any]]
+    usage: Optional[dict[str, Any]]
+
+
 class Health(BaseModel):
     status: str
     models: dict[str, dict[str, Any]]
@@ -193,6 +205,11 @@ RERANK = _answer(RerankResponse, "the documents by relevance, best first", 404, 
 SCORE = _answer(ScoreResponse, "one score per text pair", 404, 413)
 CLASSIFY = _answer(ClassifyResponse, "each text's label and probabilities", 404, 413)
 MODELS = _answer(ModelList, "the served models")
+MODEL = _answer(ModelCard, "one served model", 404)
+RESPONSES = _answer(ResponseObject, "the response; with stream: the Responses API's server-sent events, "
+                                    "ending with response.completed or response.incomplete",
+                    *GENERATION_ERRORS, stream=True)
+RESPONSE = _answer(ResponseObject, "a stored response", 404)
 HEALTH = {200: {"model": Health, "description": "every model's scheduler runs"},
           503: {"model": Union[Health, ErrorBody],
                 "description": "a scheduler stopped or the server is shutting down (the health "

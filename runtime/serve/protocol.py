@@ -322,6 +322,32 @@ class ChatRequest(DecodingRequest):
             raise ApiError(400, "functions: not supported by this server (send tools)", "functions")
 
 
+class ResponsesRequest(BaseModel):
+    """/v1/responses: OpenAI's Responses API, served on the chat machinery (``responses_api``).
+    Fields the server does not implement are ignored (``reasoning``, ``include``, ``truncation``,
+    ``top_logprobs``); ``background`` and built-in tools are refused. ``seed``: an extension."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[StrictInt] = Field(default=None, ge=1)
+    temperature: Optional[float] = Field(default=None, ge=0, le=2, allow_inf_nan=False)
+    top_p: Optional[float] = Field(default=None, gt=0, le=1)
+    seed: Optional[StrictInt] = Field(default=None, ge=0)
+    stream: bool = False
+    text: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: bool = True
+    previous_response_id: Optional[str] = None
+    store: bool = True
+    background: bool = False
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+
+
 class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

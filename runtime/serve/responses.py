@@ -135,6 +135,15 @@ async def choice_pieces(served: ServedModel, handle: Handle, stops: list[str],
             raise ApiError.internal(event.error, "generation")
 
 
+async def cancel_when_gone(request: Request, handles: Sequence[Handle]) -> None:
+    """Cancel ``handles``' rows when the client of a non-streaming request goes away (run it as
+    a task while the answer is pending)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    for handle in handles:
+        handle.cancel()
+
+
 @dataclass(frozen=True)
 class Echo:
     """What a completion with ``echo`` shows before its tokens: the prompt's ``text``, and with
@@ -176,7 +185,7 @@ class Completion:
         if self.body.stream:
             return StreamingResponse(self._events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        watcher = asyncio.create_task(self._watch(request))
+        watcher = asyncio.create_task(cancel_when_gone(request, self.handles))
         try:
             echoes, *results = await asyncio.gather(self._echoes(),
                                                     *(self._collect(h) for h in self.handles))
@@ -205,12 +214,6 @@ class Completion:
             usage["speculative"] = {"proposed": sum(h.proposed for h in self.handles),
                                     "accepted": sum(h.accepted for h in self.handles)}
         return usage
-
-    async def _watch(self, request: Request) -> None:
-        """Cancel the rows when the client of a non-streaming request goes away."""
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
-        self.cancel()
 
     async def _collect(self, handle: Handle) -> tuple[str, list[int], str, list[Scored], int]:
         """A choice's (text, ids, finish reason, scored entries, tokens generated)."""
