@@ -141,18 +141,25 @@ def write_byte_tokenizer(path: Path) -> Path:
     return path
 
 
-def export_tool_decoders(root: Path) -> dict[str, Path]:
-    """format name -> a tiny random decoder exported with that format's template and the
-    byte-level tokenizer (bos ``<s>``, eos ``</s>``, 4096 positions: prompts with tools are long in bytes)."""
-    from tfport.export import ExportOptions, export_model
+def tool_decoder():
+    """The tiny random decoder (PyTorch) the tool exports are made of: the byte-level
+    vocabulary (bos ``<s>``, eos ``</s>``), 4096 positions (prompts with tools are long in bytes)."""
     from tfport.models import build_model
     from tfport.presets import get_preset
 
     config = get_preset("tiny-decoder").replace(
         vocab_size=VOCAB_SIZE, max_positions=4096, tie_embeddings=False,
         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return build_model(config, seed=0)
+
+
+def export_tool_decoders(root: Path) -> dict[str, Path]:
+    """format name -> ``tool_decoder`` exported with that format's template and the byte-level
+    tokenizer."""
+    from tfport.export import ExportOptions, export_model
+
     tokenizer = write_byte_tokenizer(root / "byte-tokenizer.json")
-    model = build_model(config, seed=0)
+    model = tool_decoder()
     paths = {}
     for name, template in TEMPLATES.items():
         paths[name] = root / f"tools-{name}"
