@@ -165,9 +165,9 @@ def response_format(text: dict | None) -> dict | None:
     if fmt is None or not isinstance(fmt, dict):
         return None if fmt is None else {"type": fmt}  # a malformed one: the chat's check names it
     if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {key: fmt[key] for key in ("name", "schema", "strict", "description")
-                                                       if key in fmt}}
-    return {key: value for key, value in fmt.items()}
+        keys = ("name", "schema", "strict", "description")
+        return {"type": "json_schema", "json_schema": {key: fmt[key] for key in keys if key in fmt}}
+    return dict(fmt)
 
 
 def rename(err: ApiError) -> ApiError:
