@@ -64,6 +64,14 @@ class BlockQuantized:
         """[N, K] in the scales' dtype: (code - zero point) * scale (+ offset), as the graph
         computes it (one rounding, in the scales' dtype)."""
         dtype = self.scales.dtype
+        n, k = self.shape
+        if k == self.n_blocks * self.block_size:  # whole blocks: broadcast per block, no spread copies
+            blocks = (n, self.n_blocks, self.block_size)
+            centred = self.codes.reshape(blocks).astype(np.int16) - self.zero_point_values()[..., None].astype(np.int16)
+            values = centred.astype(dtype) * self.scales[..., None]
+            if self.offsets is not None:
+                values = values + self.offsets[..., None]
+            return values.astype(dtype).reshape(n, k)
         centred = self.codes.astype(np.int16) - self.block_values(self.zero_point_values()).astype(np.int16)
         values = centred.astype(dtype) * self.block_values(self.scales)
         if self.offsets is not None:

@@ -222,8 +222,7 @@ def mix(base: PrecomputedQuantization, high: PrecomputedQuantization,
         raise ValueError(f"layers={sorted(unknown)!r}: not layers with weight matrices in this model")
     index = RowIndex()
     for name, low, high_matrix, keys in zip(base.names, base.index.matrices, high.index.matrices, base.index.keys):
-        values = np.stack([np.frombuffer(key, dtype=np.float32) for key in keys])
-        index.add(values, high_matrix if layer_of(name) in layers else low)
+        index.add_keys(keys, high_matrix if layer_of(name) in layers else low)
     record = {**base.record, "promoted": list(in_order(layers))}
     mixed = PrecomputedQuantization(base.scheme, index, base.scale_dtype, record, base.names)
     mixed.record["sha256"] = fingerprint(index)

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from tfport.models.lazy import read_weight
+
 from .blocks import BlockQuantized, concat_rows
 from .gptq import DAMP, gptq_bytes, gptq_rows
 from .hessians import (AUTO, BUILTIN, NONE, Calibration, RowHessians, collect_hessians, hessian_bytes,
@@ -177,7 +179,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                     if id(weight) in heads:
                         block = head_block(block, weight.shape[1], head_block_size)
                         head_blocks.add(block)
-                    jobs.append((weight.detach().float().cpu().numpy(), group_hessians.get(name), bits, block))
+                    jobs.append((read_weight(weight), group_hessians.get(name), bits, block))
                     names.append(name)
                 quantized = _run_bounded(pool, [
                     (_work_bytes(rows, row_hessians), _quantise_matrix,

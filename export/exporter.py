@@ -24,16 +24,20 @@ from tfport.contract import CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOKE
 from tfport.files import atomic_directory
 from tfport.integrity import graph_metadata, record_files
 from tfport.manifest import Manifest
+from tfport.models.lazy import is_lazy, materialize_all, streamed
 
 from .calibrate import calibrated_scheme, own_head_block, resolve_calibration
+from .graph import Initializers
 from .graphs import BUILDERS
 from .hessians import Calibration
+from .memory import check_memory
 from .options import ExportOptions, ExportPlan, plan_export
 from .quantize import fake_quantize
 from .w8a8 import DEVICE_REFUSALS as W8A8_REFUSALS
 from .w8a8 import W8A8
 
 log = logging.getLogger(__name__)
+EXTERNAL_SUFFIX = ".data"  # <graph>.onnx.data: a graph's external weights
 
 
 def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOptions | None = None) -> Manifest:
@@ -78,18 +82,11 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
     plan = plan_export(options, config, out_dir)
     scheme = plan.scheme
     calibration = resolve_calibration(scheme, options.calibration, options.tokenizer)
-    if options.max_loss is not None:  # the fastest layout within the budget, measured
-        from .budget import choose_layout, parse_loss
-
-        scheme = choose_layout(model, scheme, parse_loss(options.max_loss), options.tokenizer,
-                               Calibration(calibration) if isinstance(calibration, str) else calibration,
-                               options.loss_text, options.block_size, options.head_bits, plan.target,
-                               options.dtype, options.calibration_threads, options.head_block_size)
-    elif (calibration is not None or options.head_bits is not None or options.head_block_size is not None
-          or own_head_block(model, scheme)):  # GPTQ, mixed precision, the head in other blocks
-        scheme = calibrated_scheme(model, scheme, calibration, options.tokenizer, options.dtype,
-                                   options.head_bits, options.show_progress, options.calibration_threads,
-                                   head_block_size=options.head_block_size)
+    check_memory(model, options, scheme, calibrating=calibration is not None)
+    if options.max_loss is not None and is_lazy(model):  # the budget search swaps weights in place
+        model = materialize_all(model)
+    with streamed(model):  # a lazy module's calibration forwards read one module at a time
+        scheme = _calibrated(model, plan, options, scheme, calibration)
     manifest = Manifest(config=config, dtype=options.dtype, opset=plan.opset, target=plan.target.name,
                         layout=plan.target.layout,
                         device_refusals={**plan.target.device_refusals(options.dtype, plan.kv_dtype),
@@ -112,9 +109,30 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
         manifest.write(tmp)
         if options.validate:
             from .parity import validate_export
-            validate_export(model if scheme is None else fake_quantize(model, scheme, options.dtype), tmp)
+
+            reference = model if scheme is None else fake_quantize(model, scheme, options.dtype)
+            with streamed(reference):  # a lazy module runs one module's weights at a time
+                validate_export(reference, tmp)
     log.info("exported %s model to %s (%s, opset %d)", config.family, plan.out_dir, options.dtype, plan.opset)
     return manifest
+
+
+def _calibrated(model: nn.Module, plan: ExportPlan, options: ExportOptions, scheme, calibration):
+    """The scheme the graphs are built with: ``scheme`` itself, or with codes chosen ahead (GPTQ,
+    mixed precision, the head in its own blocks, the fastest layout within ``max_loss``)."""
+    if options.max_loss is not None:  # the fastest layout within the budget, measured
+        from .budget import choose_layout, parse_loss
+
+        scheme = choose_layout(model, scheme, parse_loss(options.max_loss), options.tokenizer,
+                               Calibration(calibration) if isinstance(calibration, str) else calibration,
+                               options.loss_text, options.block_size, options.head_bits, plan.target,
+                               options.dtype, options.calibration_threads, options.head_block_size)
+    elif (calibration is not None or options.head_bits is not None or options.head_block_size is not None
+          or own_head_block(model, scheme)):  # GPTQ, mixed precision, the head in other blocks
+        scheme = calibrated_scheme(model, scheme, calibration, options.tokenizer, options.dtype,
+                                   options.head_bits, options.show_progress, options.calibration_threads,
+                                   head_block_size=options.head_block_size)
+    return scheme
 
 
 def _write_graphs(model: nn.Module, plan: ExportPlan, scheme, manifest: Manifest, directory: Path) -> None:
@@ -127,9 +145,12 @@ def _write_graphs(model: nn.Module, plan: ExportPlan, scheme, manifest: Manifest
         show_progress = n_layers * config.d_model * config.d_model > 64 * 2**20
     with tqdm(total=n_layers, desc="export", unit="layer", disable=not show_progress) as progress:
         for name, spec in specs.items():
-            builder = BUILDERS[name](model, spec, plan.options.dtype, plan.target, progress, scheme)
+            data_file = directory / (spec.file + EXTERNAL_SUFFIX)
+            builder = BUILDERS[name](model, spec, plan.options.dtype, plan.target, progress, scheme,
+                                     data_file=data_file)
             proto = builder.build(plan.opset, plan.target.bodies, graph_metadata(manifest.settings))
-            external = _save_graph(proto, directory / spec.file, plan.options.external_data_threshold)
+            external = _save_graph(proto, builder.initializers, directory / spec.file,
+                                   plan.options.external_data_threshold)
             log.info("wrote %s%s", spec.file, " with external data" if external else "")
 
 
@@ -147,15 +168,16 @@ def _write_files(config: ModelConfig, options: ExportOptions, directory: Path) -
         options.generation.write(directory)
 
 
-def _save_graph(model: onnx.ModelProto, path: Path, threshold: int) -> bool:
-    """Save ``model`` to ``path``; weights go to ``path.data`` past ``threshold`` bytes."""
-    weight_bytes = sum(t.ByteSize() for t in model.graph.initializer)
-    external = weight_bytes > threshold
-    if external:
-        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024)
-    else:
-        onnx.save_model(model, str(path))
+def _save_graph(model: onnx.ModelProto, initializers: Initializers, path: Path, threshold: int) -> bool:
+    """Save ``model`` to ``path``, its weights already streamed to ``initializers.data_file``;
+    a graph of at most ``threshold`` bytes of weights takes them back inline (one file)."""
+    initializers.close()
+    external = initializers.weight_bytes > threshold
+    if not external:
+        initializers.inline()
+        model.graph.ClearField("initializer")
+        model.graph.initializer.extend(initializers)
+    onnx.save_model(model, str(path))
     onnx.checker.check_model(str(path), full_check=True)
     return external
 
@@ -180,7 +202,7 @@ def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, options
     options = ExportOptions() if options is None else options
     if not isinstance(options, ExportOptions):
         raise TypeError(f"options={options!r}: expected an ExportOptions or None")
-    loaded = load_source(source, seed)
+    loaded = load_source(source, seed, lazy=True)  # each weight read from the file as it is emitted
     if options.quantize == "keep":  # the GGUF file's own blocks (export/gguf_keep.py)
         from .gguf_keep import KeptQuantization, check_keep
 

@@ -180,37 +180,75 @@ def gguf_values(blocks: BlockQuantized) -> np.ndarray:
     if blocks.offsets is None:
         return blocks.dequantize()
     minimum = blocks.offsets - blocks.zero_points.astype(np.float32) * blocks.scales
+    n, k = blocks.shape
+    if k == blocks.n_blocks * blocks.block_size:  # whole blocks: broadcast per block
+        shape = (n, blocks.n_blocks, blocks.block_size)
+        return (blocks.codes.reshape(shape).astype(np.float32) * blocks.scales[..., None]
+                + minimum[..., None]).reshape(n, k)
     return blocks.codes.astype(np.float32) * blocks.block_values(blocks.scales) + blocks.block_values(minimum)
 
 
 class KeptQuantization:
     """The quantisation a GGUF file already has, looked up row by row (see the module doc); a
     drop-in for ``QuantScheme`` in the exporter (``quantize``, ``embeddings``, ``name``,
-    ``to_dict``)."""
+    ``to_dict``).
+
+    Only the file's tensors that weights were just read from are indexed: each dequantised
+    tensor of the file (``reader.on_tensor_read``) joins the index, which starts again when a
+    read moves on to another layer (``blk.N``; the tensors outside the layers are one group), so
+    a streamed export indexes one layer at a time. A weight found in none of them (a module
+    loaded before this object existed) indexes the whole file once, and is found there.
+    """
 
     name = "keep"
     embeddings = True
 
     def __init__(self, path: str | Path, fallback: QuantScheme | None = None):
-        from tfport.models.gguf.reader import GGUFFile
+        from tfport.models.gguf.reader import GGUFFile, on_tensor_read
 
         self.path = Path(path)
         self.fallback = fallback or QuantScheme(8, BLOCK, symmetric=True)
-        file = GGUFFile(self.path)
-        self.index = RowIndex()  # the file's rows by their float32 values
-        self.kinds: dict[str, str] = {}
-        for name in file.tensor_names():
-            kind = file.tensor_type(name)
-            if kind not in KEPT_TYPES or len(file.shape(name)) not in (2, 3):
-                continue
-            # a stack of experts [N, rows, K] (ffn_*_exps) holds N * rows rows of K
-            rows = int(np.prod(file.shape(name)[:-1]))
-            blocks = decode_blocks(kind, file.blocks(name).reshape(rows, -1))
-            self.index.add(gguf_values(blocks), blocks)
-            self.kinds[name] = kind
+        self.file = GGUFFile(self.path)
+        # kept tensors: name -> ggml type (a stack of experts [N, rows, K] holds N * rows rows of K)
+        self.kinds = {name: self.file.tensor_type(name) for name in self.file.tensor_names()
+                      if self.file.tensor_type(name) in KEPT_TYPES and len(self.file.shape(name)) in (2, 3)}
+        self.index = RowIndex()
+        self._indexed: set[str] = set()
+        self._group: str | None = None
+        self._whole = False  # the whole file indexed (a miss among the recent tensors)
+        self._stop_listening = on_tensor_read(self.path, self._read)
         # distinct weight products seen so far (sha1 of their float32 bytes) -> kept or not: a
         # matrix lowered in several graphs (or again for validation) counts once
         self._seen: dict[str, bool] = {}
+
+    def __del__(self):
+        stop = getattr(self, "_stop_listening", None)
+        if stop is not None:
+            stop()
+
+    def _read(self, name: str) -> None:
+        """A tensor of the file was dequantised: index it, in a new index if its group is new."""
+        if name not in self.kinds or self._whole:
+            return
+        group = ".".join(name.split(".")[:2]) if name.startswith("blk.") else ""
+        if group != self._group:
+            self.index, self._indexed, self._group = RowIndex(), set(), group
+        self._add(name)
+
+    def _add(self, name: str) -> None:
+        if name in self._indexed:
+            return
+        rows = int(np.prod(self.file.shape(name)[:-1]))
+        blocks = decode_blocks(self.kinds[name], self.file.blocks(name).reshape(rows, -1))
+        self.file.release(name)
+        self.index.add(gguf_values(blocks), blocks)
+        self._indexed.add(name)
+
+    def _index_whole_file(self) -> None:
+        log.info("keep: indexing every tensor of %s (a weight read before the export started)", self.path.name)
+        self._whole = True
+        for name in self.kinds:
+            self._add(name)
 
     @property
     def kept(self) -> int:
@@ -227,7 +265,12 @@ class KeptQuantization:
         ``BlockQuantized``, or ``RowParts`` where consecutive rows come from tensors of different
         types (each part lowered as its own product); otherwise ``rows`` re-quantised with
         ``fallback``."""
-        parts = self.index.find_parts(rows) if scale_dtype == "float32" else None
+        parts = None
+        if scale_dtype == "float32":
+            parts = self.index.find_parts(rows)
+            if parts is None and not self._whole:
+                self._index_whole_file()
+                parts = self.index.find_parts(rows)
         found = None if parts is None else parts[0] if len(parts) == 1 else RowParts(parts)
         key = hashlib.sha1(np.ascontiguousarray(rows, dtype=np.float32).tobytes()).hexdigest()
         if found is None:

@@ -10,15 +10,18 @@ nodes, fixes the I/O names and dynamic dims to the contract, and takes milliseco
 from __future__ import annotations
 
 import json
+import sys
 from collections import Counter
 from collections.abc import Mapping
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import external_data_helper, helper, numpy_helper
 
 from tfport.contract import TensorSpec
+from tfport.models.lazy import read_weight
 from tfport.dtypes import COMPUTE_DTYPES, NUMPY_DTYPES, ONNX_DTYPES, cache_dtype
 
 from .functions import DOMAIN, DOMAIN_VERSION, OnnxFunction, function_protos
@@ -30,8 +33,69 @@ STORAGE_DTYPES = {**NUMPY_DTYPES, "bfloat16": ml_dtypes.bfloat16}
 
 
 def to_numpy(tensor) -> np.ndarray:
-    """A torch tensor's values as float32 numpy (the builder casts to the graph dtype)."""
-    return tensor.detach().float().cpu().numpy()
+    """A torch tensor's values as float32 numpy (the builder casts to the graph dtype); a lazy
+    module's weight is read from its file now (``tfport.models.lazy``)."""
+    return read_weight(tensor)
+
+
+# Tensors whose bytes (with Python's bytes overhead) reach this go to the external data file, as
+# ``onnx.save_model(..., save_as_external_data=True, size_threshold=1024)`` decides.
+EXTERNAL_SIZE_THRESHOLD = 1024
+BYTES_OVERHEAD = sys.getsizeof(b"")
+
+
+class Initializers(list):
+    """A graph's initializers. With a ``data_file``, each one large enough for external data has
+    its bytes appended to that file as it is added (the proto keeps only the reference), so a
+    graph is never held in memory with its weights: exactly what ``onnx.save_model`` writes with
+    ``save_as_external_data=True, all_tensors_to_one_file=True, size_threshold=1024`` (same
+    order, offsets and fields). ``weight_bytes`` counts every tensor's serialised size as if
+    inline (what decides whether the graph needs external data at all); ``inline()`` reads the
+    bytes back into the protos and removes the file, for a graph small enough to be one file."""
+
+    def __init__(self, data_file: Path | None = None):
+        super().__init__()
+        self.data_file = data_file
+        self.weight_bytes = 0
+        self._handle = None if data_file is None else data_file.open("wb")
+
+    def append(self, tensor: onnx.TensorProto) -> None:
+        self.weight_bytes += tensor.ByteSize()
+        if self._handle is not None and tensor.HasField("raw_data"):
+            raw = tensor.raw_data
+            if len(raw) + BYTES_OVERHEAD >= EXTERNAL_SIZE_THRESHOLD:
+                offset = self._handle.tell()
+                self._handle.write(raw)
+                external_data_helper.set_external_data(tensor, self.data_file.name, offset, len(raw))
+                tensor.ClearField("raw_data")
+                # a fresh message: protobuf keeps a cleared field's bytes in the message's arena
+                # until the message itself is freed
+                spilled = onnx.TensorProto()
+                spilled.CopyFrom(tensor)
+                tensor = spilled
+            del raw
+        super().append(tensor)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def inline(self) -> None:
+        """Every tensor's bytes back in its proto; the data file is removed."""
+        self.close()
+        if self.data_file is None:
+            return
+        with self.data_file.open("rb") as handle:
+            for tensor in self:
+                if external_data_helper.uses_external_data(tensor):
+                    info = external_data_helper.ExternalDataInfo(tensor)
+                    handle.seek(info.offset)
+                    tensor.raw_data = handle.read(info.length)
+                    tensor.ClearField("external_data")
+                    tensor.ClearField("data_location")
+        self.data_file.unlink()
+        self.data_file = None
 
 
 def ir_version_for(opset: int) -> int:
@@ -42,17 +106,18 @@ def ir_version_for(opset: int) -> int:
 class GraphBuilder:
     """Collects nodes and initializers; ``op`` returns the name(s) of the new node's outputs.
 
+    ``data_file``: where initializers' bytes go as they are added (``Initializers``).
     ``dtype`` is the export dtype: weights are stored in it (``storage``) and activations are
     computed in ``self.dtype`` (``tfport.dtypes.COMPUTE_DTYPES``: float32 for bfloat16, whose
     weights are then cast in the graph); ``kv_dtype`` is the KV cache's (the exporter sets it).
     """
 
-    def __init__(self, name: str, dtype: str):
+    def __init__(self, name: str, dtype: str, data_file: Path | None = None):
         self.name, self.storage, self.dtype = name, dtype, COMPUTE_DTYPES[dtype]
         self.kv_dtype = cache_dtype(dtype)
         self.value_dtypes: dict[str, str] = {}  # values whose dtype is not self.dtype's default
         self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
+        self.initializers = Initializers(data_file)  # weights stream to data_file as they come
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
         self.value_info: list[onnx.ValueInfoProto] = []

@@ -6,6 +6,8 @@ cache are lowered is the target's.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import onnx
 from torch import nn
 
@@ -23,10 +25,11 @@ from .w8a8 import W8A8, RowQuantizer
 
 
 def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
-                        progress=None, quantization: QuantScheme | None = None) -> GraphBuilder:
+                        progress=None, quantization: QuantScheme | None = None,
+                        data_file: Path | None = None) -> GraphBuilder:
     """Encoder graph of an EncoderModel or of an EncoderDecoderLM (which adds cross K/V outputs)."""
     config: ModelConfig = model.config
-    g = _builder("encoder", dtype, target, quantization)
+    g = _builder("encoder", dtype, target, quantization, data_file)
     inputs = _declare(g, spec)
     body = model.encoder
     table = token_table(g, body.embed.tokens)
@@ -58,12 +61,13 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
 
 
 def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
-                        progress=None, quantization: QuantScheme | None = None) -> GraphBuilder:
+                        progress=None, quantization: QuantScheme | None = None,
+                        data_file: Path | None = None) -> GraphBuilder:
     """Decoder graph of a DecoderLM or EncoderDecoderLM: one graph for prefill and decode."""
     config: ModelConfig = model.config
     seq2seq = config.family == "encoder-decoder"
     kind = "decoder" if seq2seq else None
-    g = _builder("decoder", dtype, target, quantization)
+    g = _builder("decoder", dtype, target, quantization, data_file)
     inputs = _declare(g, spec)
     n = config.n_decoder_layers
     # The self-attention cache is handed to the target in its own dtype (the target decides where
@@ -87,12 +91,13 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
 
 
 def build_classifier_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
-                           progress=None, quantization: QuantScheme | None = None) -> GraphBuilder:
+                           progress=None, quantization: QuantScheme | None = None,
+                        data_file: Path | None = None) -> GraphBuilder:
     """Classifier graph of an EncoderDecoderLM with a classification head
     (``EncoderDecoderLM.classify``): the encoder, the decoder over input_ids shifted right with
     the cross-attention K/V computed in place, the head at each row's last real eos."""
     config: ModelConfig = model.config
-    g = _builder("classifier", dtype, target, quantization)
+    g = _builder("classifier", dtype, target, quantization, data_file)
     inputs = _declare(g, spec)
     ids, mask = inputs["input_ids"], inputs["attention_mask"]
     table = token_table(g, model.encoder.embed.tokens)  # both stacks read the one table
@@ -132,8 +137,9 @@ def build_classifier_graph(model: nn.Module, spec: GraphSpec, dtype: str, target
 BUILDERS = {"encoder": build_encoder_graph, "decoder": build_decoder_graph, "classifier": build_classifier_graph}
 
 
-def _builder(name: str, dtype: str, target: Target, quantization: QuantScheme | None) -> GraphBuilder:
-    g = GraphBuilder(name, dtype)
+def _builder(name: str, dtype: str, target: Target, quantization: QuantScheme | None,
+             data_file: Path | None) -> GraphBuilder:
+    g = GraphBuilder(name, dtype, data_file)
     if quantization is None:
         g.quantizer = None
     elif isinstance(quantization, W8A8):  # int8 weights and activations: standard operators, any target

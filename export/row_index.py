@@ -3,9 +3,18 @@ chosen ahead of time reaches the weight products the exporter emits."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from .blocks import BlockQuantized
+
+
+def row_keys(values: np.ndarray) -> list[bytes]:
+    """Each row's key: a 128-bit BLAKE2b digest of its float32 bytes (equal rows, equal keys; an
+    index of a large model's rows holds 16 bytes per row instead of the row)."""
+    return [hashlib.blake2b(row, digest_size=16).digest()
+            for row in np.ascontiguousarray(values, dtype=np.float32)]
 
 
 class RowIndex:
@@ -16,14 +25,18 @@ class RowIndex:
 
     def __init__(self):
         self.matrices: list[BlockQuantized] = []
-        self.keys: list[list[bytes]] = []  # per matrix, its rows' float32 bytes
-        self.rows: dict[bytes, list[tuple[int, int]]] = {}  # float32 row bytes -> every (matrix, row)
+        self.keys: list[list[bytes]] = []  # per matrix, its rows' keys (``row_keys``)
+        self.rows: dict[bytes, list[tuple[int, int]]] = {}  # row key -> every (matrix, row)
 
     def add(self, values: np.ndarray, quantized: BlockQuantized) -> None:
         """Index ``quantized`` under ``values`` [N, K], the float values its rows stand for."""
         assert values.shape == quantized.shape, (values.shape, quantized.shape)
+        self.add_keys(row_keys(values), quantized)
+
+    def add_keys(self, keys: list[bytes], quantized: BlockQuantized) -> None:
+        """Index ``quantized`` under its rows' ``keys`` (``row_keys``; another index's ``keys``)."""
+        assert len(keys) == quantized.shape[0], (len(keys), quantized.shape)
         self.matrices.append(quantized)
-        keys = [value.tobytes() for value in np.ascontiguousarray(values, dtype=np.float32)]
         self.keys.append(keys)
         for row, key in enumerate(keys):
             self.rows.setdefault(key, []).append((len(self.matrices) - 1, row))
@@ -43,7 +56,7 @@ class RowIndex:
         rows match the longest stretch from here (on a tie, the previous row's matrix): a whole
         matrix, or one of several concatenated, is found as itself however many of its rows occur
         elsewhere."""
-        keys = [row.tobytes() for row in np.ascontiguousarray(rows, dtype=np.float32)]
+        keys = row_keys(rows)
         found: list[tuple[int, int]] = []
         for i, key in enumerate(keys):
             if found and self._continues(found[-1], key):

@@ -57,10 +57,10 @@ def _chat_template(directory: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _gguf_source(path: Path) -> Source:
+def _gguf_source(path: Path, lazy: bool) -> Source:
     from tfport.models.gguf import load_gguf
 
-    checkpoint = load_gguf(path)
+    checkpoint = load_gguf(path, lazy=lazy)
     if checkpoint.tokenizer_json is None:
         return Source(checkpoint.model, chat_template=checkpoint.chat_template)
     workdir = tempfile.TemporaryDirectory(prefix="tfport-gguf-")
@@ -83,24 +83,25 @@ def _generation(directory: Path, model: nn.Module) -> GenerationDefaults | None:
                                       read_json(directory / CONFIG_FILE), model.config.vocab_size)
 
 
-def load_source(source: str, seed: int = 0, argument: str = "source") -> Source:
+def load_source(source: str, seed: int = 0, argument: str = "source", lazy: bool = False) -> Source:
     """``source``: a preset name (random weights from ``seed``), a tfport checkpoint directory, a
     Hugging Face model directory or a ``.gguf`` file. ``argument`` names the option in error
-    messages."""
+    messages. With ``lazy``, a checkpoint's or file's weights stay in it until read
+    (``tfport.models.lazy``: what a streamed export reads one tensor at a time)."""
     from tfport.models import build_model
     from tfport.models.checkpoint import load_checkpoint
     from tfport.models.hf import is_hf_checkpoint, load_hf_model
 
     path = Path(source)
     if path.is_dir():
-        model = load_hf_model(path) if is_hf_checkpoint(path) else load_checkpoint(path)
+        model = load_hf_model(path, lazy) if is_hf_checkpoint(path) else load_checkpoint(path, lazy)
         from .sentence_transformers import read_sentence_transformers
 
         tokenizer = path / TOKENIZER_FILE
         return Source(model, tokenizer if tokenizer.is_file() else None, _chat_template(path),
                       embedding=read_sentence_transformers(path), generation=_generation(path, model))
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return _gguf_source(path)
+        return _gguf_source(path, lazy)
     if source in PRESETS:
         return Source(build_model(PRESETS[source], seed=seed))
     raise ValueError(f"{argument}={source!r}: expected a preset name ({', '.join(sorted(PRESETS))}), "

@@ -40,7 +40,6 @@ Shapes: B batch, S new tokens, K inputs, N outputs, V vocabulary, E model width.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -112,19 +111,17 @@ class W8A8:
         boundaries, which 30 layers amplify to logits several units apart, with the same
         argmax). With ``activations``, every ``nn.Linear``'s input is rounded per row too
         (``round_rows``): the shipped graph's computation, to compare on small models."""
-        import torch
         from torch import nn
 
-        from .quantize import token_table_paths
+        from tfport.models.lazy import parameter_names
 
-        reference = copy.deepcopy(model).eval()
-        names = {f"{path}.weight" for path, module in reference.named_modules() if isinstance(module, nn.Linear)}
-        names.update(token_table_paths(reference))
-        with torch.no_grad():
-            for name in sorted(names):  # a tied table is one parameter: quantised once, the same codes
-                parameter = reference.get_parameter(name)
-                rows = quantize_channels(parameter.detach().float().cpu().numpy()).dequantize()
-                parameter.copy_(torch.from_numpy(rows).to(parameter.dtype))
+        from .quantize import replaced_weights, token_table_paths
+
+        names = {f"{path}.weight" for path, module in model.named_modules() if isinstance(module, nn.Linear)}
+        names.update(token_table_paths(model))
+        # a tied table is one parameter: quantised once, the same codes
+        reference = replaced_weights(model, [n for n in sorted(names) if n in parameter_names(model)],
+                                     lambda name, rows: quantize_channels(rows).dequantize())
         for module in reference.modules() if activations else ():
             if isinstance(module, nn.Linear):
                 module.register_forward_pre_hook(lambda _module, args: (round_rows(args[0]), *args[1:]))

@@ -94,13 +94,13 @@ def is_lazy(model: nn.Module) -> bool:
 
 
 def _load(param: torch.Tensor) -> torch.Tensor:
-    """A meta parameter's values from its loader, float32 of its shape."""
+    """A meta parameter's values from its loader, in its dtype and shape."""
     loader = getattr(param, LOADER_ATTR, None)
     if loader is None:
         raise RuntimeError(f"a weight of shape {list(param.shape)} is on the meta device without a "
                            "loader: a lazy module's weights are read with read_weight or inside "
                            "materialized(...)")
-    values = loader().float()
+    values = loader().to(param.dtype)  # a reference converted to another dtype reads in it
     if tuple(values.shape) != tuple(param.shape):
         raise RuntimeError(f"a loader gave shape {list(values.shape)} for a weight of shape "
                            f"{list(param.shape)}")
@@ -152,3 +152,70 @@ def materialize_all(model: nn.Module) -> nn.Module:
 def weight_bytes(model: nn.Module, bytes_per_value: int = 4) -> int:
     """Bytes of ``model``'s parameters at ``bytes_per_value`` each (tied ones once)."""
     return sum(p.numel() for p in parameter_names(model).values()) * bytes_per_value
+
+
+@contextlib.contextmanager
+def streamed(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside, ``model``'s forward runs with each module's own lazy parameters read when that
+    module runs and freed when it returns: a forward of a model larger than memory holds one
+    module's weights at a time (and reads every weight once per forward). A no-op for a module
+    without lazy parameters."""
+    handles = []
+    active: dict[int, contextlib.ExitStack] = {}
+
+    def enter(module: nn.Module, args) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(_own_parameters(module))
+        active[id(module)] = stack
+
+    def leave(module: nn.Module, args, output) -> None:
+        stack = active.pop(id(module), None)
+        if stack is not None:
+            stack.close()
+
+    for module in model.modules():
+        if any(p is not None and p.is_meta for p in module._parameters.values()):
+            handles.append(module.register_forward_pre_hook(enter))
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        yield model
+    finally:
+        for handle in handles:
+            handle.remove()
+        for stack in active.values():
+            stack.close()
+
+
+@contextlib.contextmanager
+def _own_parameters(module: nn.Module) -> Iterator[None]:
+    """``module``'s own (not its children's) lazy parameters real inside."""
+    swapped = []
+    try:
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                module._parameters[name] = nn.Parameter(_load(param), requires_grad=False)
+                swapped.append((name, param))
+        yield
+    finally:
+        for name, param in swapped:
+            module._parameters[name] = param
+
+
+def wrap_loader(param: nn.Parameter, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Make a lazy parameter read as ``transform`` of what it read before (a quantised
+    reference's dequantised weights, computed as each is read)."""
+    loader = getattr(param, LOADER_ATTR)
+    setattr(param, LOADER_ATTR, lambda: transform(loader()))
+
+
+def lazy_copy(model: nn.Module) -> nn.Module:
+    """A copy of a lazy module (still lazy, the same loaders; parameters that are real are
+    copied): what a reference with some weights transformed (``wrap_loader``) starts from."""
+    import copy
+
+    reference = copy.deepcopy(model).eval()  # deepcopy drops a Parameter's own attributes
+    for (name, original), (_, param) in zip(parameter_names(model).items(), parameter_names(reference).items()):
+        loader = getattr(original, LOADER_ATTR, None)
+        if loader is not None:
+            setattr(param, LOADER_ATTR, loader)
+    return reference

@@ -17,6 +17,8 @@ import copy
 import torch
 from torch import nn
 
+from tfport.models.lazy import is_lazy, lazy_copy
+
 from tfport.models.attention import Attention
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -37,7 +39,7 @@ def reference_module(model: nn.Module, dtype: str = "float32", kv_dtype: str | N
     rounding = kv_dtype is not None and TORCH_DTYPES[kv_dtype] != torch_dtype
     if torch_dtype == torch.float32 and not rounding:
         return model
-    reference = copy.deepcopy(model).to(torch_dtype)
+    reference = (lazy_copy(model) if is_lazy(model) else copy.deepcopy(model)).to(torch_dtype)
     for name, buffer in model.named_buffers():
         if name.rsplit(".", 1)[-1] in FLOAT32_BUFFERS:
             module_name, _, attribute = name.rpartition(".")

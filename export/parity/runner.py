@@ -19,6 +19,7 @@ from torch import nn
 
 from tfport.dtypes import COMPUTE_DTYPES
 from tfport.manifest import Manifest
+from tfport.models.lazy import is_lazy
 from tfport.models.masks import MASK_VALUE
 from tfport.runtime.threads import shared_pool
 
@@ -204,9 +205,9 @@ class Runner:
     def float64_reference(self) -> nn.Module | None:
         """The reference module in float64 (a copy of the same float32 weights, made once), or
         None where the reference is not float32 throughout (a float16 or bfloat16 module, or a
-        cache rounded to another dtype: the tolerance table covers those)."""
-        if (self.dtype, self.kv_dtype) != ("float32", "float32"):
-            return None
+        cache rounded to another dtype: the tolerance table covers those) or is lazy."""
+        if (self.dtype, self.kv_dtype) != ("float32", "float32") or is_lazy(self.model):
+            return None  # a lazy module's copy would read its weights again (model larger than memory)
         if self._float64 is None:
             self._float64 = copy.deepcopy(self.model).double().eval()
         return self._float64

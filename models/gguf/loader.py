@@ -274,6 +274,7 @@ def dequantize_expert(file: GGUFFile, name: str, expert: int) -> np.ndarray:
                                     gguf.GGMLQuantizationType[file.tensor_type(name)])
     values = np.array(values, dtype=np.float32, order="C").reshape(file.shape(name)[1:])
     file.release(name)
+    file.notify(name)
     return values
 
 

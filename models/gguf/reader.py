@@ -15,6 +15,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,28 @@ def _gguf():
         raise ImportError("reading a .gguf file needs the 'gguf' package (llama.cpp's gguf-py): "
                           "pip install gguf") from None
     return gguf
+
+
+# Resolved file path -> functions called with a tensor's name each time one is dequantised from
+# it, by any GGUFFile of that path (``on_tensor_read``).
+_READ_LISTENERS: dict[Path, list[Callable[[str], None]]] = {}
+
+
+def on_tensor_read(path: str | os.PathLike, listener: Callable[[str], None]) -> Callable[[], None]:
+    """Call ``listener(name)`` whenever a tensor of the GGUF file ``path`` is dequantised (an
+    export keeping the file's own blocks looks up just the tensors a weight was read from);
+    returns the function that stops it."""
+    key = Path(path).resolve()
+    _READ_LISTENERS.setdefault(key, []).append(listener)
+
+    def stop() -> None:
+        listeners = _READ_LISTENERS.get(key, [])
+        if listener in listeners:
+            listeners.remove(listener)
+        if not listeners:
+            _READ_LISTENERS.pop(key, None)
+
+    return stop
 
 
 def is_gguf_file(path: str | os.PathLike) -> bool:
@@ -134,4 +157,10 @@ class GGUFFile:
         # A copy: F32 tensors come back as read-only views of the memory-mapped file.
         values = np.array(values, dtype=np.float32, order="C").reshape(self.shape(name))
         self.release(name)
+        self.notify(name)
         return values
+
+    def notify(self, name: str) -> None:
+        """Tell the ``on_tensor_read`` listeners of this file that tensor ``name`` was read."""
+        for listener in list(_READ_LISTENERS.get(self.path.resolve(), ())):
+            listener(name)

@@ -1,0 +1,116 @@
+"""How much memory an export will need at its peak, estimated before it starts, and the refusal
+when that is more than the machine has: better a clear message in a second than the kernel's
+out-of-memory killer after minutes.
+
+A streamed export (``tfport.models.lazy``) holds at once: the interpreter with torch, onnx and
+onnxruntime; the largest tensor being read, quantised and written (float32, with the copies a
+quantiser makes); the whole model in float32 only when it is not lazy (a module built in memory)
+or when a step needs it all (``max_loss``); for validation, an ONNX Runtime session of the
+written graphs beside the reference's largest module; for GPTQ, the Hessians of one group of
+layers. The figures are sized from measurements of Llama-shaped exports (docs/scale.md) with a
+margin, not from first principles: an estimate that errs high refuses a little early.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+GiB = 2**30
+BASE_BYTES = int(0.8 * GiB)  # python with torch, onnx, onnxscript and onnxruntime imported
+TENSOR_COPIES = 4  # the largest tensor: read in float32, quantised, its bytes once more on the way out
+SESSION_OVERHEAD = 1.3  # an ONNX Runtime session over its weights' bytes (prepacked products, arena)
+HESSIAN_GROUP_BYTES = int(1.5 * GiB)  # calibration: one group of layers' Hessians (hessians.hessian_groups)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """An export's estimated peak: named parts, in bytes."""
+
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {size / GiB:.1f} GiB" for name, size in self.parts.items())
+
+
+def available_bytes() -> int | None:
+    """Memory this process can still use: MemAvailable, or less under a cgroup limit; None where
+    neither can be read."""
+    available = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            room = int(limit) - used
+            available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def stored_bytes_per_value(scheme, dtype: str) -> float:
+    """Bytes one weight value takes in the export under ``scheme`` (None: the dtype's)."""
+    if scheme is None:
+        return 4.0 if dtype == "float32" else 2.0
+    bits = getattr(scheme, "bits", 8)
+    block = getattr(scheme, "block_size", 32) or 32
+    return bits / 8 + 4 / block + (0 if getattr(scheme, "symmetric", True) else 1 / block)
+
+
+def estimate_export(model: nn.Module, options, scheme, calibrating: bool) -> MemoryEstimate:
+    """The peak of exporting ``model`` with ``options`` (``ExportOptions``), ``scheme`` (the
+    resolved quantisation or None) and GPTQ calibration or not."""
+    from tfport.models.lazy import is_lazy, parameter_names
+
+    params = parameter_names(model)
+    values = sum(p.numel() for p in params.values())
+    largest = max((p.numel() for p in params.values()), default=0)
+    parts = {"libraries": BASE_BYTES,
+             "largest tensor in flight": TENSOR_COPIES * 4 * largest}
+    if not is_lazy(model) or options.max_loss is not None:
+        parts["whole model in float32"] = 4 * values
+    if calibrating or options.max_loss is not None:
+        parts["calibration Hessians"] = HESSIAN_GROUP_BYTES
+    if options.validate:
+        parts["validation session"] = int(SESSION_OVERHEAD * values * stored_bytes_per_value(scheme, options.dtype))
+    return MemoryEstimate(parts)
+
+
+def check_memory(model: nn.Module, options, scheme, calibrating: bool) -> MemoryEstimate:
+    """Refuse (``MemoryError`` with the estimate, what is available and what to change) an export
+    whose estimated peak is more than the memory available; ``TFPORT_MEMORY_CHECK=0`` skips it."""
+    estimate = estimate_export(model, options, scheme, calibrating)
+    available = available_bytes()
+    log.info("export memory estimate: %.1f GiB (%s); available %s", estimate.total / GiB, estimate.describe(),
+             "unknown" if available is None else f"{available / GiB:.1f} GiB")
+    if os.environ.get("TFPORT_MEMORY_CHECK", "1") == "0" or available is None or estimate.total <= available:
+        return estimate
+    advice = []
+    if "validation session" in estimate.parts:
+        advice.append("validate=False (--no-validate) saves the validation session's "
+                      f"{estimate.parts['validation session'] / GiB:.1f} GiB")
+    if "whole model in float32" in estimate.parts:
+        advice.append("export from the checkpoint or GGUF file (streamed) instead of a module in memory, "
+                      "and without max_loss")
+    if "calibration Hessians" in estimate.parts:
+        advice.append("calibration='none' (round-to-nearest) needs no Hessians")
+    advice.append("or free memory / use a larger machine (TFPORT_MEMORY_CHECK=0 skips this check)")
+    raise MemoryError(f"this export needs about {estimate.total / GiB:.1f} GiB at its peak "
+                      f"({estimate.describe()}) and {available / GiB:.1f} GiB is available: "
+                      + "; ".join(advice))
