@@ -21,11 +21,13 @@ _COMMANDS = {
     "classify": "tfport.runtime.classify",
     "parity": "tfport.export.parity.cli",
     "bench": "tfport.export.bench",
+    "bench-scale": "tfport.export.bench.scale",
     "serve": "tfport.runtime.serve.cli",
     "bench-serve": "tfport.runtime.serve.cli",
 }
 _EXTRA_HINT = {
     "tfport.export.cli": "pip install 'tfport[export]'",
+    "tfport.export.bench.scale": "pip install 'tfport[export,cpu]' (or 'tfport[export,gpu]')",
     "tfport.export.parity.cli": "pip install 'tfport[export,cpu]' (or 'tfport[export,gpu]')",
     "tfport.runtime.cli": "pip install 'tfport[gpu]' (or 'tfport[cpu]')",
     "tfport.runtime.classify": "pip install 'tfport[gpu,text]' (or 'tfport[cpu,text]')",
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     # ImportError: an extra that only some paths of a command need (ONNX Runtime to validate an export)
-    except (ValueError, TypeError, OSError, RuntimeError, ImportError) as err:
+    # MemoryError: an export refused up front because its estimated peak does not fit
+    except (ValueError, TypeError, OSError, RuntimeError, ImportError, MemoryError) as err:
         print(f"tfport {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -56,8 +56,9 @@ SHAPES = {shape.name: shape for shape in (
     Shape("llama-3.1-8b", "llama", 4096, 32, 32, 8, 14336, 128256, tied=False),
     Shape("qwen2.5-7b", "qwen2", 3584, 28, 28, 4, 18944, 152064, tied=False, qkv_bias=True,
           rope_theta=1000000.0, context=32768, norm_eps=1e-6),
-    # small enough for the test suite: the same code path at a few hundred MB of float32
-    Shape("test-160m", "llama", 512, 24, 8, 2, 1536, 32000, tied=False),
+    # small enough for the test suite and a quick try of the command
+    Shape("test-tiny", "llama", 128, 2, 4, 2, 256, 4096, tied=True),
+    Shape("test-100m", "llama", 512, 24, 8, 2, 1536, 32000, tied=False),
 )}
 FORMATS = ("Q4_0", "Q8_0", "F16", "bf16-safetensors")
 # ggml block types: bytes per block of 32 values; where the fp16 scale sits; its magnitude

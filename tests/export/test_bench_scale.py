@@ -1,0 +1,55 @@
+"""``tfport bench-scale`` and its random-weight models of real shapes (``scale_models``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("gguf")
+
+from tfport.cli import main  # noqa: E402
+from tfport.export.bench.scale_models import SHAPES, write_gguf, write_safetensors  # noqa: E402
+from tfport.models.gguf import load_gguf  # noqa: E402
+from tfport.models.gguf.reader import GGUFFile  # noqa: E402
+from tfport.models.hf import load_hf_model  # noqa: E402
+from tfport.models.lazy import parameter_names  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "llama-3.1-8b", "qwen2.5-7b"])
+def test_shapes_count_the_parameters_of_the_real_models(name):
+    """Published sizes: Llama-3.2-1B 1.24B, Llama-3.1-8B 8.03B, Qwen2.5-7B 7.62B parameters."""
+    published = {"llama-3.2-1b": 1.236e9, "llama-3.1-8b": 8.030e9, "qwen2.5-7b": 7.616e9}[name]
+    assert SHAPES[name].parameters() == pytest.approx(published, rel=2e-3)
+
+
+def test_written_models_load_with_the_shape_they_say(tmp_path):
+    """The GGUF file and the safetensors directory import as modules whose parameter count is
+    the shape's (lazily: nothing is read)."""
+    shape = SHAPES["test-tiny"]
+    path = write_gguf(shape, "Q8_0", tmp_path / "tiny.gguf")
+    assert GGUFFile(path).tensor_type("blk.0.attn_q.weight") == "Q8_0"
+    for model in (load_gguf(path, lazy=True).model, load_hf_model(write_safetensors(shape, tmp_path / "hf"), lazy=True)):
+        assert sum(p.numel() for p in parameter_names(model).values()) == shape.parameters()
+        assert model.config.n_kv_heads == shape.kv_heads and model.config.tie_embeddings == shape.tied
+
+
+def test_bench_scale_reports_export_and_decode(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    code = main(["bench-scale", "--shapes", "test-tiny", "--formats", "Q4_0", "--work", str(tmp_path / "work"),
+                 "--prompt", "16", "--new-tokens", "3", "--rows", "2", "--repeats", "1", "--no-llama-cpp",
+                 "--json", str(out)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| test-tiny | Q4_0 | tfport |" in table
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["export_seconds"] > 0 and row["export_peak"] > row["weight_bytes"] > 0
+    run = row["engines"]["tfport"]
+    assert run["decode1"] > 0 and run["decoden"] > 0 and run["peak"] >= run["loaded"] > 0
+    assert (tmp_path / "work" / "test-tiny.Q4_0.gguf.export" / "manifest.json").is_file()
+
+
+def test_bench_scale_refuses_unknown_shapes(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench-scale", "--shapes", "llama-9000b"])
+    assert "expected shape names from" in capsys.readouterr().err
