@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
+DEQUANTIZE_ROWS = 4096  # rows dequantised at a time (a large token table in chunks)
+
+
 @dataclass
 class BlockQuantized:
     """A matrix [N, K] in blocks along K: ``codes`` uint8 [N, K] (one code per byte, 0..2^bits-1),
@@ -60,11 +63,25 @@ class BlockQuantized:
             return self.zero_points
         return np.full(self.scales.shape, 1 << (self.bits - 1), dtype=np.uint8)
 
+    def rows(self, start: int, stop: int) -> "BlockQuantized":
+        """Rows ``start:stop`` (views of the codes, scales, zero points and offsets)."""
+        def part(values):
+            return None if values is None else values[start:stop]
+
+        return BlockQuantized(self.codes[start:stop], self.scales[start:stop], part(self.zero_points), self.bits,
+                              self.block_size, part(self.offsets))
+
     def dequantize(self) -> np.ndarray:
         """[N, K] in the scales' dtype: (code - zero point) * scale (+ offset), as the graph
-        computes it (one rounding, in the scales' dtype)."""
-        dtype = self.scales.dtype
+        computes it (one rounding, in the scales' dtype); computed in chunks of rows, so a large
+        table needs little more than its result."""
         n, k = self.shape
+        if n > DEQUANTIZE_ROWS:
+            out = np.empty((n, k), dtype=self.scales.dtype)
+            for start in range(0, n, DEQUANTIZE_ROWS):
+                out[start:start + DEQUANTIZE_ROWS] = self.rows(start, start + DEQUANTIZE_ROWS).dequantize()
+            return out
+        dtype = self.scales.dtype
         if k == self.n_blocks * self.block_size:  # whole blocks: broadcast per block, no spread copies
             blocks = (n, self.n_blocks, self.block_size)
             centred = self.codes.reshape(blocks).astype(np.int16) - self.zero_point_values()[..., None].astype(np.int16)

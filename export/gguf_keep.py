@@ -55,7 +55,7 @@ import numpy as np
 
 from .blocks import BlockQuantized, RowParts
 from .quantize import QuantScheme
-from .row_index import RowIndex
+from .row_index import RowIndex, row_keys
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # ggml type -> bytes per block of 32
 SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # K-quant type -> bytes per 256 values
 KEPT_TYPES = (*BLOCK_BYTES, *SUPER_BYTES)
+KEY_ROWS = 4096  # rows whose values are computed at a time to index them
 KEPT_BLOCK_SIZES = {"Q6_K": 16}  # the export's block size where it is not 32
 
 
@@ -241,7 +242,10 @@ class KeptQuantization:
         rows = int(np.prod(self.file.shape(name)[:-1]))
         blocks = decode_blocks(self.kinds[name], self.file.blocks(name).reshape(rows, -1))
         self.file.release(name)
-        self.index.add(gguf_values(blocks), blocks)
+        keys = []  # in chunks of rows: a large table's float values are never all held
+        for start in range(0, rows, KEY_ROWS):
+            keys += row_keys(gguf_values(blocks.rows(start, start + KEY_ROWS)))
+        self.index.add_keys(keys, blocks)
         self._indexed.add(name)
 
     def _index_whole_file(self) -> None:
