@@ -111,7 +111,10 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
             from .parity import validate_export
 
             reference = model if scheme is None else fake_quantize(model, scheme, options.dtype)
-            with streamed(reference):  # a lazy module runs one module's weights at a time
+            # a lazy module runs one module's weights at a time, each read again per forward
+            with (tqdm(desc="validate: reference modules read", unit="module",
+                       disable=not (is_lazy(reference) and _show_progress(options, config))) as bar,
+                  streamed(reference, bar.update)):
                 validate_export(reference, tmp)
     log.info("exported %s model to %s (%s, opset %d)", config.family, plan.out_dir, options.dtype, plan.opset)
     return manifest
@@ -140,10 +143,7 @@ def _write_graphs(model: nn.Module, plan: ExportPlan, scheme, manifest: Manifest
     config, specs = model.config, plan.specs
     n_layers = config.n_encoder_layers * ("encoder" in specs) + config.n_decoder_layers * ("decoder" in specs) \
         + (config.n_encoder_layers + config.n_decoder_layers) * ("classifier" in specs)
-    show_progress = plan.options.show_progress
-    if show_progress is None:
-        show_progress = n_layers * config.d_model * config.d_model > 64 * 2**20
-    with tqdm(total=n_layers, desc="export", unit="layer", disable=not show_progress) as progress:
+    with tqdm(total=n_layers, desc="export", unit="layer", disable=not _show_progress(plan.options, config)) as progress:
         for name, spec in specs.items():
             data_file = directory / (spec.file + EXTERNAL_SUFFIX)
             builder = BUILDERS[name](model, spec, plan.options.dtype, plan.target, progress, scheme,
@@ -152,6 +152,13 @@ def _write_graphs(model: nn.Module, plan: ExportPlan, scheme, manifest: Manifest
             external = _save_graph(proto, builder.initializers, directory / spec.file,
                                    plan.options.external_data_threshold)
             log.info("wrote %s%s", spec.file, " with external data" if external else "")
+
+
+def _show_progress(options: ExportOptions, config: ModelConfig) -> bool:
+    """Whether to show progress bars: as the options say, else for large models."""
+    if options.show_progress is not None:
+        return options.show_progress
+    return (config.n_encoder_layers + config.n_decoder_layers) * config.d_model ** 2 > 64 * 2**20
 
 
 def _write_files(config: ModelConfig, options: ExportOptions, directory: Path) -> None:

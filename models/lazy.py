@@ -155,11 +155,12 @@ def weight_bytes(model: nn.Module, bytes_per_value: int = 4) -> int:
 
 
 @contextlib.contextmanager
-def streamed(model: nn.Module) -> Iterator[nn.Module]:
+def streamed(model: nn.Module, progress: Callable[[int], object] | None = None) -> Iterator[nn.Module]:
     """Inside, ``model``'s forward runs with each module's own lazy parameters read when that
     module runs and freed when it returns: a forward of a model larger than memory holds one
-    module's weights at a time (and reads every weight once per forward). A no-op for a module
-    without lazy parameters."""
+    module's weights at a time (and reads every weight once per forward). ``progress(1)`` is
+    called for each module read (a progress bar's ``update``). A no-op for a module without lazy
+    parameters."""
     handles = []
     active: dict[int, contextlib.ExitStack] = {}
 
@@ -167,6 +168,8 @@ def streamed(model: nn.Module) -> Iterator[nn.Module]:
         stack = contextlib.ExitStack()
         stack.enter_context(_own_parameters(module))
         active[id(module)] = stack
+        if progress is not None:
+            progress(1)
 
     def leave(module: nn.Module, args, output) -> None:
         stack = active.pop(id(module), None)
