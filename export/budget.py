@@ -10,8 +10,12 @@ would be (GPTQ on the calibration text's Hessians, collected once when they fit
 ``calibrate.HESSIAN_BUDGET``, else per layout in groups; round-to-nearest with ``calibration=None``)
 and its loss measured on the module holding the dequantised weights:
 
-- a decoder: perplexity increase over float32 on the loss text (the calibration text unless
-  ``loss_text`` names another file), in sequences of up to 512 tokens;
+- a decoder: on the loss text (the calibration text unless ``loss_text`` names another file),
+  in sequences of up to 512 tokens, the perplexity increase over float32 (the default,
+  ``--max-loss 10%``), the mean KL divergence of the next-token distributions from float32's
+  (``--max-loss kl=0.05``, nats) or the share of positions whose top token is not float32's
+  (``--max-loss top1=10%``), as ``parity/accuracy.py`` measures an export; all three are
+  recorded for every layout measured, whichever the budget is in;
 - an encoder: 1 - the minimum cosine between the quantised and float32 mean-pooled states of the
   loss text's sentences.
 
@@ -52,15 +56,57 @@ SENSITIVITY_TOKENS = 1024  # of the loss text, to rank layers for promotion (the
 SPEED_STEPS, SPEED_REPEATS = 16, 3
 
 
-def parse_loss(text: str | float) -> float:
-    """"10%" or 0.1 -> 0.1; raises ``ValueError`` naming ``max_loss`` unless positive and finite."""
+METRICS = {  # --max-loss NAME=VALUE: what the loss measures (budget.metric in the manifest)
+    "perplexity": "perplexity increase",
+    "kl": "mean KL divergence",
+    "top1": "1 - top-1 agreement",
+    "cosine": "1 - minimum cosine",
+}
+DEFAULT_METRIC = {"decoder": "perplexity", "encoder": "cosine"}  # a bare "10%" or 0.1
+
+
+@dataclass(frozen=True)
+class LossBudget:
+    """``--max-loss``: at most ``value`` of ``metric`` (a key of ``METRICS``; None: the model
+    family's ``DEFAULT_METRIC``)."""
+
+    value: float
+    metric: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.value:g}" if self.metric is None else f"{self.metric}={self.value:g}"
+
+    def metric_for(self, family: str) -> str:
+        """The metric measured on a model of ``family``; ``ValueError`` naming ``max_loss`` when
+        that family has no such measure (an encoder has no next-token distribution)."""
+        metric = self.metric or DEFAULT_METRIC[family]
+        allowed = ("cosine",) if family == "encoder" else ("perplexity", "kl", "top1")
+        if metric not in allowed:
+            raise ValueError(f"max_loss={self}: an {family} model's loss is one of "
+                             f"{', '.join(allowed)}")
+        return metric
+
+
+def parse_loss(text: str | float | LossBudget) -> LossBudget:
+    """"10%" or 0.1 (the model's default metric), or "kl=0.05" / "top1=5%" / "perplexity=10%" /
+    "cosine=0.02" -> a ``LossBudget``; raises ``ValueError`` naming ``max_loss`` unless the
+    metric is known and the value positive and finite."""
+    if isinstance(text, LossBudget):
+        return text
+    metric, value = None, text
+    if isinstance(text, str) and "=" in text:
+        metric, value = (part.strip() for part in text.split("=", 1))
+        if metric not in METRICS:
+            raise ValueError(f"max_loss={text!r}: expected a metric of {', '.join(METRICS)} before '=', "
+                             "e.g. kl=0.05 or top1=5%")
     try:
-        value = float(text[:-1]) / 100 if isinstance(text, str) and text.endswith("%") else float(text)
+        number = float(value[:-1]) / 100 if isinstance(value, str) and value.endswith("%") else float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"max_loss={text!r}: expected a fraction or a percentage, e.g. 0.1 or 10%") from None
-    if not value > 0 or value == float("inf"):
+        raise ValueError(f"max_loss={text!r}: expected a fraction or a percentage, e.g. 0.1 or 10% "
+                         "(or kl=0.05, top1=5%)") from None
+    if not number > 0 or number == float("inf"):
         raise ValueError(f"max_loss={text!r}: expected a positive, finite loss")
-    return value
+    return LossBudget(number, metric)
 
 
 @dataclass
@@ -70,8 +116,9 @@ class Candidate:
     block_size: int
     head_bits: int | None
     per_s: float = 0.0  # decode tokens/s (encoders: sentences/s)
-    loss: float | None = None
+    loss: float | None = None  # in the budget's metric
     promoted: tuple[str, ...] = ()  # layers whose matrices are at PROMOTED_BITS
+    measures: dict[str, float] = dataclasses.field(default_factory=dict)  # every metric measured
 
     @property
     def name(self) -> str:
@@ -81,7 +128,8 @@ class Candidate:
 
     def to_dict(self) -> dict:
         out = {"block_size": self.block_size, "head_bits": self.head_bits, "per_s": round(self.per_s, 2),
-               "loss": None if self.loss is None else float(f"{self.loss:.4g}")}
+               "loss": None if self.loss is None else float(f"{self.loss:.4g}"),
+               **{name: float(f"{value:.4g}") for name, value in self.measures.items()}}
         return {**out, "promoted": list(self.promoted)} if self.promoted else out
 
 
@@ -92,21 +140,26 @@ def candidates(scheme: QuantScheme, block_size: int | None, head_bits: int | Non
     return [Candidate(b, h) for h in heads for b in blocks]
 
 
-def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokenizer,
+def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float | LossBudget, tokenizer,
                   calibration: Calibration | None, loss_text: str | None, block_size: int | None,
                   head_bits: int | None, target, scale_dtype: str = "float32",
                   threads: int | None = None, head_block_size: int | None = None) -> PrecomputedQuantization:
     """The fastest layout of ``scheme``'s format (its symmetry) whose loss is at most
-    ``max_loss`` (module doc), quantised (GPTQ on ``calibration``, or round-to-nearest when None,
+    ``max_loss`` (a ``LossBudget``, or a float in the family's default metric; module doc),
+    quantised (GPTQ on ``calibration``, or round-to-nearest when None,
     ``threads`` matrices at once: ``calibrate``), with the budget recorded. ``block_size`` /
     ``head_bits`` fix those fields when not None; the head and token table are in blocks of
     ``head_block_size`` (None: ``calibrate.head_block``)."""
+    budget = parse_loss(max_loss)
     if model.config.family not in ("decoder", "encoder"):
-        raise ValueError(f"max_loss={max_loss!r}: measures decoder perplexity or encoder cosine; this is "
-                         f"an {model.config.family} model (quantise it with a fixed layout)")
+        raise ValueError(f"max_loss={budget}: measures a decoder's next tokens or an encoder's cosine; "
+                         f"this is an {model.config.family} model (quantise it with a fixed layout)")
     if tokenizer is None:
-        raise ValueError(f"max_loss={max_loss!r}: measuring the loss reads a text, which needs the "
+        raise ValueError(f"max_loss={budget}: measuring the loss reads a text, which needs the "
                          "model's tokenizer (tokenizer=PATH; tfport export --tokenizer)")
+    family, metric = model.config.family, budget.metric_for(model.config.family)
+    show = (lambda v: f"{v:.4f} nats") if metric == "kl" else (lambda v: f"{v:.3%}")  # noqa: E731
+    max_loss = budget.value
     from tokenizers import Tokenizer
 
     text_tokenizer = Tokenizer.from_file(str(tokenizer))
@@ -126,6 +179,10 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
         log.info("max_loss: %s decodes %.1f/s", layout.name, layout.per_s)
     reference = _outputs(model, loss_sequences)
 
+    def measure(module: nn.Module, count: int = len(loss_sequences)) -> dict[str, float]:
+        """Every metric of ``module`` on the first ``count`` loss sequences."""
+        return _measures(family, reference[:count], _outputs(module, loss_sequences[:count], reference[:count]))
+
     def quantize(layout: Candidate, bits: int | None = None) -> PrecomputedQuantization:
         layout_scheme = QuantScheme(bits or scheme.bits, layout.block_size, scheme.symmetric, scheme.embeddings)
         return calibrate(model, layout_scheme, sequences, scale_dtype, layout.head_bits,
@@ -133,9 +190,9 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
 
     def quantize_and_measure(layout: Candidate) -> PrecomputedQuantization:
         quantization = quantize(layout)
-        layout.loss = _loss(model.config.family, reference,
-                            _outputs(fake_quantize(model, quantization, scale_dtype), loss_sequences))
-        log.info("max_loss: %s loses %.3f%%", layout.name, 100 * layout.loss)
+        layout.measures = measure(fake_quantize(model, quantization, scale_dtype))
+        layout.loss = layout.measures[metric]
+        log.info("max_loss: %s loses %s", layout.name, _describe(layout.measures))
         return quantization
 
     highs: dict[int, PrecomputedQuantization] = {}  # block size -> every matrix at PROMOTED_BITS
@@ -149,14 +206,18 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
         high = highs[layout.block_size]
         swaps = LayerSwaps(fake_quantize(model, base, scale_dtype), quantized_weights(model, high, scale_dtype))
 
+        measures: dict[frozenset, dict[str, float]] = {}  # promoted layers -> every metric, whole text
+
         def loss_of(layers: tuple[str, ...], count: int = len(loss_sequences)) -> float:
             """The loss with ``layers`` promoted, on the first ``count`` loss sequences."""
             with swaps(layers) as module:
-                loss = _loss(model.config.family, reference[:count], _outputs(module, loss_sequences[:count]))
-            log.info("max_loss: %s with %s int%d loses %.3f%%%s", layout.name,
-                     layers[0] if len(layers) == 1 else f"{len(layers)} layers", PROMOTED_BITS, 100 * loss,
-                     "" if count == len(loss_sequences) else f" (first {count} sequences)")
-            return loss
+                measured = measure(module, count)
+            if count == len(loss_sequences):
+                measures[frozenset(layers)] = measured
+            log.info("max_loss: %s with %s int%d loses %s%s", layout.name,
+                     layers[0] if len(layers) == 1 else f"{len(layers)} layers", PROMOTED_BITS,
+                     _describe(measured), "" if count == len(loss_sequences) else f" (first {count} sequences)")
+            return measured[metric]
 
         lengths = np.cumsum([len(ids) for ids in loss_sequences])  # rank layers on a shorter text
         ranked = max(1, int(np.searchsorted(lengths, SENSITIVITY_TOKENS, side="right")))
@@ -165,33 +226,35 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float, tokeni
             everything[layout.name] = loss
             return None
         mixed = mix(base, high, layers)
-        candidate = dataclasses.replace(layout, promoted=layers, loss=loss)
+        candidate = dataclasses.replace(layout, promoted=layers, loss=loss,
+                                        measures=measures[frozenset(layers)])
         candidate.per_s = _speed(model, mixed, None, target)
         log.info("max_loss: %s decodes %.1f/s", candidate.name, candidate.per_s)
         return candidate, mixed
 
     try:
         chosen_layout, chosen = pick(layouts, quantize_and_measure, max_loss, scheme.name,
-                                     promote if scheme.bits < PROMOTED_BITS else None)
+                                     promote if scheme.bits < PROMOTED_BITS else None, show)
     except ValueError as err:
         if not everything:
             raise
         raise ValueError(f"{err}; with every layer int{PROMOTED_BITS}: "
-                         + "; ".join(f"{name}: {loss:.3%}" for name, loss in everything.items())) from None
+                         + "; ".join(f"{name}: {show(loss)}" for name, loss in everything.items())) from None
     chosen.record["budget"] = {"max_loss": max_loss, "loss": float(f"{chosen_layout.loss:.4g}"),
-                               "metric": "perplexity increase" if model.config.family == "decoder"
-                               else "1 - minimum cosine", "text": loss_source.to_dict()["text"],
+                               "metric": METRICS[metric], "text": loss_source.to_dict()["text"],
                                "candidates": [c.to_dict() for c in layouts]}
     chosen.record["sha256"] = fingerprint(chosen.index)
     return chosen
 
 
 def pick(layouts: list[Candidate], quantize: Callable[[Candidate], Any], max_loss: float, name: str,
-         promote: Callable[[Candidate, Any], tuple[Candidate, Any] | None] | None = None) -> tuple:
+         promote: Callable[[Candidate, Any], tuple[Candidate, Any] | None] | None = None,
+         show: Callable[[float], str] = lambda loss: f"{loss:.3%}") -> tuple:
     """(layout, its quantisation): fastest first, ``quantize(layout)`` sets ``layout.loss``; the
     first within ``max_loss`` wins, unless a faster layout over the budget, ``promote``d (its
     sensitive layers at more bits: a new, timed candidate appended to ``layouts``), is within it
-    and faster still. Raises ``ValueError`` listing every measured loss if none is."""
+    and faster still. Raises ``ValueError`` listing every measured loss (``show`` writes one) if
+    none is."""
     best = None  # (candidate, quantisation): the fastest within the budget so far
     for layout in sorted(layouts, key=lambda c: -c.per_s):
         if best is not None and best[0].per_s >= layout.per_s:
@@ -206,8 +269,8 @@ def pick(layouts: list[Candidate], quantize: Callable[[Candidate], Any], max_los
                 best = mixed
     if best is not None:
         return best
-    raise ValueError(f"max_loss={max_loss:.3%}: no {name} layout stays within it on this model; measured: "
-                     + "; ".join(f"{c.name}: {c.loss:.3%}" for c in layouts))
+    raise ValueError(f"max_loss={show(max_loss)}: no {name} layout stays within it on this model; measured: "
+                     + "; ".join(f"{c.name}: {show(c.loss)}" for c in layouts))
 
 
 def mix(base: PrecomputedQuantization, high: PrecomputedQuantization,
@@ -293,30 +356,52 @@ def promote_layers(layers: tuple[str, ...], loss_of: Callable[[tuple[str, ...]],
 
 
 @torch.no_grad()
-def _outputs(model: nn.Module, sequences: list[np.ndarray]) -> list[torch.Tensor]:
-    """Per sequence: a decoder's log-probabilities of each next token [S - 1], an encoder's
-    mean-pooled last states [E]."""
+def _outputs(model: nn.Module, sequences: list[np.ndarray], reference: list | None = None) -> list:
+    """Per sequence, a decoder's ``(next-token log-probabilities [S - 1] in float64, every
+    position's log-probabilities [S - 1, V] in float16, their argmax [S - 1])``, or with
+    ``reference`` (the float module's ``_outputs`` of the same sequences) ``(those
+    log-probabilities, KL(reference || model) per position, whether the argmax is the
+    reference's)``, so that only the reference's distributions are kept (float16: about 1e-3 nats
+    of KL; SmolLM2's 3,184 calibration tokens x 49,152: 313 MB); an encoder's mean-pooled last
+    states [E]."""
     model = model.eval()
     out = []
-    for ids in sequences:
+    for i, ids in enumerate(sequences):
         x = torch.from_numpy(ids)[None]
         mask = torch.ones_like(x)
-        if model.config.family == "decoder":
-            logits, _ = model(x, mask)
-            logp = torch.log_softmax(logits[0, :-1].double(), dim=-1)
-            out.append(logp.gather(1, x[0, 1:, None])[:, 0])
-        else:
+        if model.config.family != "decoder":
             out.append(model(x, mask).last_hidden_state[0].double().mean(0))
+            continue
+        logits, _ = model(x, mask)
+        logp = torch.log_softmax(logits[0, :-1].double(), dim=-1)  # [S - 1, V]
+        picked = logp.gather(1, x[0, 1:, None])[:, 0]
+        if reference is None:
+            out.append((picked, logp.half(), logp.argmax(-1)))
+            continue
+        ref_logp, ref_top = reference[i][1].double(), reference[i][2]
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+        out.append((picked, kl, logp.argmax(-1) == ref_top))
     return out
 
 
-def _loss(family: str, reference: list[torch.Tensor], quantized: list[torch.Tensor]) -> float:
-    """Perplexity increase (decoders) or 1 - minimum cosine (encoders)."""
+def _measures(family: str, reference: list, quantized: list) -> dict[str, float]:
+    """A decoder's perplexity increase, mean KL divergence and 1 - top-1 agreement; an
+    encoder's 1 - minimum cosine (keys of ``METRICS``)."""
     if family == "decoder":
-        nll = lambda parts: -torch.cat(parts).mean().item()  # noqa: E731
-        return float(np.exp(nll(quantized) - nll(reference)) - 1)
+        nll = lambda parts: -torch.cat([p[0] for p in parts]).mean().item()  # noqa: E731
+        return {"perplexity": float(np.exp(nll(quantized) - nll(reference)) - 1),
+                "kl": torch.cat([q[1] for q in quantized]).mean().item(),
+                "top1": 1.0 - torch.cat([q[2] for q in quantized]).double().mean().item()}
     cosines = [torch.nn.functional.cosine_similarity(a, b, dim=0).item() for a, b in zip(reference, quantized)]
-    return 1.0 - min(cosines)
+    return {"cosine": 1.0 - min(cosines)}
+
+
+def _describe(measures: dict[str, float]) -> str:
+    """The measures for the log: "perplexity +8.1%, KL 0.0612, top-1 84.2%"."""
+    if "cosine" in measures:
+        return f"1 - cosine {measures['cosine']:.4f}"
+    return (f"perplexity {measures['perplexity']:+.2%}, KL {measures['kl']:.4f}, "
+            f"top-1 {1 - measures['top1']:.1%}")
 
 
 def _speed(model: nn.Module, scheme: QuantScheme | PrecomputedQuantization, head_bits: int | None,

@@ -63,8 +63,9 @@ def describe_quantization(quantization: dict) -> str:
     text = f"{quantization['format']} in blocks of {quantization['block_size']}, {symmetric} ({method}{head})"
     budget = quantization.get("budget")
     if budget:
-        text += f", the fastest of {len(budget['candidates'])} layouts within --max-loss {budget['max_loss']:.1%} " \
-                f"({budget['metric']} {budget['loss']:.1%})"
+        show = (lambda v: f"{v:.4f}") if budget["metric"] == "mean KL divergence" else (lambda v: f"{v:.1%}")
+        text += f", the fastest of {len(budget['candidates'])} layouts within --max-loss {show(budget['max_loss'])} " \
+                f"({budget['metric']} {show(budget['loss'])})"
     return text
 
 
@@ -122,7 +123,9 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-loss", metavar="LOSS",
                    help="choose the fastest --quantize layout (block size, head at 8 bits, int4 with "
                         "its most sensitive layers at int8) whose loss stays within LOSS (e.g. 10%%: "
-                        "perplexity increase of a decoder, 1 - minimum cosine of an encoder), "
+                        "perplexity increase of a decoder, 1 - minimum cosine of an encoder; kl=0.05: "
+                        "a decoder's mean KL divergence from float32 in nats; top1=10%%: its positions "
+                        "whose top token is not float32's), "
                         "measuring each candidate's speed and loss here; --block-size / --head-bits "
                         "fix those fields")
     p.add_argument("--loss-text", metavar="FILE",

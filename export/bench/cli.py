@@ -53,7 +53,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
         return run_embed_cli(args)
     settings = settings_from_args(args)
-    if args.pareto or args.layouts or args.text:
+    if args.pareto or args.layouts or args.text or args.metric:
         return _run_pareto(args, settings)
     if args.speculative or args.export:
         return _run_speculative(args, settings)
@@ -95,7 +95,8 @@ def _run_compare(args: argparse.Namespace, settings) -> int:
 
 
 def _run_pareto(args: argparse.Namespace, settings) -> int:
-    """``--pareto``: tokens/s against perplexity for tfport's layouts and the peers."""
+    """``--pareto``: tokens/s against accuracy (KL, top-1, answers, perplexity) for tfport's layouts
+    and the peers."""
     import json
 
     from tfport.files import write_text_atomic
@@ -103,13 +104,13 @@ def _run_pareto(args: argparse.Namespace, settings) -> int:
     from .pareto import DEFAULT_LAYOUTS, format_pareto, run_pareto, write_svg
 
     if not args.pareto:
-        raise ValueError("--layouts and --text apply with --pareto")
+        raise ValueError("--layouts, --text and --metric apply with --pareto")
     if not args.source:
         raise ValueError("--pareto needs --source (a model with a tokenizer: HF directory or .gguf)")
     settings = dataclasses.replace(settings, batches=(1,), contexts=args.contexts or (16,),
                                    new_tokens=args.new_tokens or 64, targets=args.targets or ("ort",))
     result = run_pareto(settings, args.source, args.layouts or DEFAULT_LAYOUTS, tuple(args.genai or ()),
-                        tuple(args.llama_cpp or ()), args.text)
+                        tuple(args.llama_cpp or ()), args.text, metric=args.metric or "kl")
     print(format_pareto(result))
     if args.plot:
         print(f"wrote {write_svg(result, args.plot)}")
@@ -209,14 +210,20 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     pareto = p.add_argument_group(
         "accuracy vs speed (--pareto --source SRC; --genai / --llama-cpp add the peers' points)")
     pareto.add_argument("--pareto", action="store_true",
-                        help="decode tokens/s and held-out perplexity for tfport's quantised layouts "
-                             "and the peers' files of the same weights, one run; --plot writes an SVG")
+                        help="decode tokens/s against accuracy for tfport's quantised layouts and the "
+                             "peers' files of the same weights, one run: held-out perplexity, KL divergence "
+                             "from float32 and top-token agreement, chat answers equal to float32's; "
+                             "--plot writes an SVG")
     pareto.add_argument("--layouts", type=_name_list,
                         help="tfport layouts: default, int8, w8a8, {rtn|gptq}{block}-{sym|zp}[-h8][-hb{block}] "
                              "(default default,gptq128-sym-h8,gptq32-sym,gptq64-sym,rtn128-sym,int8)")
-    pareto.add_argument("--text", help="held-out text for the perplexity (default export/data/perplexity.txt)")
+    pareto.add_argument("--text", help="held-out text for perplexity, KL and top-1 (default "
+                                       "export/data/perplexity.txt)")
+    pareto.add_argument("--metric", choices=("kl", "perplexity", "top1"),
+                        help="the accuracy the front, the peer matches and --plot's axis use (default kl: "
+                             "mean KL divergence from float32)")
     p.add_argument("--plot", help="plot step time vs context here (needs matplotlib); with --pareto, "
-                                  "an SVG of tokens/s against perplexity increase")
+                                  "an SVG of tokens/s against --metric")
     p.set_defaults(func=run_bench)
 
 

@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tfport.contract import TOKENIZER_FILE
+from tfport.contract import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 from tfport.files import write_text_atomic
 from tfport.manifest import Manifest
 
@@ -46,16 +46,17 @@ def reference_scheme(quantization: dict, against: str, model=None, tokenizer=Non
 
 
 def print_accuracy(model_dir, model, tokenizer) -> None:
-    """The quantised export as shipped against the unquantised module: perplexity on the fixed
-    text (needs logits='all' and a tokenizer) and greedy agreement on a few prompts."""
+    """The quantised export as shipped against the unquantised module: on the fixed text (needs
+    logits='all' and a tokenizer) perplexity, the KL divergence from the module's next-token
+    distributions and top-token agreement; greedy agreement on a few prompts; and, with a chat
+    template, the share of the chat questions answered as the module answers them."""
     import numpy as np
     import torch
 
     from tfport.models.generate import generate
     from tfport.runtime import load_model
 
-    from .accuracy import HEADER, PERPLEXITY_TEXT, AccuracyRow, export_logits, first_divergence, \
-        perplexity, reference_logits
+    from . import accuracy
 
     runtime = load_model(model_dir)
     if tokenizer is None or runtime.config.family != "decoder":
@@ -64,22 +65,34 @@ def print_accuracy(model_dir, model, tokenizer) -> None:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer))
-    ids = np.array(tok.encode(PERPLEXITY_TEXT.read_text()).ids, dtype=np.int64)[:runtime.config.max_positions]
-    reference = perplexity(reference_logits(model, ids), ids)
+    ids = np.array(tok.encode(accuracy.PERPLEXITY_TEXT.read_text()).ids, dtype=np.int64)[:runtime.config.max_positions]
+    reference_logits = accuracy.reference_logits(model, ids)
+    reference = accuracy.perplexity(reference_logits, ids)
     try:
-        quantized = perplexity(export_logits(model_dir, ids), ids)
+        logits = accuracy.export_logits(model_dir, ids)
+        quantized, divergence = accuracy.perplexity(logits, ids), accuracy.divergence(reference_logits, logits)
     except ValueError as err:  # logits='last'
         print(f"accuracy: {err}")
-        quantized = float("nan")
+        quantized, divergence = float("nan"), None
     prompts = [tok.encode(t).ids for t in ACCURACY_PROMPTS]
     expected = np.stack([generate(model, torch.tensor([p]), max_new_tokens=32)[0].numpy() for p in prompts])
     # greedy, unpenalised and unforced whatever the export's generation_config.json says, as the reference
     got = runtime.generate(prompts, max_new_tokens=32, stop_token_ids=(), temperature=0.0,
                            repetition_penalty=1.0, forced_bos_token_id=(), forced_eos_token_id=())
-    print(HEADER)
-    print(AccuracyRow("unquantised (PyTorch)", reference, 1.0, None).describe())
-    print(AccuracyRow(f"export ({model_dir})"[:28], quantized, quantized / reference,
-                      first_divergence(expected, got)).describe())
+    answers = None
+    if (Path(model_dir) / (runtime.manifest.chat_template or CHAT_TEMPLATE_FILE)).is_file():
+        fmt = accuracy.export_chat_format(model_dir)
+        chat = accuracy.chat_prompts(fmt)
+        answers = accuracy.answer_agreement(accuracy.reference_answers(model, chat, fmt.stop_ids),
+                                            accuracy.export_answers(model_dir, chat, fmt.stop_ids))
+    print(accuracy.HEADER)
+    print(accuracy.AccuracyRow("unquantised (PyTorch)", reference, 1.0, None).describe())
+    print(accuracy.AccuracyRow(f"export ({model_dir})"[:28], quantized, quantized / reference,
+                               accuracy.first_divergence(expected, got), divergence, answers).describe())
+    print(f"KL: mean KL divergence (nats) of the next-token distributions from the module's; top-1: positions "
+          f"with its top token ({len(ids)} tokens of {accuracy.PERPLEXITY_TEXT.name}); answers: of "
+          f"{len(accuracy.CHAT_QUESTIONS)} chat questions, greedy answers equal to its own"
+          + ("" if answers is not None else " (no chat template: not measured)"))
     print()
 
 

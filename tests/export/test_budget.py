@@ -20,7 +20,7 @@ from tests.matrix import matrix_config
 from tfport.manifest import Manifest
 from tfport.export import ExportOptions, export_model
 from tfport.export import hessians as activations
-from tfport.export.budget import Candidate, parse_loss, pick
+from tfport.export.budget import Candidate, LossBudget, parse_loss, pick
 from tfport.export.calibrate import recorded_scheme
 from tfport.export.parity.accuracy import export_logits, perplexity, reference_logits
 from tfport.export.quantize import fake_quantize
@@ -136,6 +136,41 @@ def test_max_loss_records_what_the_export_loses(decoder, tmp_path, monkeypatch, 
     assert increase(lambda w: export_logits(tmp_path / "q", w)) == pytest.approx(budget["loss"], abs=0.02)
 
 
+def test_max_loss_in_kl_records_every_metric(decoder, tmp_path):
+    """A budget in KL divergence: every measured layout records the perplexity increase, the mean
+    KL divergence and 1 - top-1 agreement, and the chosen layout's are those of the module with
+    its recorded codes, computed here with torch's own KL (``F.kl_div``) on the loss text in the
+    windows the budget reads."""
+    from tokenizers import Tokenizer
+
+    model, tokenizer = decoder
+    loss_text = tmp_path / "loss.txt"
+    loss_text.write_text(Tokenizer.from_file(str(tokenizer)).decode(loss_ids(tokenizer, 512).tolist()))
+    manifest = export_model(model, tmp_path / "q", ExportOptions(
+        quantize="int4", tokenizer=tokenizer, max_loss="kl=1e9", loss_text=loss_text, calibration="none",
+        validate=False))
+    quantization = manifest.quantization
+    budget = quantization["budget"]
+    assert budget["metric"] == "mean KL divergence" and budget["max_loss"] == 1e9
+    chosen = next(c for c in budget["candidates"] if c["loss"] is not None)
+    assert set(chosen) >= {"perplexity", "kl", "top1"} and chosen["loss"] == chosen["kl"]
+    ids = np.array(Tokenizer.from_file(str(tokenizer)).encode(loss_text.read_text()).ids, dtype=np.int64)
+    windows = [ids[i:i + 256] for i in range(0, len(ids), 256)]
+    recomputed = fake_quantize(model, recorded_scheme(quantization, model, tokenizer, "float32"))
+    kl, same, positions = 0.0, 0, 0
+    with torch.no_grad():
+        for w in windows:
+            x = torch.from_numpy(w)[None]
+            p = torch.log_softmax(model(x, torch.ones_like(x))[0][0, :-1].double(), -1)
+            q = torch.log_softmax(recomputed(x, torch.ones_like(x))[0][0, :-1].double(), -1)
+            kl += torch.nn.functional.kl_div(q, p, log_target=True, reduction="sum").item()
+            same += int((p.argmax(-1) == q.argmax(-1)).sum())
+            positions += len(w) - 1
+    assert kl / positions == pytest.approx(chosen["kl"], rel=5e-3)  # float16 reference log-probabilities
+    assert 1 - same / positions == pytest.approx(chosen["top1"], rel=1e-3)  # recorded to 4 digits
+    assert chosen["kl"] > 0 and chosen["top1"] > 0  # int4 of this model moves something
+
+
 def test_max_loss_for_an_encoder_measures_the_cosine(tmp_path):
     """1 - the minimum cosine of mean-pooled states; a budget nothing meets names every layout."""
     config = matrix_config("encoder", "learned", "mha").replace(d_model=64)
@@ -175,7 +210,17 @@ def test_refusals_name_the_option(decoder, tmp_path, capsys):
     for text in ("ten", "0", "inf", "-5%"):
         with pytest.raises(ValueError, match=f"max_loss={text!r}: expected"):
             parse_loss(text)
-    assert parse_loss("10%") == pytest.approx(0.1) and parse_loss("0.25") == 0.25
+    assert parse_loss("10%") == LossBudget(pytest.approx(0.1)) and parse_loss("0.25") == LossBudget(0.25)
+    assert parse_loss("kl=0.05") == LossBudget(0.05, "kl") and parse_loss("top1=5%") == LossBudget(0.05, "top1")
+    assert parse_loss(" perplexity = 10% ") == LossBudget(pytest.approx(0.1), "perplexity")
+    for text in ("kld=0.1", "kl=", "top1=-1%"):
+        with pytest.raises(ValueError, match=f"max_loss={text!r}: expected"):
+            parse_loss(text)
+    with pytest.raises(ValueError, match="max_loss=kl=0.05: an encoder model's loss is one of cosine"):
+        LossBudget(0.05, "kl").metric_for("encoder")
+    with pytest.raises(ValueError, match="max_loss=cosine=0.05: an decoder model's loss is one of "
+                                         "perplexity, kl, top1"):
+        LossBudget(0.05, "cosine").metric_for("decoder")
     with pytest.raises(ValueError, match="max_loss=0.1: chooses the layout of quantize='int4' or 'int8', "
                                          "got no quantisation"):
         export_model(model, tmp_path / "a", ExportOptions(max_loss=0.1, tokenizer=tokenizer))

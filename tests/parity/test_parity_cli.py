@@ -117,5 +117,6 @@ def test_accuracy_greedy_agreement_is_greedy_whatever_the_generation_config_says
     code, out = run(["parity", str(tmp_path / "out"), "--against", "tiny-decoder", "--accuracy"], capsys)
     assert code == 0, out
     row = next(line for line in out.splitlines() if line.startswith("export ("))
-    perplexity_ratio, agreement = row.split()[-2:]
+    perplexity_ratio, kl, top1, agreement, answers = row.split()[-5:]
     assert (perplexity_ratio, agreement) == ("1.000", "100%"), row
+    assert (float(kl), top1, answers) == (0.0, "100.0%", "-"), row  # no chat template: answers not measured
