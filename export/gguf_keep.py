@@ -255,6 +255,14 @@ class KeptQuantization:
             self._add(name)
 
     @property
+    def bits(self) -> int:
+        """The widest codes the kept blocks store (4 for Q4_0 / Q4_1 / Q4_K, else 8): what a
+        memory estimate takes the export's weights to need."""
+        return 4 if all(kind.startswith("Q4") for kind in self.kinds.values()) else 8
+
+    block_size = BLOCK
+
+    @property
     def kept(self) -> int:
         """Weight products (and token tables) lowered with the file's own blocks so far."""
         return sum(self._seen.values())
