@@ -17,6 +17,7 @@ from torch import nn
 
 from tfport.config import ModelConfig
 from tfport.models.disentangled import relative_projections
+from tfport.models.lazy import materialized, read_weight
 
 from .graph import GraphBuilder, to_numpy
 
@@ -90,11 +91,11 @@ class DisentangledGraphBias:
         """float32 [B, H, S, T] for q [B, H, S, D] and k [B, H, T, D] of ``attn`` (an Attention).
         Qr and Kr [H, 2R, D] are stored: the layer's q/k rows applied to the relative embeddings,
         with the dequantised rows under quantisation (the values the graph's products use)."""
-        weight = attn.qkv.weight.detach().float().cpu()
+        weight = torch.from_numpy(read_weight(attn.qkv.weight))
         if g.quantizer is not None:
             rows = g.quantizer.scheme.quantize(weight.numpy(), g.dtype).dequantize()
             weight = torch.from_numpy(rows.astype("float32"))
-        bias = None if attn.qkv.bias is None else attn.qkv.bias.detach().float().cpu()
+        bias = None if attn.qkv.bias is None else torch.from_numpy(read_weight(attn.qkv.bias))
         with torch.no_grad():
             pos_query, pos_key = relative_projections(self.relative, weight, bias, attn.n_heads, attn.head_dim)
         if "p2c" in self.terms:
@@ -118,8 +119,8 @@ class _Disentangled(PositionEmitter):
     def content_bias(self, g, stack, attention_mask, length, name):
         table = g.weight(f"{name}.relative_index", stack.relative_index.numpy(), "int64")  # [2M + 1]
         index = g.fn("DisentangledIndex", attention_mask, length, table, name=f"{name}.disentangled_index")
-        with torch.no_grad():
-            relative = stack.relative_norm(stack.relative_embeddings.weight).detach().float().cpu()  # [2R, E]
+        with torch.no_grad(), materialized(stack.relative_norm):  # a lazy module's norm weights, read now
+            relative = stack.relative_norm(torch.from_numpy(read_weight(stack.relative_embeddings.weight)))  # [2R, E]
         return DisentangledGraphBias(index, relative, stack.config.disentangled.effective_terms)
 
 

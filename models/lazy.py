@@ -120,17 +120,9 @@ def materialized(module: nn.Module) -> Iterator[nn.Module]:
     """Inside, ``module``'s lazy parameters hold their real values (read on entry); on exit they
     are meta again and the values are freed. Tied parameters stay tied. Nothing changes for a
     module without lazy parameters."""
-    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-    real: dict[int, nn.Parameter] = {}
+    swapped = []
     try:
-        for owner in module.modules():
-            for name, param in list(owner._parameters.items()):
-                if param is None or not param.is_meta:
-                    continue
-                if id(param) not in real:
-                    real[id(param)] = nn.Parameter(_load(param), requires_grad=False)
-                owner._parameters[name] = real[id(param)]
-                swapped.append((owner, name, param))
+        swapped = _swap_in(module, lambda p: True)
         yield module
     finally:
         for owner, name, param in swapped:
@@ -154,13 +146,18 @@ def weight_bytes(model: nn.Module, bytes_per_value: int = 4) -> int:
     return sum(p.numel() for p in parameter_names(model).values()) * bytes_per_value
 
 
+SMALL_PARAMETER_BYTES = 16 * 2**20  # streamed: parameters up to this size are read once for the whole context
+
+
 @contextlib.contextmanager
 def streamed(model: nn.Module, progress: Callable[[int], object] | None = None) -> Iterator[nn.Module]:
-    """Inside, ``model``'s forward runs with each module's own lazy parameters read when that
-    module runs and freed when it returns: a forward of a model larger than memory holds one
-    module's weights at a time (and reads every weight once per forward). ``progress(1)`` is
-    called for each module read (a progress bar's ``update``). A no-op for a module without lazy
-    parameters."""
+    """Inside, ``model``'s forward runs with each module's own large lazy parameters read when
+    that module runs and freed when it returns: a forward of a model larger than memory holds one
+    module's weights at a time (and reads every large weight once per forward). Parameters of at
+    most ``SMALL_PARAMETER_BYTES`` (norms, biases, position tables: a few MB in all, some read
+    outside their module's forward) are read once, on entry, and kept until the end.
+    ``progress(1)`` is called for each module read (a progress bar's ``update``). A no-op for a
+    module without lazy parameters."""
     handles = []
     active: dict[int, contextlib.ExitStack] = {}
 
@@ -176,17 +173,39 @@ def streamed(model: nn.Module, progress: Callable[[int], object] | None = None) 
         if stack is not None:
             stack.close()
 
-    for module in model.modules():
-        if any(p is not None and p.is_meta for p in module._parameters.values()):
-            handles.append(module.register_forward_pre_hook(enter))
-            handles.append(module.register_forward_hook(leave, always_call=True))
+    small = _swap_in(model, lambda p: p.numel() * p.element_size() <= SMALL_PARAMETER_BYTES)
     try:
+        for module in model.modules():
+            if any(p is not None and p.is_meta for p in module._parameters.values()):
+                handles.append(module.register_forward_pre_hook(enter))
+                handles.append(module.register_forward_hook(leave, always_call=True))
         yield model
     finally:
         for handle in handles:
             handle.remove()
         for stack in active.values():
             stack.close()
+        for owner, name, param in small:
+            owner._parameters[name] = param
+
+
+def _swap_in(model: nn.Module, which: Callable[[nn.Parameter], bool]) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Read the lazy parameters ``which`` selects into place (tied ones stay one); returns what
+    to put back: (owner, name, meta parameter)."""
+    swapped, real = [], {}
+    try:
+        for owner in model.modules():
+            for name, param in list(owner._parameters.items()):
+                if param is not None and param.is_meta and which(param):
+                    if id(param) not in real:
+                        real[id(param)] = nn.Parameter(_load(param), requires_grad=False)
+                    owner._parameters[name] = real[id(param)]
+                    swapped.append((owner, name, param))
+    except BaseException:  # a read failed: leave the module as it was
+        for owner, name, param in swapped:
+            owner._parameters[name] = param
+        raise
+    return swapped
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from tfport.export.bench.scale_models import Shape, write_gguf, write_safetensor
 from tfport.export.gguf_keep import KeptQuantization  # noqa: E402
 from tfport.models.gguf import load_gguf  # noqa: E402
 from tfport.models.hf import load_hf_model  # noqa: E402
+from tfport.models import lazy as lazy_weights  # noqa: E402
 from tfport.models.lazy import is_lazy, read_weight  # noqa: E402
 
 # Six layers so that "a middle layer" has neighbours; rows of 128 (whole blocks of 32).
@@ -93,8 +94,9 @@ def test_bf16_safetensors_stream_as_loaded(tmp_path):
 @pytest.mark.parametrize("fault", ["transposed", "swapped"])
 def test_validation_catches_one_broken_middle_layer(q4_file, tmp_path, monkeypatch, fault):
     """A weight mis-placed in the graph of one middle layer (layer 3 of 6) while the reference
-    reads it right: the streamed validation (reference run module by module) refuses the export,
-    and nothing is left behind."""
+    reads it right: the streamed validation (reference run module by module, every parameter
+    counted large) refuses the export, and nothing is left behind."""
+    monkeypatch.setattr(lazy_weights, "SMALL_PARAMETER_BYTES", 0)
     project = emit.project
 
     def broken(g, x, weight, name, **kwargs):

@@ -8,6 +8,7 @@ import torch
 from tfport import get_preset
 from tfport.models import build_model
 from tfport.models.checkpoint import load_checkpoint, save_checkpoint
+from tfport.models import lazy as lazy_weights
 from tfport.models.lazy import (is_lazy, lazy_module, materialize_all, materialized, parameter_names, read_weight,
                                 streamed)
 
@@ -27,7 +28,10 @@ def test_a_lazy_module_holds_no_weights_and_reads_each_as_the_file_has_it(checkp
     assert lazy.lm_head.weight is lazy.decoder.embed.tokens.weight  # still tied
 
 
-def test_streamed_forward_equals_the_loaded_module_and_leaves_it_lazy(checkpoint):
+@pytest.mark.parametrize("small_bytes", [0, lazy_weights.SMALL_PARAMETER_BYTES])
+def test_streamed_forward_equals_the_loaded_module_and_leaves_it_lazy(checkpoint, monkeypatch, small_bytes):
+    """Module by module (every parameter counted large), or with the small ones read up front."""
+    monkeypatch.setattr(lazy_weights, "SMALL_PARAMETER_BYTES", small_bytes)
     model, directory = checkpoint
     lazy = load_checkpoint(directory, lazy=True)
     ids = torch.tensor([[1, 5, 9, 2], [3, 3, 8, 1]])
@@ -37,7 +41,7 @@ def test_streamed_forward_equals_the_loaded_module_and_leaves_it_lazy(checkpoint
     with torch.no_grad(), streamed(lazy, reads.append):
         actual = lazy(ids, mask)[0]
     assert torch.equal(actual, expected)
-    assert len(reads) >= len(list(lazy.decoder.layers))  # module by module
+    assert len(reads) >= len(list(lazy.decoder.layers)) if small_bytes == 0 else reads == []
     assert all(p.is_meta for p in lazy.parameters())  # nothing kept after the forward
 
 
