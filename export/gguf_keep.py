@@ -189,6 +189,11 @@ def gguf_values(blocks: BlockQuantized) -> np.ndarray:
     return blocks.codes.astype(np.float32) * blocks.block_values(blocks.scales) + blocks.block_values(minimum)
 
 
+def _key(rows: np.ndarray) -> str:
+    """A weight product's identity: the sha1 of its float32 bytes."""
+    return hashlib.sha1(np.ascontiguousarray(rows, dtype=np.float32).tobytes()).hexdigest()
+
+
 class KeptQuantization:
     """The quantisation a GGUF file already has, looked up row by row (see the module doc); a
     drop-in for ``QuantScheme`` in the exporter (``quantize``, ``embeddings``, ``name``,
@@ -284,7 +289,7 @@ class KeptQuantization:
                 self._index_whole_file()
                 parts = self.index.find_parts(rows)
         found = None if parts is None else parts[0] if len(parts) == 1 else RowParts(parts)
-        key = hashlib.sha1(np.ascontiguousarray(rows, dtype=np.float32).tobytes()).hexdigest()
+        key = _key(rows)
         if found is None:
             if key not in self._seen:
                 log.info("keep: a [%d, %d] weight is not stored in one of %s: re-quantised as %s",
@@ -293,6 +298,11 @@ class KeptQuantization:
             return self.fallback.quantize(rows, scale_dtype)
         self._seen[key] = True
         return found
+
+    def holds(self, rows: np.ndarray) -> bool:
+        """Whether ``quantize(rows)`` gave the file's own blocks, whose dequantised values are
+        ``rows`` exactly (their keys are those values): a reference needs no dequantised copy."""
+        return self._seen.get(_key(rows), False)
 
     def to_dict(self) -> dict:
         types = sorted(set(self.kinds.values()))
