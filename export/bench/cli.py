@@ -216,7 +216,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                              "--plot writes an SVG")
     pareto.add_argument("--layouts", type=_name_list,
                         help="tfport layouts: default, int8, w8a8, {rtn|gptq}{block}-{sym|zp}[-h8][-hb{block}] "
-                             "(default default,gptq128-sym-h8,gptq32-sym,gptq64-sym,rtn128-sym,int8)")
+                             "(default default,gptq32-sym-h8,gptq64-sym-h8,gptq128-sym,rtn32-sym,int8)")
     pareto.add_argument("--text", help="held-out text for perplexity, KL and top-1 (default "
                                        "export/data/perplexity.txt)")
     pareto.add_argument("--metric", choices=("kl", "perplexity", "top1"),

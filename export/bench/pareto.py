@@ -38,7 +38,7 @@ from .measurement import BenchSettings, load_average, machine_info, measure, tim
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LAYOUTS = ("default", "gptq128-sym-h8", "gptq32-sym", "gptq64-sym", "rtn128-sym", "int8")
+DEFAULT_LAYOUTS = ("default", "gptq32-sym-h8", "gptq64-sym-h8", "gptq128-sym", "rtn32-sym", "int8")
 _LAYOUT = re.compile(r"(rtn|gptq)(\d+)-(sym|zp)(-h8)?(?:-hb(\d+))?")
 
 

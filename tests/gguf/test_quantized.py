@@ -6,9 +6,10 @@ torch-free runtime.
 Perplexity is read on the fixed text ``tfport parity --accuracy`` uses
 (``export/data/perplexity.txt``, 1,844 SmolLM2 tokens, which calibration never reads), against the
 float32 PyTorch module's perplexity on the same ids. The bounds are the targets, not the measured
-values (docs/quantisation.md#the-defaults, docs/benchmarks.md): the int4 default (blocks of 128,
-measured +13.5%) within 20%, well under onnxruntime-genai's default int4 (+29.9%, issue 28's
-bound); int4 with the head at int8 (+9.4%) and w8a8 (+5.3%) within 10%; int8 (+0.1%) within 3%.
+values (docs/quantisation.md#the-defaults, docs/benchmarks.md): the int4 default (blocks of 32,
+measured +8.6%), int4 with the head at int8 (+6.7%) and w8a8 (+5.3%) within 10%; int8 (+0.1%)
+within 3%. Beside perplexity, the int4 default is held to float32's greedy chat answers and to
+bounds on the KL divergence and top-1 agreement (issue 43), on the same export.
 A regression in the quantiser, the calibration or a lowering moves them past the bound. The
 exactness of each graph against its own dequantised weights is tested on tiny models
 (tests/export/test_quantize.py, test_calibrate.py).
@@ -20,15 +21,26 @@ import numpy as np
 import pytest
 
 from tfport.export import ExportOptions, export_model
-from tfport.export.parity.accuracy import PERPLEXITY_TEXT, export_logits, perplexity, reference_logits
+from tfport.export.bench.pareto import KEEPS_ANSWERS
+from tfport.export.parity.accuracy import (PERPLEXITY_TEXT, answer_agreement, chat_prompts, divergence,
+                                           export_answers, export_chat_format, export_logits, perplexity,
+                                           reference_answers, reference_logits)
 
 # (quantize, calibration, head_bits, bound on perplexity / float32 perplexity)
 SCHEMES = {
     "int8 round-to-nearest": ("int8", "none", None, 1.03),
-    "int4 default (GPTQ, blocks of 128)": ("int4", "auto", None, 1.20),  # what --quantize int4 alone gives
+    "int4 default (GPTQ, blocks of 32)": ("int4", "auto", None, 1.10),  # what --quantize int4 alone gives
     "int4 --head-bits 8": ("int4", "auto", 8, 1.10),
     "w8a8 (int8 activations per row)": ("w8a8", "none", None, 1.10),  # measured +5.3%; one scale per step: +71%
 }
+DEFAULT = "int4 default (GPTQ, blocks of 32)"
+# The default's bounds on the held-out text (measured on an Intel Xeon with AVX-512 VNNI: KL 0.082,
+# top-1 80.2%): tighter than onnxruntime-genai's default int4 (KL 0.36, top-1 63.8%, issue 43's
+# target) and than blocks of 128, the default before (KL 0.123), so either regression fails.
+DEFAULT_KL, DEFAULT_TOP1 = 0.11, 0.76
+# Chat answers equal to float32's: the default keeps 5 of 10 (and the README's example); blocks of
+# 128 kept none. One answer of margin for a kernel that rounds a near tie the other way.
+DEFAULT_ANSWERS = 0.4
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +52,13 @@ def text_ids(smollm2):
 
 
 @pytest.fixture(scope="module")
-def float_perplexity(smollm2, text_ids):
-    return perplexity(reference_logits(smollm2.model, text_ids), text_ids)
+def float_logits(smollm2, text_ids):
+    return reference_logits(smollm2.model, text_ids)
+
+
+@pytest.fixture(scope="module")
+def float_perplexity(float_logits, text_ids):
+    return perplexity(float_logits, text_ids)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +83,65 @@ def hessians_once():
     kept.clear()
 
 
+@pytest.fixture(scope="module")
+def exported(smollm2, text_ids, hessians_once, tmp_path_factory):
+    """``exported(name)``: the export of ``SCHEMES[name]``, made once per module, so the answers
+    test reads the same int4 default export as the perplexity test."""
+    made = {}
+
+    def export(name: str):
+        if name not in made:
+            quantize, calibration, head_bits, _ = SCHEMES[name]
+            out = tmp_path_factory.mktemp("quantized") / "export"
+            export_model(smollm2.model, out, ExportOptions(target="ort", quantize=quantize, head_bits=head_bits,
+                                                           calibration=calibration, tokenizer=smollm2.tokenizer,
+                                                           chat_template=smollm2.chat_template, validate=False))
+            made[name] = out
+        return made[name]
+
+    return export
+
+
 @pytest.mark.parametrize("name", list(SCHEMES))
-def test_quantised_perplexity_meets_the_target(name, smollm2, text_ids, float_perplexity, hessians_once, tmp_path):
-    quantize, calibration, head_bits, bound = SCHEMES[name]
-    out = tmp_path / "export"
-    export_model(smollm2.model, out, ExportOptions(target="ort", quantize=quantize, head_bits=head_bits,
-                                                   calibration=calibration, tokenizer=smollm2.tokenizer,
-                                                   validate=False))
-    quantized = perplexity(export_logits(out, text_ids), text_ids)
+def test_quantised_perplexity_meets_the_target(name, text_ids, float_perplexity, exported):
+    bound = SCHEMES[name][-1]
+    quantized = perplexity(export_logits(exported(name), text_ids), text_ids)
     ratio = quantized / float_perplexity
     print(f"{name}: perplexity {quantized:.3f} vs float32 {float_perplexity:.3f} ({ratio:.3f}x)")
     assert np.isfinite(quantized)
     assert 1.0 / bound < ratio <= bound, f"{name}: perplexity {quantized:.3f} is {ratio:.3f}x float32's"
+
+
+@pytest.fixture(scope="module")
+def default_answers(smollm2, exported):
+    """(float32's greedy answers to the chat questions, the int4 default's, the tokenizer)."""
+    out = exported(DEFAULT)
+    fmt = export_chat_format(out)
+    prompts = chat_prompts(fmt)
+    expected = reference_answers(smollm2.model, prompts, fmt.stop_ids)
+    got = export_answers(out, prompts, fmt.stop_ids)
+    print("int4 default: answers " + "; ".join(f"{fmt.tokenizer.decode(list(g))!r} (float32 "
+                                              f"{fmt.tokenizer.decode(list(e))!r})" for e, g in zip(expected, got)))
+    return expected, got, fmt.tokenizer
+
+
+def test_the_int4_default_answers_as_float32_does(text_ids, float_logits, exported, default_answers):
+    """Issue 43: the int4 default (the export the perplexity test made) answers the README's
+    example greedily as the float32 module does, keeps its share of float32's other answers,
+    and stays close to float32's next-token distributions on the held-out text (mean KL
+    divergence, top-1 agreement)."""
+    expected, got, tokenizer = default_answers
+    assert tokenizer.decode(list(expected[0])) == "The capital of France is Paris."  # the README's example
+    assert got[0] == expected[0], tokenizer.decode(list(got[0]))
+    assert answer_agreement(expected, got) >= DEFAULT_ANSWERS
+    d = divergence(float_logits, export_logits(exported(DEFAULT), text_ids))
+    print(f"int4 default: KL {d.kl_mean:.4f}, top-1 {d.top1:.1%}")
+    assert d.kl_mean <= DEFAULT_KL and d.top1 >= DEFAULT_TOP1, d
+
+
+@pytest.mark.xfail(strict=True, reason="issue 43's target, not met: the int4 default keeps 5 of 10 of "
+                                       "float32's answers (every layout measured at least as fast as "
+                                       "onnxruntime-genai's int4 kept at most 5; docs/quantisation.md#the-defaults)")
+def test_the_int4_default_keeps_nine_of_ten_answers(default_answers):
+    expected, got, _ = default_answers
+    assert answer_agreement(expected, got) >= KEEPS_ANSWERS
