@@ -106,14 +106,16 @@ def _blocks(kind: str, dims: tuple[int, int], rng: np.random.Generator) -> np.nd
     return blocks.reshape(rows, -1)
 
 
-def _tokens(vocab: int) -> tuple[list[str], list[int]]:
-    """A byte-level BPE vocabulary of ``vocab`` entries (256 byte tokens, then filler pieces)
-    with no merges: enough for llama.cpp and tfport to load it; prompts are token ids."""
+def _tokens(vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """A byte-level BPE vocabulary of ``vocab`` entries (256 byte tokens, one merged pair, then
+    filler pieces), its token types and its one merge: enough for llama.cpp and tfport to load
+    it; prompts are token ids."""
     from tfport.models.gguf.tokenizer import byte_alphabet
 
     byte_tokens = list(byte_alphabet().values())
-    tokens = byte_tokens + [f"<|piece_{i}|>" for i in range(vocab - len(byte_tokens))]
-    return tokens, [1] * len(byte_tokens) + [1] * (vocab - len(byte_tokens))
+    merged = byte_tokens[0] + byte_tokens[1]
+    tokens = byte_tokens + [merged] + [f"<|piece_{i}|>" for i in range(vocab - len(byte_tokens) - 1)]
+    return tokens, [1] * vocab, [f"{byte_tokens[0]} {byte_tokens[1]}"]
 
 
 def write_gguf(shape: Shape, kind: str, path: str | Path, seed: int = 0) -> Path:
@@ -139,12 +141,12 @@ def write_gguf(shape: Shape, kind: str, path: str | Path, seed: int = 0) -> Path
         writer.add_layer_norm_rms_eps(shape.norm_eps)
         writer.add_vocab_size(shape.vocab)
         writer.add_file_type({"Q4_0": 2, "Q8_0": 7, "F16": 1}[kind])
-        tokens, types = _tokens(shape.vocab)
+        tokens, types, merges = _tokens(shape.vocab)
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("default")
         writer.add_token_list(tokens)
         writer.add_token_types(types)
-        writer.add_token_merges([])
+        writer.add_token_merges(merges)
         writer.add_bos_token_id(shape.vocab - 2)
         writer.add_eos_token_id(shape.vocab - 1)
         planned = []
