@@ -85,7 +85,10 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
     check_memory(model, options, scheme, calibrating=calibration is not None)
     if options.max_loss is not None and is_lazy(model):  # the budget search swaps weights in place
         model = materialize_all(model)
-    with streamed(model):  # a lazy module's calibration forwards read one module at a time
+    if calibration is not None or options.max_loss is not None:  # its forwards read one module at a time
+        with streamed(model):
+            scheme = _calibrated(model, plan, options, scheme, calibration)
+    else:
         scheme = _calibrated(model, plan, options, scheme, calibration)
     manifest = Manifest(config=config, dtype=options.dtype, opset=plan.opset, target=plan.target.name,
                         layout=plan.target.layout,

@@ -21,6 +21,7 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
 from tfport.contract import TensorSpec
+from tfport.heap import release_memory
 from tfport.models.lazy import read_weight
 from tfport.dtypes import COMPUTE_DTYPES, NUMPY_DTYPES, ONNX_DTYPES, cache_dtype
 
@@ -42,6 +43,7 @@ def to_numpy(tensor) -> np.ndarray:
 # ``onnx.save_model(..., save_as_external_data=True, size_threshold=1024)`` decides.
 EXTERNAL_SIZE_THRESHOLD = 1024
 BYTES_OVERHEAD = sys.getsizeof(b"")
+RELEASE_BYTES = 4 * 2**20  # after spilling a tensor this large, the C heap's free pages go back
 
 
 class Initializers(list):
@@ -73,6 +75,8 @@ class Initializers(list):
                 spilled = onnx.TensorProto()
                 spilled.CopyFrom(tensor)
                 tensor = spilled
+                if len(raw) >= RELEASE_BYTES:  # the heap keeps earlier weights' freed copies
+                    release_memory()
             del raw
         super().append(tensor)
 

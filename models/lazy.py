@@ -20,6 +20,7 @@ Loading a whole model eagerly (``materialize_all``) is the same loaders run for 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
@@ -146,39 +147,51 @@ def weight_bytes(model: nn.Module, bytes_per_value: int = 4) -> int:
     return sum(p.numel() for p in parameter_names(model).values()) * bytes_per_value
 
 
-SMALL_PARAMETER_BYTES = 16 * 2**20  # streamed: parameters up to this size are read once for the whole context
+SMALL_PARAMETER_BYTES = 16 * 2**20  # streamed: parameters outside the layers up to this size are read once
+LAYER_PATH = re.compile(r"(.+\.)?layers\.\d+")  # a stack's layer: read whole while it runs
 
 
 @contextlib.contextmanager
 def streamed(model: nn.Module, progress: Callable[[int], object] | None = None) -> Iterator[nn.Module]:
-    """Inside, ``model``'s forward runs with each module's own large lazy parameters read when
-    that module runs and freed when it returns: a forward of a model larger than memory holds one
-    module's weights at a time (and reads every large weight once per forward). Parameters of at
-    most ``SMALL_PARAMETER_BYTES`` (norms, biases, position tables: a few MB in all, some read
-    outside their module's forward) are read once, on entry, and kept until the end.
-    ``progress(1)`` is called for each module read (a progress bar's ``update``). A no-op for a
-    module without lazy parameters."""
+    """Inside, ``model``'s forward runs with its lazy weights read as it goes and freed after:
+    each layer (``...layers.N``) reads all of its weights when it runs (a layer's modules may read
+    each other's: DeBERTa's attention projects its relative table with its QKV weight) and drops
+    them when it returns; each module outside the layers reads its own the same way (the token
+    table, the head), except parameters of at most ``SMALL_PARAMETER_BYTES`` (final norms,
+    position tables, some read outside their module's forward), read once on entry and kept to
+    the end. A forward of a model larger than memory so holds one layer's weights or one table at
+    a time, and reads every weight once per forward. ``progress(1)`` is called for each layer or
+    module read (a progress bar's ``update``). A no-op for a module without lazy parameters."""
     handles = []
     active: dict[int, contextlib.ExitStack] = {}
 
-    def enter(module: nn.Module, args) -> None:
-        stack = contextlib.ExitStack()
-        stack.enter_context(_own_parameters(module))
-        active[id(module)] = stack
-        if progress is not None:
-            progress(1)
+    def hooks(module: nn.Module, swap: Callable[[nn.Module], contextlib.AbstractContextManager]) -> None:
+        def enter(module: nn.Module, args) -> None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(swap(module))
+            active[id(module)] = stack
+            if progress is not None:
+                progress(1)
 
-    def leave(module: nn.Module, args, output) -> None:
-        stack = active.pop(id(module), None)
-        if stack is not None:
-            stack.close()
+        def leave(module: nn.Module, args, output) -> None:
+            stack = active.pop(id(module), None)
+            if stack is not None:
+                stack.close()
 
-    small = _swap_in(model, lambda p: p.numel() * p.element_size() <= SMALL_PARAMETER_BYTES)
+        handles.append(module.register_forward_pre_hook(enter))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+
+    layers = {path: module for path, module in model.named_modules() if LAYER_PATH.fullmatch(path)}
+    in_layers = {id(p) for layer in layers.values() for p in layer.parameters()}
+    small = _swap_in(model, lambda p: id(p) not in in_layers and p.numel() * p.element_size() <= SMALL_PARAMETER_BYTES)
     try:
+        for layer in layers.values():
+            if is_lazy(layer):
+                hooks(layer, materialized)
         for module in model.modules():
-            if any(p is not None and p.is_meta for p in module._parameters.values()):
-                handles.append(module.register_forward_pre_hook(enter))
-                handles.append(module.register_forward_hook(leave, always_call=True))
+            own = [p for p in module._parameters.values() if p is not None and p.is_meta and id(p) not in in_layers]
+            if own:
+                hooks(module, _own_parameters)
         yield model
     finally:
         for handle in handles:

@@ -10,44 +10,15 @@ thread, one at a time). Where the C library has no ``malloc_trim`` (musl, macOS)
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
-import threading
-from collections.abc import Callable
 
 import anyio
+
+from tfport.heap import release_memory
 
 logger = logging.getLogger(__name__)
 
 TRIM_BYTES = 256 * 1024  # request + response bytes of a request after which the heap is trimmed
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or None where the C library has none."""
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-
-
-_trimming = threading.Lock()
-
-
-def release_memory() -> bool:
-    """Hand the C heap's free pages back to the system; False where that cannot be done, or
-    while another thread is already doing it."""
-    trim = _malloc_trim()
-    if trim is None or not _trimming.acquire(blocking=False):
-        return False
-    try:
-        trim(0)
-    finally:
-        _trimming.release()
-    return True
 
 
 class TrimMemory:
