@@ -156,8 +156,9 @@ def streamed(model: nn.Module, progress: Callable[[int], object] | None = None) 
     """Inside, ``model``'s forward runs with its lazy weights read as it goes and freed after:
     each layer (``...layers.N``) reads all of its weights when it runs (a layer's modules may read
     each other's: DeBERTa's attention projects its relative table with its QKV weight) and drops
-    them when it returns; each module outside the layers reads its own the same way (the token
-    table, the head), except parameters of at most ``SMALL_PARAMETER_BYTES`` (final norms,
+    them when it returns; each module reads its own the same way where they are not already read
+    (the token table, the head; a layer's module called outside the layer's forward, as an
+    encoder-decoder's cross-attention keys and values are), except parameters of at most ``SMALL_PARAMETER_BYTES`` (final norms,
     position tables, some read outside their module's forward), read once on entry and kept to
     the end. A forward of a model larger than memory so holds one layer's weights or one table at
     a time, and reads every weight once per forward. ``progress(1)`` is called for each layer or
@@ -167,10 +168,11 @@ def streamed(model: nn.Module, progress: Callable[[int], object] | None = None) 
 
     def hooks(module: nn.Module, swap: Callable[[nn.Module], contextlib.AbstractContextManager]) -> None:
         def enter(module: nn.Module, args) -> None:
+            reads = progress is not None and any(p.is_meta for p in module.parameters())
             stack = contextlib.ExitStack()
             stack.enter_context(swap(module))
             active[id(module)] = stack
-            if progress is not None:
+            if reads:  # not a module whose layer has read it already
                 progress(1)
 
         def leave(module: nn.Module, args, output) -> None:
@@ -188,9 +190,8 @@ def streamed(model: nn.Module, progress: Callable[[int], object] | None = None) 
         for layer in layers.values():
             if is_lazy(layer):
                 hooks(layer, materialized)
-        for module in model.modules():
-            own = [p for p in module._parameters.values() if p is not None and p.is_meta and id(p) not in in_layers]
-            if own:
+        for module in model.modules():  # inside a layer too: a module called outside its layer's forward
+            if any(p is not None and p.is_meta for p in module._parameters.values()):
                 hooks(module, _own_parameters)
         yield model
     finally:
