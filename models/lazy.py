@@ -132,19 +132,8 @@ def materialized(module: nn.Module) -> Iterator[nn.Module]:
 
 def materialize_all(model: nn.Module) -> nn.Module:
     """Read every lazy parameter of ``model`` for good (an eagerly loaded module, float32)."""
-    real: dict[int, nn.Parameter] = {}
-    for owner in model.modules():
-        for name, param in list(owner._parameters.items()):
-            if param is not None and param.is_meta:
-                if id(param) not in real:
-                    real[id(param)] = nn.Parameter(_load(param), requires_grad=param.requires_grad)
-                owner._parameters[name] = real[id(param)]
+    _swap_in(model, lambda p: True, requires_grad=None)
     return model
-
-
-def weight_bytes(model: nn.Module, bytes_per_value: int = 4) -> int:
-    """Bytes of ``model``'s parameters at ``bytes_per_value`` each (tied ones once)."""
-    return sum(p.numel() for p in parameter_names(model).values()) * bytes_per_value
 
 
 SMALL_PARAMETER_BYTES = 16 * 2**20  # streamed: parameters outside the layers up to this size are read once
@@ -203,16 +192,19 @@ def streamed(model: nn.Module, progress: Callable[[int], object] | None = None) 
             owner._parameters[name] = param
 
 
-def _swap_in(model: nn.Module, which: Callable[[nn.Parameter], bool]) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Read the lazy parameters ``which`` selects into place (tied ones stay one); returns what
-    to put back: (owner, name, meta parameter)."""
+def _swap_in(model: nn.Module, which: Callable[[nn.Parameter], bool],
+             requires_grad: bool | None = False) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Read the lazy parameters ``which`` selects into place (tied ones stay one; gradients as
+    ``requires_grad`` says, None: as the meta parameter's); returns what to put back: (owner,
+    name, meta parameter)."""
     swapped, real = [], {}
     try:
         for owner in model.modules():
             for name, param in list(owner._parameters.items()):
                 if param is not None and param.is_meta and which(param):
                     if id(param) not in real:
-                        real[id(param)] = nn.Parameter(_load(param), requires_grad=False)
+                        grad = param.requires_grad if requires_grad is None else requires_grad
+                        real[id(param)] = nn.Parameter(_load(param), requires_grad=grad)
                     owner._parameters[name] = real[id(param)]
                     swapped.append((owner, name, param))
     except BaseException:  # a read failed: leave the module as it was
