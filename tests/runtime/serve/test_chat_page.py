@@ -23,11 +23,13 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
-from .conftest import _export, running_server
+pytest.importorskip("fastapi", reason="needs the 'serve' extra: pip install -e '.[serve]'")
+httpx = pytest.importorskip("httpx", reason="needs the 'serve' extra (httpx)")
+
+from .conftest import _export, running_server  # noqa: E402
 
 KEY = "chat-page-key-5d1c"
 ROOT = Path(__file__).resolve().parents[3]
