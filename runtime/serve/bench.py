@@ -35,6 +35,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from tfport.flags import to_args
 from tfport.manifest import Manifest
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -86,12 +87,13 @@ def _free_port() -> int:
 
 def start_server(model_dir: str, options, name: str | None, wait: float = 120.0
                  ) -> tuple[subprocess.Popen, str]:
-    """``tfport serve`` in a child process on 127.0.0.1 -> (process, base url) once healthy."""
+    """``tfport serve`` in a child process on 127.0.0.1 -> (process, base url) once healthy;
+    ``options`` (``ServeOptions``) reach it as flags, those at their default left out."""
     import httpx
 
     port = _free_port()
     command = [sys.executable, "-m", "tfport.cli", "serve", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(port), *serve_arguments(options)]
+               "--port", str(port), *to_args(options)]
     if name:
         command += ["--name", name]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -110,34 +112,6 @@ def start_server(model_dir: str, options, name: str | None, wait: float = 120.0
         time.sleep(0.2)
     process.kill()
     raise RuntimeError(f"tfport serve did not become healthy within {wait:g} s")
-
-
-# The ``tfport serve`` options that decide how a started server decodes: (flag, ServeOptions field).
-DECODING_FLAGS = (("--max-rows", "max_rows"), ("--max-queue", "max_queue"), ("--max-tokens", "max_tokens"),
-                  ("--timeout", "timeout"), ("--max-length", "max_length"), ("--provider", "provider"),
-                  ("--threads", "threads"), ("--max-prompt-tokens", "max_prompt_tokens"),
-                  ("--max-request-tokens", "max_request_tokens"), ("--speculative", "speculative"),
-                  ("--draft-tokens", "draft_tokens"), ("--speculative-inexact", "speculative_inexact"),
-                  ("--batch-export", "batch_export"), ("--batch-rows", "batch_rows"),
-                  ("--prefix-cache-mb", "prefix_cache_mb"), ("--prefill-chunk", "prefill_chunk"))
-
-
-def serve_arguments(options) -> list[str]:
-    """The ``tfport serve`` arguments that give a started server ``options``' decoding settings
-    (``DECODING_FLAGS``; a flag whose value is the default is left out, ``prefill_chunk`` None is
-    ``--prefill-chunk 0``)."""
-    from .options import ServeOptions
-
-    default = ServeOptions()
-    command = []
-    for flag, name in DECODING_FLAGS:
-        value = getattr(options, name)
-        if name == "prefill_chunk" and value is None:
-            value = 0
-        if value == getattr(default, name):
-            continue
-        command += [flag] if isinstance(value, bool) else [flag, str(value)]
-    return command
 
 
 def parse_prompt_len(text: str) -> tuple[int, int]:

@@ -12,108 +12,31 @@ Needs the ``serve`` extra (``--ray``: ``serve-ray``); no torch.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 from pathlib import Path
 
-from ..cli import ascii_int
-from ..cli import positive_int as _positive
-from ..session import PROVIDERS
+from tfport.flags import add_flags, ascii_int, from_args
+from tfport.flags import positive_int as _positive
 
 logger = logging.getLogger(__name__)
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
+    """The export directories and the options ``serve`` and ``bench-serve`` share (the
+    ``ServeOptions`` fields outside the ``SERVER`` group)."""
+    from .options import ServeOptions
     parser.add_argument("model_dirs", metavar="DIR", nargs="+",
                         help="export directories (each served under its directory name)")
     parser.add_argument("--name", action="append", dest="names",
                         help="model id for each DIR, in order (default: the directory name)")
-    parser.add_argument("--max-rows", type=_positive, default=16,
-                        help="requests decoded together per model (default 16)")
-    parser.add_argument("--max-queue", type=_positive, default=256,
-                        help="requests waiting for a row before 429 (default 256)")
-    parser.add_argument("--max-tokens", type=_positive, default=4096,
-                        help="largest max_tokens a request may ask (default 4096)")
-    parser.add_argument("--max-length", type=_positive, default=None,
-                        help="prompt + generated tokens per row (default: the model's max_positions)")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds a request may take (default 600)")
-    parser.add_argument("--provider", choices=PROVIDERS, default="cpu")
-    parser.add_argument("--threads", type=ascii_int, default=0,
-                        help="intra-op threads per model (default: ONNX Runtime's choice)")
+    add_flags(parser, ServeOptions, groups={None})
+
+
+def _options(args: argparse.Namespace, **values):
+    """The ``ServeOptions`` of parsed arguments (``values``: fields set otherwise)."""
     from .options import ServeOptions
-    limits = ServeOptions()
-    parser.add_argument("--max-body-bytes", type=_positive, default=limits.max_body_bytes, metavar="BYTES",
-                        help="largest request body; larger ones get 413 before they are read "
-                             f"(default {limits.max_body_bytes:,}: 4 MiB)")
-    parser.add_argument("--max-embedding-inputs", type=_positive, default=limits.max_inputs,
-                        dest="max_inputs", metavar="N",
-                        help=f"inputs per /v1/embeddings or /v1/classify request, documents per "
-                             f"/v1/rerank, pairs per /v1/score (default {limits.max_inputs:,})")
-    parser.add_argument("--embedding-batch-ms", type=float, default=limits.embedding_batch_ms, metavar="MS",
-                        help="an idle encoder's first embedding request waits this long for others "
-                             f"to embed with it (0-1000; default {limits.embedding_batch_ms:g})")
-    parser.add_argument("--embedding-batch-tokens", type=_positive, default=limits.embedding_batch_tokens,
-                        metavar="N", help="tokens embedded together at most, over the requests of "
-                                          f"one batch (default {limits.embedding_batch_tokens:,})")
-    parser.add_argument("--max-messages", type=_positive, default=limits.max_messages, metavar="N",
-                        help=f"messages per chat request (default {limits.max_messages:,})")
-    parser.add_argument("--max-prompt-chars", type=_positive, default=limits.max_prompt_chars,
-                        metavar="N", help="characters per prompt or embedding input (a chat's: all "
-                                          "its messages'), refused before tokenising "
-                                          f"(default {limits.max_prompt_chars:,})")
-    parser.add_argument("--max-prompt-tokens", type=_positive, default=None, metavar="N",
-                        help="tokens per prompt or embedding input once tokenised (default and "
-                             "at most: the model's context)")
-    parser.add_argument("--max-request-tokens", type=_positive, default=limits.max_request_tokens,
-                        metavar="N", help="tokens one request may take: prompt tokens x n + "
-                                          "max_tokens x n over its prompts, or its embedding "
-                                          f"inputs' tokens (default {limits.max_request_tokens:,})")
-    parser.add_argument("--speculative", metavar="lookup|DRAFT_DIR", default=None,
-                        help="decode every served decoder speculatively: 'lookup' (n-gram matches in "
-                             "the prompt and output) or a draft export with the same vocabulary")
-    parser.add_argument("--draft-tokens", type=_positive, default=limits.draft_tokens, metavar="K",
-                        help=f"most tokens proposed per step (default {limits.draft_tokens}; adapted)")
-    parser.add_argument("--speculative-inexact", action="store_true",
-                        help="speculate on quantised exports too (their tokens can differ from "
-                             "plain decoding's)")
-    parser.add_argument("--batch-export", metavar="DIR", default=None,
-                        help="another export of the one served model (same target and cache, e.g. "
-                             "--quantize w8a8 beside int4) that runs every step of at least "
-                             "--batch-rows rows: batched decode steps and long prefills")
-    parser.add_argument("--batch-rows", type=_batch_rows, default=limits.batch_rows, metavar="auto|N",
-                        help="rows (batch x new tokens) from which a step runs on --batch-export "
-                             "(default auto: measured when the server starts, where the two "
-                             "exports' speeds cross; `tfport bench --rows-exports` shows them)")
-    parser.add_argument("--prefix-cache-mb", type=ascii_int, default=limits.prefix_cache_mb, metavar="MB",
-                        help="MiB of keys and values each decoder keeps for prompts that start "
-                             "alike (automatic prefix caching; 0: off; default "
-                             f"{limits.prefix_cache_mb})")
-    parser.add_argument("--prefill-chunk", type=ascii_int, default=limits.prefill_chunk, metavar="TOKENS",
-                        help="while rows decode, prefill a longer prompt this many tokens per step "
-                             "(chunked prefill; needs the prefix cache; 0: whole; default "
-                             f"{limits.prefill_chunk})")
-
-
-def _batch_rows(text: str) -> int | str:
-    return text if text == "auto" else _positive(text)
-
-
-def _options(args: argparse.Namespace):
-    from .options import ServeOptions
-    return ServeOptions(max_rows=args.max_rows, max_queue=args.max_queue,
-                        max_tokens=args.max_tokens, timeout=args.timeout,
-                        max_length=args.max_length, provider=args.provider, threads=args.threads,
-                        max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs,
-                        max_messages=args.max_messages, max_prompt_chars=args.max_prompt_chars,
-                        max_prompt_tokens=args.max_prompt_tokens,
-                        max_request_tokens=args.max_request_tokens, speculative=args.speculative,
-                        draft_tokens=args.draft_tokens, speculative_inexact=args.speculative_inexact,
-                        batch_export=args.batch_export, batch_rows=args.batch_rows,
-                        prefix_cache_mb=args.prefix_cache_mb, prefill_chunk=args.prefill_chunk or None,
-                        embedding_batch_ms=args.embedding_batch_ms,
-                        embedding_batch_tokens=args.embedding_batch_tokens)
+    return from_args(ServeOptions, args, **values)
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -152,9 +75,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                             "(0: none while idle)")
     serve.add_argument("--max-replicas", type=_positive, default=None, metavar="M",
                        help="the autoscaler's most replicas (with --ray and --min-replicas)")
-    serve.add_argument("--no-ui", dest="ui", action="store_false",
-                       help="do not serve the chat page at / (the API only)")
-    _add_network_options(serve)
+    from .options import SERVER, ServeOptions
+    add_flags(serve, ServeOptions, groups={SERVER})  # --no-ui, connections, what is exposed
     serve.set_defaults(func=run_serve)
 
     bench = subparsers.add_parser(
@@ -180,43 +102,6 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=run_bench)
 
 
-def _add_network_options(serve: argparse.ArgumentParser) -> None:
-    """Connections, browsers, endpoints and shutdown (``connections``, ``exposure``, ``lifecycle``)."""
-    from .options import ServeOptions
-    default = ServeOptions()
-    serve.add_argument("--header-timeout", type=float, default=default.header_timeout, metavar="S",
-                       help="seconds a connection may take to send a request's head; then it is "
-                            f"closed (default {default.header_timeout:g})")
-    serve.add_argument("--body-timeout", type=float, default=default.body_timeout, metavar="S",
-                       help="seconds a request's body may take after its head; then the connection "
-                            f"is closed (default {default.body_timeout:g})")
-    serve.add_argument("--keep-alive-timeout", type=float, default=default.keep_alive_timeout,
-                       metavar="S", help="seconds an idle kept-alive connection stays open "
-                                         f"(default {default.keep_alive_timeout:g})")
-    serve.add_argument("--limit-concurrency", type=_positive, default=default.limit_concurrency,
-                       metavar="N", help="open connections or running requests at most; past it "
-                                         f"new requests get 503 (default {default.limit_concurrency:,})")
-    serve.add_argument("--shutdown-timeout", type=float, default=default.shutdown_timeout,
-                       metavar="S", help="after SIGTERM, seconds running requests get to finish "
-                                         "before their streams are ended; a second signal exits "
-                                         f"at once (default {default.shutdown_timeout:g})")
-    serve.add_argument("--cors-origin", action="append", dest="cors_origins", metavar="ORIGIN",
-                       help="a browser origin allowed to call the API, e.g. https://app.example.com "
-                            "(repeat for more; '*': any; default: none, no CORS headers)")
-    serve.add_argument("--no-docs", dest="docs", action="store_false",
-                       help="answer 404 for /docs, /redoc and /openapi.json")
-    serve.add_argument("--no-metrics", dest="metrics", action="store_false",
-                       help="answer 404 for /metrics")
-
-
-def _network(args: argparse.Namespace) -> dict:
-    """The ``ServeOptions`` fields of ``_add_network_options``' options."""
-    return {"header_timeout": args.header_timeout, "body_timeout": args.body_timeout,
-            "keep_alive_timeout": args.keep_alive_timeout, "limit_concurrency": args.limit_concurrency,
-            "shutdown_timeout": args.shutdown_timeout, "cors_origins": tuple(args.cors_origins or ()),
-            "docs": args.docs, "metrics": args.metrics}
-
-
 def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key_file is None:
         return args.api_key
@@ -238,8 +123,7 @@ def _allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from .guards import is_loopback
-    options = dataclasses.replace(_options(args), api_key=_api_key(args),
-                                  allowed_hosts=_allowed_hosts(args), ui=args.ui, **_network(args))
+    options = _options(args, api_key=_api_key(args), allowed_hosts=_allowed_hosts(args))
     if not is_loopback(args.host) and options.api_key is None and not args.insecure:
         raise ValueError(f"--host={args.host!r}: serving beyond this machine without an API key "
                          "lets anyone who can reach it use the models; give --api-key-file (or "

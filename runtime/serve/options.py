@@ -4,18 +4,27 @@ naming its option."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from tfport.flags import option, positive_int
 
 from ..decoding.prefix import DEFAULT_MB, PrefixCache
 from ..batch_export import AUTO, check_batch_rows
+from ..session import PROVIDERS
 from .batcher import MAX_TOKENS, WINDOW_S
 from .exposure import check_origins
 from .scheduler import SchedulerLimits
 
 MiB = 1 << 20
+SERVER = "server"  # the group of the options of a server process only: `tfport serve`, not bench-serve
 
 
-@dataclass(frozen=True)
+def _batch_rows(text: str) -> int | str:
+    """``--batch-rows``: "auto" or a positive integer."""
+    return text if text == AUTO else positive_int(text)
+
+
+@dataclass(frozen=True, kw_only=True)
 class ServeOptions:
     """Limits and session settings of a server.
 
@@ -53,39 +62,100 @@ class ServeOptions:
     ``/docs`` (with ``/redoc`` and ``/openapi.json``) and ``/metrics`` are served.
     """
 
-    max_rows: int = 16
-    max_queue: int = 256
-    max_tokens: int = 4096
-    timeout: float = 600.0
-    max_length: int | None = None
-    provider: str = "cpu"
-    threads: int = 0
-    max_body_bytes: int = 4 * MiB
-    max_inputs: int = 2048
-    max_messages: int = 2048
-    max_prompt_chars: int = 1_000_000  # ~250k tokens of English: more than any context, 1 s to tokenise
-    max_prompt_tokens: int | None = None  # None: the model's context
-    max_request_tokens: int = 256 * 1024  # 16 rows of a 16k context; 2,048 inputs of 128 tokens
-    api_key: str | None = field(default=None, repr=False)
-    allowed_hosts: tuple[str, ...] | None = None
-    speculative: str | None = None  # "lookup" or a draft export's directory (every decoder served)
-    draft_tokens: int = 8
-    speculative_inexact: bool = False
-    batch_export: str | None = None  # another export of the one served model for runs of many rows
-    batch_rows: int | str = AUTO  # rows (batch x new tokens) from which runs go to batch_export; "auto": measured
-    prefix_cache_mb: int = DEFAULT_MB  # automatic prefix caching per decoder (0: off)
-    prefill_chunk: int | None = 256  # tokens of a long prompt prefilled per step while rows decode
-    ui: bool = True
-    embedding_batch_ms: float = 1000 * WINDOW_S
-    embedding_batch_tokens: int = MAX_TOKENS
-    header_timeout: float = 10.0
-    body_timeout: float = 60.0  # a 4 MiB body at 0.5 Mbit/s
-    keep_alive_timeout: float = 5.0  # uvicorn's default
-    limit_concurrency: int | None = 1000  # under the usual 1,024 open files, past which accept() fails
-    shutdown_timeout: float = 30.0  # Kubernetes' default grace period
-    cors_origins: tuple[str, ...] = ()
-    docs: bool = True
-    metrics: bool = True
+    # The options of `tfport serve` and `bench-serve`, in the order of their --help.
+    max_rows: int = option(16, type=positive_int,
+                           help="requests decoded together per model (default {default})")
+    max_queue: int = option(256, type=positive_int,
+                            help="requests waiting for a row before 429 (default {default})")
+    max_tokens: int = option(4096, type=positive_int,
+                             help="largest max_tokens a request may ask (default {default})")
+    max_length: int | None = option(None, type=positive_int,
+                                    help="prompt + generated tokens per row (default: the model's "
+                                         "max_positions)")
+    timeout: float = option(600.0, help="seconds a request may take (default {default:g})")
+    provider: str = option("cpu", choices=PROVIDERS, help="where the models run (auto: CUDA if it "
+                                                          "works, else the CPU; default {default})")
+    threads: int = option(0, help="intra-op threads per model (default: ONNX Runtime's choice)")
+    max_body_bytes: int = option(4 * MiB, type=positive_int, metavar="BYTES",
+                                 help="largest request body; larger ones get 413 before they are "
+                                      "read (default {default:,}: 4 MiB)")
+    max_inputs: int = option(2048, flag="--max-embedding-inputs", type=positive_int, metavar="N",
+                             help="inputs per /v1/embeddings or /v1/classify request, documents per "
+                                  "/v1/rerank, pairs per /v1/score (default {default:,})")
+    embedding_batch_ms: float = option(1000 * WINDOW_S, metavar="MS",
+                                       help="an idle encoder's first embedding request waits this "
+                                            "long for others to embed with it (0-1000; default {default:g})")
+    embedding_batch_tokens: int = option(MAX_TOKENS, type=positive_int, metavar="N",
+                                         help="tokens embedded together at most, over the requests "
+                                              "of one batch (default {default:,})")
+    max_messages: int = option(2048, type=positive_int, metavar="N",
+                               help="messages per chat request (default {default:,})")
+    # ~250k tokens of English: more than any context, 1 s to tokenise
+    max_prompt_chars: int = option(1_000_000, type=positive_int, metavar="N",
+                                   help="characters per prompt or embedding input (a chat's: all its "
+                                        "messages'), refused before tokenising (default {default:,})")
+    max_prompt_tokens: int | None = option(None, type=positive_int, metavar="N",
+                                           help="tokens per prompt or embedding input once tokenised "
+                                                "(default and at most: the model's context)")
+    # 16 rows of a 16k context; 2,048 inputs of 128 tokens
+    max_request_tokens: int = option(256 * 1024, type=positive_int, metavar="N",
+                                     help="tokens one request may take: prompt tokens x n + max_tokens "
+                                          "x n over its prompts, or its embedding inputs' tokens "
+                                          "(default {default:,})")
+    speculative: str | None = option(None, metavar="lookup|DRAFT_DIR",
+                                     help="decode every served decoder speculatively: 'lookup' (n-gram "
+                                          "matches in the prompt and output) or a draft export with "
+                                          "the same vocabulary")
+    draft_tokens: int = option(8, type=positive_int, metavar="K",
+                               help="most tokens proposed per step (default {default}; adapted)")
+    speculative_inexact: bool = option(False, help="speculate on quantised exports too (their tokens "
+                                                   "can differ from plain decoding's)")
+    batch_export: str | None = option(None, metavar="DIR",
+                                      help="another export of the one served model (same target and "
+                                           "cache, e.g. --quantize w8a8 beside int4) that runs every "
+                                           "step of at least --batch-rows rows: batched decode steps "
+                                           "and long prefills")
+    batch_rows: int | str = option(AUTO, type=_batch_rows, metavar="auto|N",
+                                   help="rows (batch x new tokens) from which a step runs on "
+                                        "--batch-export (default {default}: measured when the server "
+                                        "starts, where the two exports' speeds cross; `tfport bench "
+                                        "--rows-exports` shows them)")
+    prefix_cache_mb: int = option(DEFAULT_MB, metavar="MB",
+                                  help="MiB of keys and values each decoder keeps for prompts that "
+                                       "start alike (automatic prefix caching; 0: off; default {default})")
+    prefill_chunk: int | None = option(256, none="0", metavar="TOKENS",
+                                       help="while rows decode, prefill a longer prompt this many "
+                                            "tokens per step (chunked prefill; needs the prefix cache; "
+                                            "0: whole; default {default})")
+
+    # `tfport serve`'s only (connections, what is exposed): bench-serve starts its server without them.
+    ui: bool = option(True, group=SERVER, help="do not serve the chat page at / (the API only)")
+    header_timeout: float = option(10.0, group=SERVER, metavar="S",
+                                   help="seconds a connection may take to send a request's head; "
+                                        "then it is closed (default {default:g})")
+    body_timeout: float = option(60.0, group=SERVER, metavar="S",  # a 4 MiB body at 0.5 Mbit/s
+                                 help="seconds a request's body may take after its head; then the "
+                                      "connection is closed (default {default:g})")
+    keep_alive_timeout: float = option(5.0, group=SERVER, metavar="S",  # uvicorn's default
+                                       help="seconds an idle kept-alive connection stays open "
+                                            "(default {default:g})")
+    # under the usual 1,024 open files, past which accept() fails
+    limit_concurrency: int | None = option(1000, group=SERVER, type=positive_int, metavar="N",
+                                           help="open connections or running requests at most; past "
+                                                "it new requests get 503 (default {default:,})")
+    shutdown_timeout: float = option(30.0, group=SERVER, metavar="S",  # Kubernetes' default grace period
+                                     help="after SIGTERM, seconds running requests get to finish "
+                                          "before their streams are ended; a second signal exits at "
+                                          "once (default {default:g})")
+    cors_origins: tuple[str, ...] = option((), group=SERVER, flag="--cors-origin", metavar="ORIGIN",
+                                           help="a browser origin allowed to call the API, e.g. "
+                                                "https://app.example.com (repeat for more; '*': any; "
+                                                "default: none, no CORS headers)")
+    docs: bool = option(True, group=SERVER, help="answer 404 for /docs, /redoc and /openapi.json")
+    metrics: bool = option(True, group=SERVER, help="answer 404 for /metrics")
+    # Not flags: cli.py reads them from --api-key / --api-key-file and --allowed-hosts with --host.
+    api_key: str | None = option(None, flag=False, repr=False)
+    allowed_hosts: tuple[str, ...] | None = option(None, flag=False)
 
     def __post_init__(self) -> None:
         check_batch_rows(self.batch_rows)

@@ -60,31 +60,32 @@ def test_prompt_lengths_are_drawn_from_the_range_and_seeded():
     assert {len(p) for p in random_prompts(BenchConfig(requests=5, prompt_len=(7, 7)), 100)} == {7}
 
 
-def test_a_started_server_gets_the_decoding_options():
-    """``serve_arguments`` parsed back by ``tfport serve``'s own parser gives the same settings."""
-    import argparse
-    import dataclasses
-
-    from tfport.runtime.serve.bench import DECODING_FLAGS, serve_arguments
-    from tfport.runtime.serve.cli import _options, add_parsers
+def test_a_started_server_gets_the_options(monkeypatch):
+    """The server ``start_server`` runs is given bench-serve's options: its command line, parsed
+    by ``tfport serve``'s own parser, gives the same options (tests/runtime/serve/test_options.py
+    checks every option)."""
+    from tfport.cli import build_parser
+    from tfport.runtime.serve import bench
+    from tfport.runtime.serve.cli import _options
     from tfport.runtime.serve.options import ServeOptions
+
+    class Started(Exception):
+        pass
+
+    def popen(command, **_):
+        raise Started(command)
 
     wanted = ServeOptions(max_rows=4, threads=2, max_length=300, prefix_cache_mb=0, prefill_chunk=None,
                           speculative="lookup", draft_tokens=3, speculative_inexact=True, timeout=30.0,
-                          batch_export="another-export", batch_rows=5)
-    parser = argparse.ArgumentParser()
-    add_parsers(parser.add_subparsers(dest="command"))
-    got = _options(parser.parse_args(["serve", "some-export", *serve_arguments(wanted)]))
-    for _, name in DECODING_FLAGS:
-        assert getattr(got, name) == getattr(wanted, name), name
-    assert serve_arguments(ServeOptions()) == []
-    # Every other option is about requests, connections or what is exposed, not how tokens are
-    # decoded: a new option must be placed on one side (a started server once lost --batch-export).
-    others = {"max_body_bytes", "max_inputs", "max_messages", "max_prompt_chars", "api_key", "allowed_hosts", "ui",
-              "embedding_batch_ms", "embedding_batch_tokens", "header_timeout", "body_timeout",
-              "keep_alive_timeout", "limit_concurrency", "shutdown_timeout", "cors_origins", "docs", "metrics"}
-    fields = {f.name for f in dataclasses.fields(ServeOptions)}
-    assert fields - others == {name for _, name in DECODING_FLAGS}
+                          batch_export="another-export", batch_rows=5, max_prompt_chars=100,
+                          embedding_batch_ms=0.0)
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    with pytest.raises(Started) as started:
+        bench.start_server("some-export", wanted, name="m")
+    command = started.value.args[0]
+    assert command[1:5] == ["-m", "tfport.cli", "serve", "some-export"], command
+    args = build_parser("serve").parse_args(command[3:])
+    assert _options(args) == wanted and (args.host, args.names) == ("127.0.0.1", ["m"])
 
 
 @pytest.mark.parametrize("exact", [True, False])
