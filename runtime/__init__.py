@@ -13,13 +13,14 @@ from .decoding.concat import DecodeState, decoder_forward
 from .generation import generate_steps, sample_loop
 from .inputs import pad_batch, positions_from_mask, split_prompts
 from .model import Model, load_model
+from .request import Request
 from .sampling import (SamplingParams, apply_temperature, make_rng, next_token, sample, softmax,
                        top_k_filter, top_p_filter)
 from .session import PROVIDERS, SessionSettings, open_session
 from .tokenizer import TextTokenizer
 
 __all__ = [
-    "Model", "load_model", "SessionSettings", "PROVIDERS", "open_session",
+    "Model", "load_model", "Request", "SessionSettings", "PROVIDERS", "open_session",
     "SamplingParams", "make_rng", "next_token", "apply_temperature", "top_k_filter",
     "top_p_filter", "softmax", "sample",
     "DecodeState", "decoder_forward", "generate_steps", "sample_loop", "DecodeStrategy",

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from tfport.contract import CHAT_TEMPLATE_FILE
 
-from .decoding.grammar import KINDS
+from .request import LIBRARY_CHAT, Request, split_request
 from .tokenizer import TextStream, TextTokenizer
 from .tool_parser import ToolCallParser, parse_reply
 from .tools import CallDelta, ChatReply, ToolFormat, ToolRequest, template_message, tool_request
@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 
 Messages = Sequence[Mapping[str, Any]]
 _PROBE = "\u2063tfport-probe\u2063"  # an assistant message's content, to find what follows it
-DEFAULT_MAX_NEW_TOKENS = 256
 
 
 def _jinja():
@@ -211,57 +210,56 @@ def chat_format(model: "Model") -> ChatFormat:
     return fmt
 
 
-def chat_stream(model: "Model", messages: Messages, *, tools: Any = None, tool_choice: Any = None,
-                parallel_tool_calls: bool = True, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-                **generate_kwargs: Any) -> Iterator[str | CallDelta]:
+def chat_stream(model: "Model", messages: Messages, request: Request | None = None, *, tools: Any = None,
+                tool_choice: Any = None, parallel_tool_calls: bool = True,
+                **options: Any) -> Iterator[str | CallDelta]:
     """The assistant's reply to ``messages``, one str per generated token: the text that became
     complete with it ("" while a character's bytes are incomplete, or while a byte-level decode
     would rewrite text already yielded). Ends at an end-of-turn token (never shown) or after
-    ``max_new_tokens``. ``generate_kwargs``: ``temperature``, ``top_k``, ``top_p``, ``seed``,
-    ``stop_token_ids`` (default: the end-of-turn ids and EOS), ``json_schema`` / ``regex`` /
-    ``grammar``.
+    ``max_new_tokens`` (default 256, ``request.LIBRARY_CHAT``). ``request`` and ``options``: as
+    ``Model.generate`` takes them (``stop_token_ids`` default to the end-of-turn ids and EOS).
 
     With ``tools`` (and ``tool_choice`` other than "none") the reply is parsed as it comes:
     content as str pieces, calls as ``tools.CallDelta`` items (see ``tool_parser.ToolCallParser``).
     ``tool_choice`` "required" or ``{"type": "function", "function": {"name": ...}}`` forces a
     call by grammar, so it takes no other constraint; ``parallel_tool_calls=False`` allows one."""
-    texts, tool_format = _reply_texts(model, messages, tools, tool_choice, parallel_tool_calls,
-                                      max_new_tokens, generate_kwargs)
+    texts, tool_format = _reply_texts(model, messages, request, tools, tool_choice, parallel_tool_calls,
+                                      options)
     return texts if tool_format is None else _parsed(texts, ToolCallParser(tool_format))
 
 
-def chat(model: "Model", messages: Messages, *, tools: Any = None, tool_choice: Any = None,
-         parallel_tool_calls: bool = True, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-         **generate_kwargs: Any) -> str | ChatReply:
+def chat(model: "Model", messages: Messages, request: Request | None = None, *, tools: Any = None,
+         tool_choice: Any = None, parallel_tool_calls: bool = True, **options: Any) -> str | ChatReply:
     """The assistant's reply to ``messages`` as one str (see ``chat_stream``); with ``tools``,
     a ``ChatReply`` with the calls parsed (``tool_parser.parse_reply``)."""
-    texts, tool_format = _reply_texts(model, messages, tools, tool_choice, parallel_tool_calls,
-                                      max_new_tokens, generate_kwargs)
+    texts, tool_format = _reply_texts(model, messages, request, tools, tool_choice, parallel_tool_calls,
+                                      options)
     text = "".join(texts)
     if tools is None:
         return text
     return ChatReply(*parse_reply(tool_format, text)) if tool_format else ChatReply(text, [])
 
 
-def _reply_texts(model: "Model", messages: Messages, tools: Any, tool_choice: Any,
-                 parallel_tool_calls: bool, max_new_tokens: int, generate_kwargs: dict[str, Any]
+def _reply_texts(model: "Model", messages: Messages, request: Request | None, tools: Any, tool_choice: Any,
+                 parallel_tool_calls: bool, options: dict[str, Any]
                  ) -> tuple[Iterator[str], ToolFormat | None]:
     """The reply's text pieces (markers that are special tokens shown) and the tool-call format
     to parse them in (None: plain content); arguments as ``chat_stream``'s."""
     fmt = chat_format(model)
-    request = fmt.tool_request(tools, tool_choice, parallel_tool_calls)
-    if request.grammar is not None:
-        given = [name for name in KINDS if generate_kwargs.get(name) is not None]
-        if given:
+    options, rest = split_request(options)
+    request = Request.of(request, **options)
+    tool_request = fmt.tool_request(tools, tool_choice, parallel_tool_calls)
+    if tool_request.grammar is not None:
+        if request.constraint:
             raise ValueError(f"tool_choice={tool_choice!r:.60}: forces a call by grammar; it takes "
-                             f"no {', '.join(given)} too")
-        generate_kwargs = {**generate_kwargs, "grammar": request.grammar}
-    prompt = fmt.prompt_ids(messages, **({"tools": request.tools} if request.tools else {}))
-    stops = generate_kwargs.pop("stop_token_ids", None)
-    stops = fmt.stop_ids if stops is None else model.stop_ids(stops)
-    steps = model.stream([prompt], max_new_tokens=max_new_tokens, stop_token_ids=stops,
-                         **generate_kwargs)
-    markers = fmt.marker_ids(request.format) if request.format is not None else {}
+                             f"no {', '.join(request.constraint)} too")
+        request = request.replace(grammar=tool_request.grammar)
+    prompt = fmt.prompt_ids(messages, **({"tools": tool_request.tools} if tool_request.tools else {}))
+    stops = fmt.stop_ids if request.stop_token_ids is None else model.stop_ids(request.stop_token_ids)
+    request = request.replace(stop_token_ids=stops, max_new_tokens=request.max_new_tokens or
+                              LIBRARY_CHAT.max_new_tokens)
+    steps = model.stream([prompt], None, request, **rest)
+    markers = fmt.marker_ids(tool_request.format) if tool_request.format is not None else {}
 
     def texts() -> Iterator[str]:
         text = TextStream(fmt.tokenizer)
@@ -274,7 +272,7 @@ def _reply_texts(model: "Model", messages: Messages, tools: Any, tool_choice: An
         if tail:
             yield tail
 
-    return texts(), request.format
+    return texts(), tool_request.format
 
 
 def _parsed(texts: Iterator[str], parser: ToolCallParser) -> Iterator[str | CallDelta]:

@@ -24,6 +24,7 @@ from tfport.integrity import VERIFY_MODES
 
 from .decoding.speculative import Speculation, SpeculationStats, names_draft_model, open_drafter
 from .model import Model, load_model
+from .request import LIBRARY, LIBRARY_CHAT
 from .text_methods import cut_at_stop
 from .encoding import POOLINGS
 from .session import PROVIDERS
@@ -160,7 +161,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
                                 help="continue prompts with a decoder or seq2seq export",
                                 description="Greedy or sampled generation with ONNX Runtime.")
     _add_common(gen)
-    gen.add_argument("--max-new-tokens", type=ascii_int, default=16)
+    gen.add_argument("--max-new-tokens", type=ascii_int, default=None,
+                     help=f"new tokens per prompt (default {LIBRARY.max_new_tokens})")
     gen.add_argument("--temperature", type=float, default=None,
                      help="0 is greedy (default: the export's generation_config.json, else greedy)")
     gen.add_argument("--top-k", type=ascii_int, default=None,
@@ -189,7 +191,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     chat.add_argument("--message", help="answer this one message and exit (no prompt, no loop)")
     _add_speculative(chat)
     _add_constraint(chat)
-    chat.add_argument("--max-new-tokens", type=positive_int, default=256, help="per reply (default 256)")
+    chat.add_argument("--max-new-tokens", type=positive_int, default=None,
+                      help=f"per reply (default {LIBRARY_CHAT.max_new_tokens})")
     chat.add_argument("--temperature", type=float, default=None,
                       help="0 is greedy (default: the export's generation_config.json, else greedy)")
     chat.add_argument("--top-k", type=ascii_int, default=None,
@@ -249,7 +252,7 @@ def run_generate(args: argparse.Namespace) -> int:
         _stream(model, prompts, options, text)
         _report_speculation(options)
         return 0
-    progress = args.max_new_tokens >= PROGRESS_MIN_TOKENS
+    progress = (args.max_new_tokens or LIBRARY.max_new_tokens) >= PROGRESS_MIN_TOKENS
     tokens = model.generate(prompts, progress=progress, **options)
     _report_speculation(options)
     stops = model.stop_ids(args.stop)

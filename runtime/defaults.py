@@ -1,15 +1,12 @@
-"""What a decoding request leaves out, resolved in one place: the caller's value, else the
-export's ``generation_config.json`` (``tfport.generation.GenerationDefaults``), else the config's
-(eos), else the library's (greedy). ``Model.generate`` / ``stream`` / ``chat``, the CLI and the
-server all ask ``Model.defaults`` (``Model.sampling``, ``stop_ids`` and ``forced_tokens`` are its
-methods), and ``sequence_state`` turns the resolved values into the engine's per-sequence state.
+"""What an export says a decoding request leaves out (``RequestDefaults``: its
+``generation_config.json``, ``tfport.generation.GenerationDefaults``, else the config's eos), the
+APIs' sampling defaults (``GREEDY``, ``OPENAI``), and ``sequence_states``, which turns a resolved
+request into the engine's per-sequence state. ``request.Request`` resolves against these.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
-
 import numpy as np
 
 from tfport.config import ModelConfig
@@ -22,103 +19,40 @@ from .sampling import Penalties, SamplingParams, make_rng
 # greedy (as transformers' generate); the OpenAI API's documented default is temperature 1.
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
 OPENAI = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-# Options of ``SamplingParams`` a request may set: off unless it asks, but for
-# ``repetition_penalty``, which defaults to the export's generation_config.json.
-REQUEST_OPTIONS = frozenset({"min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                             "logit_bias"})
 
 
 class RequestDefaults:
-    """The defaults of one export: its ``config`` and ``generation`` (generation_config.json, or
-    None)."""
+    """What one export says a request leaves out: its ``config`` (eos) and ``generation``
+    (generation_config.json, or None). ``request.Request`` resolves against it."""
 
     def __init__(self, config: ModelConfig, generation: GenerationDefaults | None):
         self.config = config
         self.generation = generation
 
-    def sampling(self, temperature: float | None = None, top_k: int | None = None,
-                 top_p: float | None = None, *, unsaid: dict = GREEDY) -> dict:
-        """The sampling arguments a request decodes with: those given; the rest from the export's
-        generation_config.json where it samples (``do_sample: true``); else ``unsaid``, the
-        caller's API default: greedy for the library (``generate``, ``chat``, the CLI), OpenAI's
+    def sampling(self, unsaid: Mapping[str, float] = GREEDY) -> dict:
+        """``temperature``, ``top_k`` and ``top_p`` from generation_config.json where it samples
+        (``do_sample: true``), else ``unsaid``, the API's: greedy for the library, OpenAI's
         temperature 1 for the server (``OPENAI``)."""
         sampled = self.generation is not None and self.generation.do_sample
-        defaults = self.generation.sampling if sampled else unsaid
-        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-        return {k: defaults[k] if v is None else v for k, v in given.items()}
+        return dict(self.generation.sampling if sampled else unsaid)
 
-    def params(self, temperature: float | None = None, top_k: int | None = None,
-               top_p: float | None = None, *, unsaid: dict = GREEDY, **options: Any) -> SamplingParams:
-        """The ``SamplingParams`` a request decodes with: ``sampling``'s three, and ``options``
-        (``min_p``, ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
-        ``logit_bias``) where not None, else off (``repetition_penalty``: the export's
-        generation_config.json, else off). ``ValueError`` naming a bad one."""
-        unknown = sorted(set(options) - REQUEST_OPTIONS)
-        if unknown:
-            raise TypeError(f"unexpected sampling option(s) {unknown}: expected {sorted(REQUEST_OPTIONS)}")
-        given = {k: v for k, v in options.items() if v is not None}
-        if self.generation is not None:
-            given.setdefault("repetition_penalty", self.generation.repetition_penalty)
-        if "logit_bias" in given:
-            given["logit_bias"] = dict(given["logit_bias"])
-        return SamplingParams(**self.sampling(temperature, top_k, top_p, unsaid=unsaid), **given)
+    @property
+    def repetition_penalty(self) -> float | None:
+        """generation_config.json's repetition penalty (None: without one)."""
+        return None if self.generation is None else self.generation.repetition_penalty
 
-    def stop_ids(self, stop_token_ids: Sequence[int] | None = None) -> tuple[int, ...]:
-        """The stop ids ``generate`` uses: ``stop_token_ids`` checked, else every eos id of the
-        export's generation_config.json, else the config's eos."""
-        if stop_token_ids is None:
-            if self.generation is not None and self.generation.eos_token_ids:
-                return self.generation.eos_token_ids
-            eos = self.config.eos_token_id
-            return () if eos is None else (eos,)
-        if isinstance(stop_token_ids, np.ndarray):
-            stop_token_ids = stop_token_ids.tolist() if stop_token_ids.ndim == 1 else stop_token_ids
-        if isinstance(stop_token_ids, (int, str)) or not isinstance(stop_token_ids, Sequence):
-            raise TypeError(f"stop_token_ids={stop_token_ids!r}: expected a sequence of token "
-                            "ids (or None for the config's eos_token_id)")
-        odd = [i for i in stop_token_ids if isinstance(i, bool) or not isinstance(i, (int, np.integer))]
-        if odd:
-            raise TypeError(f"stop_token_ids: {odd} are not integer token ids")
-        stops = tuple(int(i) for i in stop_token_ids)
-        bad = [i for i in stops if not 0 <= i < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids: {bad} outside [0, {self.config.vocab_size})")
-        return stops
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every eos id of generation_config.json, else the config's eos (``()``: none)."""
+        if self.generation is not None and self.generation.eos_token_ids:
+            return self.generation.eos_token_ids
+        eos = self.config.eos_token_id
+        return () if eos is None else (eos,)
 
-
-    def forced_tokens(self, forced_bos_token_id: int | tuple[()] | None = None,
-                      forced_eos_token_id: int | Sequence[int] | None = None, max_new_tokens: int = 16,
-                      one_token_start: bool = True) -> dict[int, tuple[int, ...]]:
-        """The steps ``generate`` forces -> the ids allowed there, as transformers' ForcedBOS /
-        ForcedEOS logits processors do: ``forced_bos_token_id`` at step 0 when the decoder starts
-        from one token (``one_token_start``: a seq2seq model's start token, or a one-token
-        prompt), ``forced_eos_token_id`` (an id or several) at the last of ``max_new_tokens``
-        steps, where transformers' ``max_length`` (prompt + ``max_new_tokens``) runs out; a forced
-        eos wins when both fall on one step. Each None takes the export's generation_config.json
-        (none without one); ``()`` forces nothing."""
+    def forced(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """generation_config.json's forced ids: (the first token's, the last step's)."""
         defaults = self.generation or GenerationDefaults()
-        bos = self._forced_ids("forced_bos_token_id", forced_bos_token_id,
-                               () if defaults.forced_bos_token_id is None else (defaults.forced_bos_token_id,))
-        if len(bos) > 1:
-            raise ValueError(f"forced_bos_token_id={forced_bos_token_id!r}: expected one token id, () or None")
-        eos = self._forced_ids("forced_eos_token_id", forced_eos_token_id, defaults.forced_eos_token_ids)
-        forced = {0: bos} if bos and one_token_start else {}
-        if eos:
-            forced[max_new_tokens - 1] = eos
-        return forced
-
-    def _forced_ids(self, argument: str, value, default: tuple[int, ...]) -> tuple[int, ...]:
-        if value is None:
-            return default
-        ids = [value] if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else value
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) \
-                or any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
-            raise TypeError(f"{argument}={value!r}: expected a token id, a sequence of them, () for "
-                            "none or None for the export's")
-        bad = [int(i) for i in ids if not 0 <= i < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"{argument}: {bad} outside [0, {self.config.vocab_size})")
-        return tuple(int(i) for i in ids)
+        bos = defaults.forced_bos_token_id
+        return (() if bos is None else (bos,)), tuple(defaults.forced_eos_token_ids)
 
 
 def sequence_states(count: int, params: SamplingParams, seed: int | np.random.Generator | None,

@@ -12,9 +12,8 @@ each row of a batch gets its unbatched result.
 from __future__ import annotations
 
 import logging
-import os
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +28,11 @@ from tfport.manifest import Manifest
 from .binding import GraphRunner
 from .decoding import LayoutDecoding, decoding_for
 from .decoding.engine import SequenceState
-from .decoding.grammar import KINDS, compile_constraint
+from .decoding.grammar import compile_constraint
 from .decoding.prefix import DEFAULT_MB, PrefixCache
-from .decoding.speculative import Speculation, SpeculationStats, speculate
+from .decoding.speculative import SpeculationStats, speculate
 from .defaults import RequestDefaults, sequence_states
+from .request import Request
 from .encoding import EncoderMethods
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
@@ -168,177 +168,148 @@ class Model(EncoderMethods, TextMethods):
         return tokenizer
 
     # -------------------------------------------------------------------------------- generation
-    def stream(self, input_ids: Prompts, attention_mask: np.ndarray | None = None, *,
-               max_new_tokens: int = 16, stop_token_ids: Sequence[int] | None = None,
-               temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-               seed: int | np.random.Generator | None = None,
-               forced_bos_token_id: int | tuple[()] | None = None,
-               forced_eos_token_id: int | Sequence[int] | None = None,
-               speculative: "Speculation | str | os.PathLike | Model | None" = None,
-               draft_tokens: int | None = None,
-               speculation: SpeculationStats | None = None,
-               min_p: float | None = None, repetition_penalty: float | None = None,
-               presence_penalty: float | None = None, frequency_penalty: float | None = None,
-               logit_bias: Mapping[int, float] | None = None,
-               logprobs: Logprobs | None = None, json_schema: Any = None,
-               regex: str | None = None, grammar: str | None = None) -> Iterator[np.ndarray]:
+    def stream(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
+               request: Request | None = None, *, logprobs: Logprobs | None = None,
+               speculation: SpeculationStats | None = None, **options: Any) -> Iterator[np.ndarray]:
         """Tokens int64 [B] per step, as they are produced (see ``generate`` for arguments).
 
         Arguments are checked now, before the first token is asked for.
         """
+        return self._steps(input_ids, attention_mask, Request.of(request, **options), logprobs,
+                           speculation)[0]
+
+    def _steps(self, input_ids: Prompts, attention_mask: np.ndarray | None, request: Request,
+               logprobs: Logprobs | None, speculation: SpeculationStats | None
+               ) -> tuple[Iterator[np.ndarray], int]:
+        """``request`` resolved for these prompts -> (its steps, the new tokens asked per row)."""
         runner = self.runner("decoder", "generate")
         config = self.config
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected a positive integer")
-        if logprobs is not None and not isinstance(logprobs, Logprobs):
-            raise TypeError(f"logprobs={logprobs!r}: expected a tfport.runtime.sampling.Logprobs "
-                            "(e.g. Logprobs(top=5)), which collects them, or None")
-        params = self.defaults.params(temperature, top_k, top_p, min_p=min_p,
-                                      repetition_penalty=repetition_penalty,
-                                      presence_penalty=presence_penalty,
-                                      frequency_penalty=frequency_penalty, logit_bias=logit_bias)
-        stops = self.stop_ids(stop_token_ids)
+        if logprobs is not None:
+            if not isinstance(logprobs, Logprobs):
+                raise TypeError(f"logprobs={logprobs!r}: expected a tfport.runtime.sampling.Logprobs "
+                                "(e.g. Logprobs(top=5)), which collects them, or None")
+            request = request.replace(top_logprobs=logprobs.top)
+        params = request.params(self.defaults)
+        stops = request.stop_ids(self.defaults)
         rows = split_prompts(input_ids, attention_mask)
         check_vocab(rows, config.vocab_size)
-        first, static = self._first_decoder_inputs(rows, int(max_new_tokens))
-        forced = self.forced_tokens(forced_bos_token_id, forced_eos_token_id, int(max_new_tokens),
-                                    one_token_start=max(len(row) for row in first) == 1)
-        states = sequence_states(len(first), params, seed, int(max_new_tokens), stops, forced,
-                                 prompts=first, vocab_size=config.vocab_size,
-                                 logprobs=None if logprobs is None else logprobs.top)
+        longest = max(len(row) for row in rows)
+        check_length("input_ids", longest, config.max_positions, "the longest prompt")
+        max_new_tokens = request.token_budget(longest, config.max_positions,
+                                              seq2seq=config.family == "encoder-decoder")
+        first, static = self._first_decoder_inputs(rows)
+        forced = request.forced(self.defaults, max_new_tokens,
+                                one_token_start=max(len(row) for row in first) == 1)
+        states = sequence_states(len(first), params, request.seed, max_new_tokens, stops, forced,
+                                 prompts=first, vocab_size=config.vocab_size, logprobs=request.top_logprobs)
         if logprobs is not None:
             logprobs.rows = [state.token_logprobs for state in states]  # filled as rows decode
-        self._constrain(states, json_schema, regex, grammar)
-        if speculative is not None:
-            return speculate(self, first, states, speculative, draft_tokens, speculation)
-        if draft_tokens is not None:
-            raise ValueError(f"draft_tokens={draft_tokens!r}: applies with speculative=...")
-        return generate_steps(self.decoding.strategy, runner, first, states, config.fill_token_id, static,
-                              self.prefix_cache)
+        self._constrain(states, request)
+        if request.speculative is not None:
+            steps = speculate(self, first, states, request.speculative, request.draft_tokens, speculation)
+        else:
+            steps = generate_steps(self.decoding.strategy, runner, first, states, config.fill_token_id,
+                                   static, self.prefix_cache)
+        return steps, max_new_tokens
 
-    def _constrain(self, states: Sequence[SequenceState], json_schema: Any, regex: str | None,
-                   grammar: str | None) -> None:
-        """Give each row its own processor of the constraint asked for, if any
-        (``decoding.grammar``): it allows only output that ``json_schema`` / ``regex`` /
+    def _constrain(self, states: Sequence[SequenceState], request: Request) -> None:
+        """Give each row its own processor of the request's constraint, if any
+        (``decoding.grammar``): it allows only output that the ``json_schema`` / ``regex`` /
         ``grammar`` accepts, and ends the row at its stop ids once the output is complete."""
-        if json_schema is None and regex is None and grammar is None:
+        constraint = request.constraint
+        if not constraint:
             return
-        argument = next(name for name, value in zip(KINDS, (json_schema, regex, grammar)) if value is not None)
-        constraint = compile_constraint(self.text_tokenizer(argument), self.config.vocab_size,
-                                        json_schema=json_schema, regex=regex, grammar=grammar)
+        compiled = compile_constraint(self.text_tokenizer(next(iter(constraint))), self.config.vocab_size,
+                                      **constraint)
         for state in states:
-            state.processors = (*state.processors, constraint.processor(state.stop_ids))
+            state.processors = (*state.processors, compiled.processor(state.stop_ids))
 
     def sampling(self, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None) -> dict:
-        """The sampling arguments ``generate`` uses (``RequestDefaults.sampling``)."""
-        return self.defaults.sampling(temperature, top_k, top_p)
+        """The sampling arguments ``generate`` uses (``Request.sampling``)."""
+        return Request(temperature=temperature, top_k=top_k, top_p=top_p).sampling(self.defaults)
 
     def stop_ids(self, stop_token_ids: Sequence[int] | None = None) -> tuple[int, ...]:
-        """The stop ids ``generate`` uses (``RequestDefaults.stop_ids``)."""
-        return self.defaults.stop_ids(stop_token_ids)
+        """The stop ids ``generate`` uses (``Request.stop_ids``)."""
+        return Request(stop_token_ids=stop_token_ids).stop_ids(self.defaults)
 
     def forced_tokens(self, forced_bos_token_id: int | tuple[()] | None = None,
                       forced_eos_token_id: int | Sequence[int] | None = None, max_new_tokens: int = 16,
                       one_token_start: bool = True) -> dict[int, tuple[int, ...]]:
-        """The steps ``generate`` forces -> the ids allowed there (``RequestDefaults.forced_tokens``)."""
-        return self.defaults.forced_tokens(forced_bos_token_id, forced_eos_token_id, max_new_tokens,
-                                           one_token_start)
+        """The steps ``generate`` forces -> the ids allowed there (``Request.forced``)."""
+        return Request(forced_bos_token_id=forced_bos_token_id, forced_eos_token_id=forced_eos_token_id
+                       ).forced(self.defaults, max_new_tokens, one_token_start)
 
-    def _first_decoder_inputs(self, rows: list[np.ndarray], max_new_tokens: int
-                              ) -> tuple[list[np.ndarray], dict]:
+    def _first_decoder_inputs(self, rows: list[np.ndarray]) -> tuple[list[np.ndarray], dict]:
         """Checked prompts -> the first decoder call's rows and the per-request static inputs:
         the prompts for decoders; for seq2seq the decoder start token per row, with the encoder
         run once for the cross-attention K/V."""
         config = self.config
-        longest = max(len(row) for row in rows)
-        limit = config.max_positions
         if config.family == "encoder-decoder":
-            check_length("input_ids", longest, limit, "the longest prompt")
-            check_length("max_new_tokens", max_new_tokens, limit,
-                         "decoder start token plus generated tokens")
             encoder_ids, encoder_mask = pad_batch(rows, config.fill_token_id, "right")
             static = self._cross_attention(encoder_ids, encoder_mask)
             start = np.array([config.decoder_start_token_id], dtype=np.int64)
             return [start] * len(rows), static
-        # The prompt fills positions 0..longest-1; every new token but the last is fed back.
-        check_length("input_ids", longest, limit, "the longest prompt")
-        check_length("max_new_tokens", longest + max_new_tokens - 1, limit,
-                     f"longest prompt {longest} + max_new_tokens {max_new_tokens} - 1 (the last "
-                     f"token is not fed back); lower max_new_tokens to at most {limit - longest + 1}")
         return rows, {}
 
-    def generate(self, input_ids: Prompts, attention_mask: np.ndarray | None = None, *,
-                 max_new_tokens: int = 16, stop_token_ids: Sequence[int] | None = None,
-                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | np.random.Generator | None = None,
-                 forced_bos_token_id: int | tuple[()] | None = None,
-                 forced_eos_token_id: int | Sequence[int] | None = None,
-                 speculative: "Speculation | str | os.PathLike | Model | None" = None,
-                 draft_tokens: int | None = None, speculation: SpeculationStats | None = None,
-                 min_p: float | None = None, repetition_penalty: float | None = None,
-                 presence_penalty: float | None = None, frequency_penalty: float | None = None,
-                 logit_bias: Mapping[int, float] | None = None, logprobs: Logprobs | None = None,
-                 json_schema: Any = None, regex: str | None = None, grammar: str | None = None,
-                 callback: StepCallback | None = None, progress: bool = False) -> np.ndarray:
+    def generate(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
+                 request: Request | None = None, *, logprobs: Logprobs | None = None,
+                 speculation: SpeculationStats | None = None, callback: StepCallback | None = None,
+                 progress: bool = False, **options: Any) -> np.ndarray:
         """Continue prompts -> generated tokens int64 [B, N], N <= max_new_tokens.
 
         ``input_ids``: ragged id lists, or int array [B, S] with an optional 0/1
         ``attention_mask`` [B, S] (padding on either side). For encoder-decoder models the
         prompts are the encoder input and decoding starts from ``decoder_start_token_id``.
-        ``stop_token_ids`` default to the export's generation_config.json eos ids (all of them),
-        else the config's ``eos_token_id`` (``()`` never stops early);
-        generation ends when every row has produced one, and finished rows continue with
-        ``pad_token_id`` (``config.fill_token_id``: eos where pad is null). ``temperature`` 0 is greedy; otherwise sampling with ``top_k`` /
-        ``top_p`` from ``seed``; each left at None takes the export's generation_config.json
-        default (greedy when it has none or says ``do_sample: false``) (an int or a ``numpy.random.Generator``). ``callback(step,
-        tokens [B])`` runs after each step; ``progress`` shows a tqdm bar on stderr.
-        ``forced_bos_token_id`` (the first token of a seq2seq model: mBART-50's target language)
-        and ``forced_eos_token_id`` (the only choice at the last step) default to the export's
-        generation_config.json, as transformers' generate does; ``()`` forces nothing
-        (``forced_tokens``).
+
+        What to decode is a ``request`` (``tfport.runtime.Request``), its fields given as keyword
+        arguments, or both (the keywords win): ``max_new_tokens`` (default 16),
+        ``stop_token_ids`` (default: the export's generation_config.json eos ids, all of them,
+        else the config's ``eos_token_id``; ``()`` never stops early), ``temperature`` (0 is
+        greedy), ``top_k``, ``top_p``, ``min_p``, ``seed`` (an int or a
+        ``numpy.random.Generator``), ``forced_bos_token_id`` (the first token of a seq2seq model:
+        mBART-50's target language) and ``forced_eos_token_id`` (the only choice at the last
+        step), each left out taking the export's generation_config.json default, else greedy /
+        none, as transformers' generate does. Generation ends when every row has produced a stop
+        id; finished rows continue with ``pad_token_id`` (``config.fill_token_id``: eos where pad
+        is null).
 
         ``speculative`` decodes speculatively (``decoding.speculative``): ``"lookup"`` proposes
         from n-gram matches in the prompt and output, a draft export's directory (or ``Model``)
         from a smaller model with the same vocabulary; up to ``draft_tokens`` (default 8) per
         step, K adapted to the acceptance rate and the measured cost of verifying (a
-        ``Speculation`` says all three, and can fix K). Greedy tokens
-        are plain greedy decoding's; sampled ones follow the same distribution (not the same
-        draws). ``speculation`` (a ``SpeculationStats``) collects proposed / accepted counts.
+        ``Speculation`` says all three, and can fix K). Greedy tokens are plain greedy
+        decoding's; sampled ones follow the same distribution (not the same draws).
         Decoder-only exports with every position's logits (``logits="all"``).
 
         Penalties, as OpenAI / transformers / vLLM define them (``tfport.runtime.sampling``):
         ``logit_bias`` {token id: bias in [-100, 100]} added to the logits,
         ``repetition_penalty`` (> 0, 1 off; default: generation_config.json's, else 1) on every
-        token of the prompt and the output,
-        ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]) on the output's token counts;
-        they change greedy picks too. ``min_p`` (in [0, 1]) drops tokens less likely than
-        ``min_p`` times the most likely one when sampling. ``logprobs`` (a ``Logprobs``)
-        collects each generated token's log-probability under the model (the log-softmax of
-        its raw logits, before penalties and temperature) and its ``top`` alternatives'.
+        token of the prompt and the output, ``presence_penalty`` / ``frequency_penalty`` (in
+        [-2, 2]) on the output's token counts; they change greedy picks too. ``min_p`` (in
+        [0, 1]) drops tokens less likely than ``min_p`` times the most likely one when sampling.
 
         Structured output (``decoding.grammar``, needs the export's tokenizer.json and
         llguidance): ``json_schema`` (a dict or its JSON text), ``regex`` or ``grammar`` (Lark
         text as llguidance takes it) constrain every row: only tokens that keep its output inside
         are picked, and the row's stop ids end it once the output is complete (a row cut by
         ``max_new_tokens`` may be incomplete). Works with every option above, speculation included.
+
+        What is collected, besides the tokens: ``logprobs`` (a ``Logprobs``) each generated
+        token's log-probability under the model (the log-softmax of its raw logits, before
+        penalties and temperature) and its ``top`` alternatives'; ``speculation`` (a
+        ``SpeculationStats``) proposed / accepted counts. ``callback(step, tokens [B])`` runs
+        after each step; ``progress`` shows a tqdm bar on stderr.
         """
         if callback is not None and not callable(callback):
             raise TypeError(f"callback={callback!r}: expected a function callback(step, tokens) "
                             "or None")
         if not isinstance(progress, (bool, np.bool_)):
             raise TypeError(f"progress={progress!r}: expected true or false")
-        steps = self.stream(input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                            stop_token_ids=stop_token_ids, temperature=temperature, top_k=top_k,
-                            top_p=top_p, seed=seed, forced_bos_token_id=forced_bos_token_id,
-                            forced_eos_token_id=forced_eos_token_id, speculative=speculative,
-                            draft_tokens=draft_tokens, speculation=speculation, min_p=min_p,
-                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty, logit_bias=logit_bias,
-                            logprobs=logprobs, json_schema=json_schema, regex=regex, grammar=grammar)
+        steps, max_new_tokens = self._steps(input_ids, attention_mask, Request.of(request, **options),
+                                            logprobs, speculation)
         tokens = []
-        with tqdm(total=int(max_new_tokens), desc="generate", unit="tok", file=sys.stderr,
+        with tqdm(total=max_new_tokens, desc="generate", unit="tok", file=sys.stderr,
                   disable=not progress, leave=False) as bar:
             for step, token in enumerate(steps):
                 tokens.append(token)

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .decoding.grammar import KINDS, constraint_arguments
+from .request import Request, split_request
 from .tools import CallDelta, ChatReply
 
 
@@ -19,15 +20,19 @@ class TextMethods:
     """``Model``'s text-in, text-out methods. Uses the model's ``text_tokenizer``, ``generate``
     and ``stop_ids``; the chat module is imported when a chat starts (it needs jinja2)."""
 
-    def generate_text(self, prompts: str | Sequence[str], **kwargs: Any) -> str | list[str]:
+    def generate_text(self, prompts: str | Sequence[str], request: Request | None = None,
+                      **kwargs: Any) -> str | list[str]:
         """Generate from text prompt(s) -> the continuation text(s) (one per prompt).
 
-        Keyword arguments are those of ``generate``; text stops before the first stop token.
+        ``request`` and keyword arguments are those of ``generate``; text stops before the first
+        stop token.
         """
         tokenizer = self.text_tokenizer("prompts")
         single = isinstance(prompts, str)
-        tokens = self.generate(tokenizer.encode_batch(prompts, "prompts"), **kwargs)
-        stops = self.stop_ids(kwargs.get("stop_token_ids"))
+        options, rest = split_request(kwargs)
+        request = Request.of(request, **options)
+        tokens = self.generate(tokenizer.encode_batch(prompts, "prompts"), None, request, **rest)
+        stops = request.stop_ids(self.defaults)
         texts = [tokenizer.decode(cut_at_stop(row, stops)) for row in tokens]
         return texts[0] if single else texts
 

@@ -241,16 +241,16 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         served = state().get(body.model)
         served.require(("decoder", "encoder-decoder"), "/v1/completions")
-        prompts, max_tokens, stop_ids = await offload(served.completion_inputs, body)
-        handles = served.submit(prompts, body, max_tokens, stop_ids, asyncio.get_running_loop())
+        prompts, decoding = await offload(served.completion_inputs, body)
+        handles = served.submit(prompts, body, decoding, asyncio.get_running_loop())
         return await Completion(served, body, handles, prompts, chat=False).respond(request)
 
     @app.post("/v1/chat/completions", responses=openapi.CHAT_COMPLETIONS)
     async def chat_completions(body: ChatRequest, request: Request):
         served = state().get(body.model)
         served.require("decoder", "/v1/chat/completions")
-        prompts, max_tokens, stop_ids = await offload(served.chat_inputs, body)
-        handles = served.submit(prompts, body, max_tokens, stop_ids, asyncio.get_running_loop())
+        prompts, decoding = await offload(served.chat_inputs, body)
+        handles = served.submit(prompts, body, decoding, asyncio.get_running_loop())
         return await Completion(served, body, handles, prompts, chat=True).respond(request)
 
     @app.post("/v1/responses", responses=openapi.RESPONSES)
@@ -259,7 +259,7 @@ def create_app(load_state: Callable[[], ServerState]) -> FastAPI:
         served = server.get(body.model)
         served.require("decoder", "/v1/responses")
         turn = await offload(ResponseTurn, served, body, server.responses)
-        handles = served.submit(turn.prompts, turn.chat, turn.max_tokens, turn.stop_ids,
+        handles = served.submit(turn.prompts, turn.chat, turn.decoding,
                                 asyncio.get_running_loop())
         return await turn.respond(handles, request)
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, Union
 
 from ..decoding.engine import LogitsProcessor
-from ..sampling import SamplingParams, TokenLogprob
+from ..request import Request
+from ..sampling import SamplingParams, TokenLogprob, check_bias_ids
 
 
 class QueueFull(RuntimeError):
@@ -23,13 +24,14 @@ class QueueFull(RuntimeError):
 
 @dataclass
 class GenerationRequest:
-    """One sequence to generate: ``prompt`` token ids, at most ``max_tokens`` new tokens, stop at
-    any of ``stop_ids`` (the stop token is reported, then the row ends); ``timeout`` seconds from
-    submission (None: no limit); ``logprobs``: each ``Token`` carries its log-probability and
-    that many alternatives (None: none)."""
+    """One sequence to generate: ``prompt`` token ids, at most ``max_new_tokens`` new tokens,
+    stop at any of ``stop_ids`` (the stop token is reported, then the row ends); ``timeout``
+    seconds from submission (None: no limit); ``logprobs``: each ``Token`` carries its
+    log-probability and that many alternatives (None: none). The server makes these from a
+    checked ``request.Request``; ``check`` checks one made by hand against a scheduler."""
 
     prompt: Sequence[int]
-    max_tokens: int = 16
+    max_new_tokens: int = 16
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
@@ -37,6 +39,25 @@ class GenerationRequest:
     logprobs: int | None = None
     # This row's own logits processors, after its penalties (a grammar: decoding.grammar).
     processors: tuple[LogitsProcessor, ...] = ()
+
+    def check(self, vocab_size: int, context: int, prompt_limit: int, seq2seq: bool = False) -> None:
+        """``ValueError`` naming the field unless this runs in ``context`` positions of a model
+        of ``vocab_size`` tokens, with a prompt of at most ``prompt_limit`` tokens: the token
+        budget as ``Request.token_budget`` checks a request's, with the same arithmetic."""
+        prompt = self.prompt
+        if len(prompt) == 0:
+            raise ValueError("prompt: expected at least one token")
+        bad = [int(t) for t in prompt if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token ids {bad[:8]} outside [0, {vocab_size}) (the model's vocab_size)")
+        if len(prompt) > prompt_limit:
+            raise ValueError(f"prompt: {len(prompt)} tokens, more than the {prompt_limit} positions "
+                             f"this server gives a prompt")
+        Request(max_new_tokens=self.max_new_tokens, top_logprobs=self.logprobs).token_budget(
+            len(prompt), context, seq2seq=seq2seq)
+        check_bias_ids(self.params, vocab_size)
+        if self.timeout is not None and not self.timeout > 0:
+            raise ValueError(f"timeout={self.timeout!r}: expected a positive number of seconds")
 
 
 @dataclass(frozen=True)

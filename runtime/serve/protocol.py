@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, FailFast, Field, Stri
 from typing_extensions import TypeAliasType
 
 from ..decoding.grammar import constraint_arguments
+from ..request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -223,9 +224,11 @@ class DecodingRequest(BaseModel):
         """The alternatives reported per generated token, None when no logprobs are asked."""
         raise NotImplementedError
 
-    def sampling_options(self) -> dict[str, Any]:
-        """The penalties, bias and ``min_p`` as ``RequestDefaults.params`` takes them (None:
-        not sent); ``ApiError`` for a ``logit_bias`` key that is not a token id."""
+    def request(self) -> Request:
+        """This body's decoding as the library's ``Request``: the token budget asked (None: not
+        said, or 0 for an echo that generates nothing), sampling (vLLM's ``top_k`` -1 is 0, keep
+        all), penalties, bias, seed and logprobs; stops and what is left out are the server's to
+        resolve (``ServedModel``). ``ApiError`` 400 naming the field that does not hold."""
         bias = None
         if self.logit_bias is not None:
             bias = {}
@@ -234,9 +237,16 @@ class DecodingRequest(BaseModel):
                     raise ApiError(400, f"logit_bias: key {quote(key)} is not a token id (expected "
                                         "a decimal integer string such as \"50256\")", "logit_bias")
                 bias[int(key)] = value
-        return {"min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-                "presence_penalty": self.presence_penalty,
-                "frequency_penalty": self.frequency_penalty, "logit_bias": bias}
+        asked, param = self.token_budget()
+        try:
+            return Request(max_new_tokens=asked or None, temperature=self.temperature,
+                           top_k=0 if self.top_k == -1 else self.top_k, top_p=self.top_p,
+                           min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                           logit_bias=bias, seed=self.seed, top_logprobs=self.logprobs_top())
+        except (ValueError, TypeError) as err:
+            message = str(err).replace("max_new_tokens", param)
+            raise ApiError(400, message, message.split("=")[0].split(":")[0]) from None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -299,7 +299,7 @@ class ResponseTurn:
                 "parallel_tool_calls": body.parallel_tool_calls, "response_format": response_format(body.text)})
         except ValidationError as err:
             raise rename(ApiError.from_validation(err.errors())) from None
-        self.prompts, self.max_tokens, self.stop_ids = renamed(served.chat_inputs, self.chat)
+        self.prompts, self.decoding = renamed(served.chat_inputs, self.chat)
         cache = served.model.prefix_cache
         self.cached = 0 if cache is None else cache.cached_length(self.prompts[0])
         self.tool_format = renamed(served.tool_request, self.chat).format

@@ -9,7 +9,7 @@ their solo result.
 
     scheduler = Scheduler(model, SchedulerLimits(max_rows=16, max_queue=64))
     scheduler.start()
-    handle = scheduler.submit(GenerationRequest(prompt=[1, 5, 7], max_tokens=16))
+    handle = scheduler.submit(GenerationRequest(prompt=[1, 5, 7], max_new_tokens=16))
     for event in handle:                       # Token(id) ..., then Finished(reason) or Failed
         ...
     scheduler.stop()
@@ -38,7 +38,6 @@ from ..decoding.prefix import PrefixCache
 from ..decoding.rows import Row, RowBatch
 from ..decoding.speculative import Speculation, SpeculationStats, Speculator, check_speculative, drafter_for
 from ..defaults import sequence_states
-from ..sampling import check_bias_ids
 from .handles import (Event, Failed, Finished, GenerationRequest, Handle, Observer, QueueFull,  # noqa: F401
                       Token, NullObserver)
 from .request_queue import RequestQueue, stop_reason
@@ -122,31 +121,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------ public API
     def check(self, request: GenerationRequest) -> None:
         """``ValueError`` naming the field for a request this scheduler cannot run."""
-        prompt = request.prompt
-        vocab = self.model.config.vocab_size
-        if len(prompt) == 0:
-            raise ValueError("prompt: expected at least one token")
-        bad = [int(t) for t in prompt if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"prompt: token ids {bad[:8]} outside [0, {vocab}) (the model's vocab_size)")
-        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) \
-                or request.max_tokens < 1:
-            raise ValueError(f"max_tokens={request.max_tokens!r}: expected a positive integer")
-        if len(prompt) > self.max_length:
-            raise ValueError(f"prompt: {len(prompt)} tokens, more than this server's context of "
-                             f"{self.max_length}")
-        need = len(prompt) + request.max_tokens - 1  # the last token is not fed back
-        if need > self.max_length:
-            raise ValueError(f"max_tokens: prompt {len(prompt)} + max_tokens {request.max_tokens} "
-                             f"- 1 = {need} tokens, more than this server's context of "
-                             f"{self.max_length}; lower max_tokens to at most "
-                             f"{self.max_length - len(prompt) + 1}")
-        check_bias_ids(request.params, vocab)
-        if request.logprobs is not None and (isinstance(request.logprobs, bool)
-                                             or not isinstance(request.logprobs, int) or request.logprobs < 0):
-            raise ValueError(f"logprobs={request.logprobs!r}: expected an integer >= 0 or None")
-        if request.timeout is not None and not request.timeout > 0:
-            raise ValueError(f"timeout={request.timeout!r}: expected a positive number of seconds")
+        request.check(self.model.config.vocab_size, self.max_length, self.max_length)
 
     def submit(self, requests: GenerationRequest | Sequence[GenerationRequest],
                loop: asyncio.AbstractEventLoop | None = None) -> Handle | list[Handle]:
@@ -293,9 +268,9 @@ class Scheduler:
                 handle.deliver(Failed(err))
                 self.observer.finished("error", time.monotonic() - handle.submitted)
                 continue
-            forced = self.model.forced_tokens(max_new_tokens=request.max_tokens,
+            forced = self.model.forced_tokens(max_new_tokens=request.max_new_tokens,
                                               one_token_start=len(request.prompt) == 1)
-            state, = sequence_states(1, request.params, request.seed, request.max_tokens,
+            state, = sequence_states(1, request.params, request.seed, request.max_new_tokens,
                                      request.stop_ids, forced, request.processors, prompts=[request.prompt],
                                      vocab_size=self.model.config.vocab_size,
                                      logprobs=request.logprobs)

@@ -11,7 +11,7 @@ tokens a worker ends a sequence that was cancelled (its client went away) or ran
 timeout.
 
     scheduler = Seq2SeqScheduler(model, SchedulerLimits(max_rows=4)).start()
-    handle, = scheduler.submit([GenerationRequest(prompt=[5, 9, 2], max_tokens=16)])
+    handle, = scheduler.submit([GenerationRequest(prompt=[5, 9, 2], max_new_tokens=16)])
     tokens, reason = handle.result()
 """
 
@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ..sampling import Logprobs, check_bias_ids
+from ..sampling import Logprobs
 from .handles import Failed, Finished, GenerationRequest, Handle, NullObserver, Observer, Token
 from .protocol import ApiError, CompletionRequest
 from .request_queue import RequestQueue, stop_reason
@@ -69,22 +69,10 @@ class Seq2SeqScheduler:
 
     def check(self, request: GenerationRequest) -> None:
         """``ValueError`` naming the field for a request this scheduler cannot run."""
-        vocab, limit = self.model.config.vocab_size, self.max_length
-        if len(request.prompt) == 0:
-            raise ValueError("prompt: expected at least one token")
-        bad = [int(t) for t in request.prompt if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"prompt: token ids {bad[:8]} outside [0, {vocab}) (the model's vocab_size)")
-        if len(request.prompt) > self.model.config.max_positions:
-            raise ValueError(f"prompt: {len(request.prompt)} tokens, more than the encoder's "
-                             f"{self.model.config.max_positions} positions")
-        if isinstance(request.max_tokens, bool) or not isinstance(request.max_tokens, int) \
-                or not 1 <= request.max_tokens <= limit:
-            raise ValueError(f"max_tokens={request.max_tokens!r}: expected an integer in [1, {limit}] "
-                             "(the decoder's context on this server)")
         if request.processors:
             raise ValueError("response_format: structured output is served for decoder-only exports")
-        check_bias_ids(request.params, vocab)
+        request.check(self.model.config.vocab_size, self.max_length, self.model.config.max_positions,
+                      seq2seq=True)
 
     def submit(self, requests: Sequence[GenerationRequest],
                loop: asyncio.AbstractEventLoop | None = None) -> list[Handle]:
@@ -159,7 +147,7 @@ class Seq2SeqScheduler:
         params = request.params
         logprobs = None if request.logprobs is None else Logprobs(top=request.logprobs)
         steps = self.model.stream(
-            [list(request.prompt)], max_new_tokens=request.max_tokens, stop_token_ids=request.stop_ids,
+            [list(request.prompt)], max_new_tokens=request.max_new_tokens, stop_token_ids=request.stop_ids,
             seed=request.seed, logprobs=logprobs,
             **{f.name: getattr(params, f.name) for f in dataclasses.fields(params)})
         start, count, token = time.perf_counter(), 0, None

@@ -24,9 +24,9 @@ from ..chat import chat_format
 from ..decoding.grammar import Constraint, compile_constraint
 from ..decoding.prefix import PrefixCache
 from ..decoding.speculative import LOOKUP, Speculation, names_draft_model, open_drafter
-from ..defaults import OPENAI
+from ..request import CHAT, COMPLETIONS, ApiDefaults, Request
 from ..model import Model
-from ..sampling import SamplingParams, TokenLogprob, check_bias_ids, token_logprobs
+from ..sampling import TokenLogprob, token_logprobs
 from ..session import SessionSettings
 from ..texts import EncodedTexts
 from ..tokenizer import TextStream, TextTokenizer
@@ -40,7 +40,6 @@ from .request_queue import Stopped
 from .scheduler import Scheduler
 from .seq2seq import Seq2SeqScheduler, refuse_for_seq2seq
 
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 class ServedModel(RequestLimits):
     """One export behind the server: ``name`` is its id in the API."""
 
@@ -215,17 +214,28 @@ class ServedModel(RequestLimits):
             ids = tuple(dict.fromkeys([*ids, *extra]))
         return ids
 
-    def sampling(self, body: DecodingRequest) -> SamplingParams:
-        """The request's sampling; the fields it leaves out from the export's
-        generation_config.json where it samples, else OpenAI's defaults (temperature 1), resolved
-        where ``Model.generate`` resolves its own (``RequestDefaults.params``); penalties,
-        ``logit_bias`` and ``min_p`` off unless sent."""
-        top_k = 0 if body.top_k == -1 else body.top_k  # vLLM's -1: keep all, as 0 does
+    def decoding(self, body: DecodingRequest, prompts: list[list[int]], prompt_param: str,
+                 api: ApiDefaults, stop_ids: tuple[int, ...]) -> Request:
+        """``body`` as a ``Request`` with what it leaves out resolved, as ``Model.generate``
+        resolves its own (``request.Request``): the new tokens per row (``None`` for an echo that
+        generates nothing; else ``max_new_tokens`` within this server's ``--max-tokens`` and the
+        context left after the longest prompt), ``stop_ids`` and the sampling (the export's
+        generation_config.json where it samples, else ``api``'s: OpenAI's temperature 1).
+        ``ApiError`` 400 naming the field the client sent."""
+        request = body.request()
+        self.limit_prompt_tokens(prompts, prompt_param)
+        asked, param = body.token_budget()
+        tokens = None
+        if asked != 0:  # 0: a completion's echo only (CompletionRequest)
+            try:
+                tokens = request.token_budget(max(len(p) for p in prompts), self.context,
+                                              seq2seq=self.family == "encoder-decoder", api=api,
+                                              cap=self.options.max_tokens, argument=param)
+            except ValueError as err:
+                raise ApiError(400, str(err), param) from None
         try:
-            params = self.model.defaults.params(body.temperature, top_k, body.top_p, unsaid=OPENAI,
-                                                **body.sampling_options())
-            check_bias_ids(params, self.model.config.vocab_size)
-            return params
+            return request.replace(max_new_tokens=tokens, stop_token_ids=stop_ids,
+                                   **request.sampling(self.model.defaults, api))
         except ValueError as err:
             raise ApiError(400, str(err), str(err).split("=")[0].split(":")[0]) from None
 
@@ -238,35 +248,8 @@ class ServedModel(RequestLimits):
                                            np.asarray(prompt, dtype=np.int64)[None])  # [S, V]
         return [None, *token_logprobs(logits[:-1], prompt[1:], top)]
 
-    def max_tokens(self, body: DecodingRequest, prompts: list[list[int]], prompt_param: str,
-                   default: int | None = None) -> int:
-        """New tokens per row: what the request asks (``max_tokens``, or a chat's
-        ``max_completion_tokens``), else ``default`` (None: as many as the context and the cap
-        allow). ``ApiError`` naming the field the client sent when it is over the server's cap
-        or the context left after the longest prompt, naming ``prompt_param`` for a prompt over
-        ``--max-prompt-tokens`` (``limit_prompt_tokens``)."""
-        requested, param = body.token_budget()
-        cap, context = self.options.max_tokens, self.scheduler.max_length
-        self.limit_prompt_tokens(prompts, prompt_param)
-        longest = max(len(p) for p in prompts)
-        # the last token is not fed back; an encoder-decoder's prompt is its encoder's
-        room = context if self.family == "encoder-decoder" else context - longest + 1
-        if requested is None and default is None:
-            return min(cap, room)
-        tokens = min(default, cap) if requested is None else requested
-        if tokens > cap:
-            raise ApiError(400, f"{param}={quote(tokens)}: more than this server's limit of {cap} "
-                                "per request (--max-tokens)", param)
-        if tokens > room:
-            why = (f"the decoder's context on this server is {context} tokens"
-                   if self.family == "encoder-decoder" else
-                   f"a prompt of {longest} tokens leaves room for {room} in this server's context of {context}")
-            raise ApiError(400, f"{param}={tokens}: {why}; lower {param} to at most {room}", param)
-        return tokens
-
-    def completion_inputs(self, body: CompletionRequest
-                          ) -> tuple[list[list[int]], int, tuple[int, ...]]:
-        """A completion request -> (prompt ids, max_tokens, stop ids); ``ApiError`` 400 for a
+    def completion_inputs(self, body: CompletionRequest) -> tuple[list[list[int]], Request]:
+        """A completion request -> (prompt ids, its ``decoding``); ``ApiError`` 400 for a
         request that cannot run. Tokenises: call it in a worker thread."""
         self.limit_chars(text_lengths(body.prompt, "prompt"), "prompt")
         check_text(body, "")
@@ -279,14 +262,14 @@ class ServedModel(RequestLimits):
                                 "position's logits, and this export returns the last position's "
                                 "only (re-export with --logits all)", "echo")
         prompts = self.prompts(body.prompt)
-        stop_ids = self.stop_ids(body.ignore_eos, body.stop_token_ids)
-        max_tokens = self.max_tokens(body, prompts, "prompt", DEFAULT_COMPLETION_TOKENS)
-        self.limit_generation(prompts, body.n, max_tokens)
-        return prompts, max_tokens, stop_ids
+        request = self.decoding(body, prompts, "prompt", COMPLETIONS,
+                                self.stop_ids(body.ignore_eos, body.stop_token_ids))
+        self.limit_generation(prompts, body.n, request.max_new_tokens or 0)
+        return prompts, request
 
-    def chat_inputs(self, body: ChatRequest) -> tuple[list[list[int]], int, tuple[int, ...]]:
-        """A chat request -> ([prompt ids], max_tokens, stop ids): the messages rendered with
-        the export's template, stops at its end of turn. Tokenises: call it in a worker thread."""
+    def chat_inputs(self, body: ChatRequest) -> tuple[list[list[int]], Request]:
+        """A chat request -> ([prompt ids], its ``decoding``): the messages rendered with the
+        export's template, stops at its end of turn. Tokenises: call it in a worker thread."""
         if len(body.messages) > self.options.max_messages:
             raise ApiError(400, f"messages: {len(body.messages):,} messages, more than this "
                                 f"server's limit of {self.options.max_messages:,} per chat "
@@ -299,27 +282,31 @@ class ServedModel(RequestLimits):
         messages = [{**m.model_dump(exclude_none=True), "content": text}
                     for m, text in zip(body.messages, texts)]
         prompt, turn_ends = self.chat(messages, self.tool_request(body).tools)
-        stop_ids = self.stop_ids(body.ignore_eos, body.stop_token_ids, turn_ends)
-        max_tokens = self.max_tokens(body, [prompt], "messages")
-        self.limit_generation([prompt], body.n, max_tokens)
-        return [prompt], max_tokens, stop_ids
+        request = self.decoding(body, [prompt], "messages", CHAT,
+                                self.stop_ids(body.ignore_eos, body.stop_token_ids, turn_ends))
+        self.limit_generation([prompt], body.n, request.max_new_tokens)
+        return [prompt], request
 
-    def submit(self, prompts: list[list[int]], body: DecodingRequest, max_tokens: int,
-               stop_ids: tuple[int, ...], loop: asyncio.AbstractEventLoop) -> list[Handle]:
-        """Queue ``body.n`` sequences per prompt (each its own seed, ``seed + i``) -> handles
-        delivering to ``loop``; ``ApiError`` 400 for a request that cannot run, 429 when the
-        queue is full, 503 once the scheduler is stopped."""
-        params = self.sampling(body)
+    def submit(self, prompts: list[list[int]], body: DecodingRequest, request: Request,
+               loop: asyncio.AbstractEventLoop) -> list[Handle]:
+        """Queue ``body.n`` sequences per prompt (each its own seed, ``seed + i``) decoding
+        ``request`` (``decoding``'s) -> handles delivering to ``loop``; ``ApiError`` 400 for a
+        request that cannot run, 429 when the queue is full, 503 once the scheduler is stopped."""
+        try:
+            params = request.params(self.model.defaults)
+        except ValueError as err:
+            raise ApiError(400, str(err), str(err).split("=")[0].split(":")[0]) from None
         count = len(prompts) * body.n
         if count > self.options.max_queue:
             raise ApiError(400, f"n: {len(prompts)} prompt(s) x n={body.n} = {count} sequences, more "
                                 f"than this server's queue of {self.options.max_queue}", "n")
         rows = [prompt for prompt in prompts for _ in range(body.n)]
-        if max_tokens == 0:  # echo only (CompletionRequest): nothing to generate
+        if request.max_new_tokens is None:  # echo only (CompletionRequest): nothing to generate
             return [finished(GenerationRequest(prompt, 0), "length", loop) for prompt in rows]
-        requests = [GenerationRequest(prompt, max_tokens, params,
-                                      None if body.seed is None else body.seed + index, stop_ids,
-                                      self.options.timeout, body.logprobs_top())
+        stop_ids, seed = request.stop_token_ids, request.seed
+        requests = [GenerationRequest(prompt, request.max_new_tokens, params,
+                                      None if seed is None else seed + index, stop_ids,
+                                      self.options.timeout, request.top_logprobs)
                     for index, prompt in enumerate(rows)]
         constraint = self.constraint(body)
         if constraint is not None:  # one processor per row: each holds its row's grammar state
@@ -335,7 +322,7 @@ class ServedModel(RequestLimits):
         except Stopped as err:
             raise ApiError(503, str(err), code="shutting_down") from None
         except ValueError as err:
-            raise ApiError(400, str(err), "max_tokens" if "max_tokens" in str(err) else "prompt") from None
+            raise ApiError(400, str(err), "prompt") from None
 
     def constraint(self, body: DecodingRequest) -> Constraint | None:
         """``body.response_format`` compiled for this export (None for text): the first call

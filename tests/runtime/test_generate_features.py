@@ -107,8 +107,8 @@ def test_max_positions_boundary(loaded):
     most = limit - len(PROMPTS[0]) + 1
     out = model.generate([PROMPTS[0]], max_new_tokens=most, stop_token_ids=())
     assert out.shape == (1, most)
-    with pytest.raises(ValueError, match=rf"max_new_tokens: needs {limit + 1} positions, more than "
-                                         rf"the model's max_positions={limit}"):
+    with pytest.raises(ValueError, match=rf"max_new_tokens={most + 1}: a prompt of {len(PROMPTS[0])} "
+                                         rf"tokens leaves room for {most} new tokens in a context of {limit}"):
         model.generate([PROMPTS[0]], max_new_tokens=most + 1)
 
 

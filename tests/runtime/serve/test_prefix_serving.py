@@ -32,7 +32,7 @@ def _requests(round_: int, histories: list[list[int]], sampled: bool) -> list[Ge
     for c, history in enumerate(histories):
         history += rng.integers(4, VOCAB, size=int(rng.integers(1, 6))).tolist()
         params = SamplingParams(temperature=1.2, top_k=30) if sampled and c % 2 else SamplingParams()
-        out.append(GenerationRequest(prompt=list(history), max_tokens=5, params=params, seed=100 * round_ + c))
+        out.append(GenerationRequest(prompt=list(history), max_new_tokens=5, params=params, seed=100 * round_ + c))
     return out
 
 
@@ -157,9 +157,9 @@ def _admit_long_prompt_while_streaming(model, chunk: int | None) -> tuple[list[i
     prefix = PrefixCache(1 << 24, block_size=4)
     scheduler = Scheduler(model, SchedulerLimits(max_rows=4, prefill_chunk=chunk), prefix=prefix)
     rng = np.random.default_rng(8)
-    stream = scheduler.submit(GenerationRequest(prompt=rng.integers(4, VOCAB, size=5).tolist(), max_tokens=18))
+    stream = scheduler.submit(GenerationRequest(prompt=rng.integers(4, VOCAB, size=5).tolist(), max_new_tokens=18))
     scheduler.run_once()
-    long = scheduler.submit(GenerationRequest(prompt=rng.integers(4, VOCAB, size=44).tolist(), max_tokens=4))
+    long = scheduler.submit(GenerationRequest(prompt=rng.integers(4, VOCAB, size=44).tolist(), max_new_tokens=4))
     progress = []
     while not long.tokens:
         scheduler.run_once()

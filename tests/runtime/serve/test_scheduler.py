@@ -125,11 +125,11 @@ def test_queue_bound_and_request_checks(model):
     scheduler.submit([GenerationRequest([5], 2), GenerationRequest([6], 2)])
     with pytest.raises(QueueFull, match="max_queue=2"):
         scheduler.submit(GenerationRequest([7], 2))
-    with pytest.raises(ValueError, match="lower max_tokens to at most 61"):
+    with pytest.raises(ValueError, match="lower max_new_tokens to at most 61"):
         scheduler.check(GenerationRequest([5] * 4, 62))  # max_positions 64
     with pytest.raises(ValueError, match=r"outside \[0, 96\)"):
         scheduler.check(GenerationRequest([500], 2))
-    with pytest.raises(ValueError, match="max_tokens=0"):
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
         scheduler.check(GenerationRequest([5], 0))
     scheduler.stop()
 
