@@ -1,7 +1,9 @@
 """The documentation: the MkDocs site builds strictly (a broken link or anchor, or a page left
 out of the nav, fails), the quickstart and the README's example run as written, the README's links
-resolve, every option of every ``tfport`` command is documented somewhere, and every source file
-a page names exists."""
+resolve, every option of every ``tfport`` command is documented on a user page, every source file
+a page names exists, the install table is one table that matches ``pyproject.toml``, the
+benchmarks page holds current figures (dated runs live on ``docs/history.md``), no page speaks of
+our own process (issue or session numbers), and every speed figure of the README names its CPU."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 README = ROOT / "README.md"
 QUICKSTART = DOCS / "quickstart.md"
-README_MAX_LINES = 150  # the README is the front door; details live in docs/ (issue 22)
+README_MAX_LINES = 150  # the README is the front door; details live in docs/
+HISTORY = DOCS / "history.md"  # dated runs and superseded figures: the one page that is a record
+BENCHMARKS_MAX_LINES = 250  # current figures, their machine and command; the rest is history
 
 
 def fenced_blocks(path: Path, languages: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -116,8 +120,8 @@ def test_readme_is_the_front_door():
             assert (ROOT / target).exists(), f"README.md links to {target}, which does not exist"
 
 
-def documented_text() -> str:
-    return "\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
+def documented_text(history: bool = True) -> str:
+    return "\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")) if history or p != HISTORY)
 
 
 def test_named_source_files_exist():
@@ -143,7 +147,7 @@ def test_every_cli_option_is_documented():
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     assert {"export", "generate", "chat", "embed", "classify", "parity", "bench", "serve",
             "bench-serve"} <= set(commands)
-    text = documented_text()
+    text = documented_text(history=False)  # a user page, not the record of past runs
     missing = []
     for name, sub in [("tfport", parser), *commands.items()]:
         for action in sub._actions:
@@ -152,3 +156,93 @@ def test_every_cli_option_is_documented():
                         not re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", text):
                     missing.append(f"{name} {option}")
     assert not missing, f"options no page of docs/ mentions: {missing}"
+
+
+def table_rows(text: str, header: str) -> list[str]:
+    """The lines of the Markdown table whose header line is ``header``, header included."""
+    lines = text.splitlines()
+    assert header in lines, f"no table headed {header!r}"
+    start = lines.index(header)
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+def requirement_names(requirements: list[str]) -> set[str]:
+    """Normalised distribution names (PEP 503) of ``requirements``, tfport's own extras left out."""
+    names = {re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower()) for r in requirements}
+    return names - {"tfport"}
+
+
+INSTALL_HEADER = "| use | extra | what it adds |"
+
+
+def test_one_install_table_that_matches_pyproject():
+    """The README's install table is the one table: docs/index.md reproduces it row for row, its
+    extras are pyproject.toml's, and each row names every package its extra installs."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli", reason="reading pyproject.toml on Python 3.10 needs tomli")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    rows = table_rows(README.read_text(), INSTALL_HEADER)
+    assert table_rows((DOCS / "index.md").read_text(), INSTALL_HEADER) == rows, \
+        "docs/index.md's install table differs from the README's: copy the README's"
+    by_extra = {}
+    for row in rows[2:]:
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        assert len(cells) == 3, row
+        for extra in re.findall(r"`([\w-]+)`", cells[1]):
+            by_extra[extra] = row
+    assert sorted(by_extra) == sorted(extras), "the table's extras are not pyproject.toml's"
+    table = re.sub(r"[-_.]+", "-", "\n".join(rows).lower())
+    for extra, requirements in {"": project["dependencies"], **extras}.items():
+        text = re.sub(r"[-_.]+", "-", by_extra[extra].lower()) if extra else table
+        missing = sorted(name for name in requirement_names(requirements)
+                         if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text))
+        assert not missing, f"the install table's {extra or 'base'} row does not name {missing}"
+    # The README's first command exports a GGUF file: the export extra reads it.
+    assert "gguf" in requirement_names(extras["export"])
+
+
+def test_benchmarks_page_holds_current_figures():
+    lines = (DOCS / "benchmarks.md").read_text().count("\n")
+    assert lines < BENCHMARKS_MAX_LINES, (
+        f"docs/benchmarks.md has {lines} lines (fewer than {BENCHMARKS_MAX_LINES}): keep the current "
+        "table of each benchmark with its machine and command, and move earlier runs to docs/history.md")
+    assert re.search(r"^\s+- [^:]+: history\.md$", (ROOT / "mkdocs.yml").read_text(), re.M), \
+        "docs/history.md is in the site's nav"
+
+
+# Our own process means nothing to a reader: issue, pull-request or session numbers, which session
+# or wave did what, the people doing it. ("session" alone is ONNX Runtime's, and stays.)
+PROCESS_WORDS = re.compile(
+    r"\b(?:issues?|PRs?|pull requests?|waves?)\s*#?\d+|\bsessions?\s*#\d+"
+    r"|(?<![\w/&#])#\d+\b"
+    r"|\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|this|that|same|later"
+    r"|earlier|next|previous)\s+session\b"
+    r"|\bsession's machine\b|\bthe issue'?s?\b|\bengineers?\b|\bwaves?\b",
+    re.I)
+
+
+def test_pages_do_not_speak_of_our_process():
+    """No page (history.md included: it uses dates) nor the README names an issue or a session."""
+    found = [f"{path.relative_to(ROOT)}:{number}: {match.group(0)!r}"
+             for path in [README, *sorted(DOCS.glob("*.md"))]
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             for match in PROCESS_WORDS.finditer(line)]
+    assert not found, "pages that speak of issues or sessions:\n" + "\n".join(found)
+
+
+# A ratio (1.19x, 2.9-4.5x) or a rate (tokens/s) depends on the CPU it was measured on.
+SPEED_FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x\b|tokens/s")
+CPU_CLASS = re.compile(r"AVX2|AVX-512|VNNI|AMX|NEON|SVE|EPYC|Xeon|Graviton|Apple M\d|Ryzen|Core i\d")
+
+
+def test_readme_speed_figures_name_their_cpu():
+    """Every paragraph of the README (code blocks aside) with a speed figure names the CPU class."""
+    text = re.sub(r"^```.*?^```[ \t]*$", "", README.read_text(), flags=re.S | re.M)
+    paragraphs = [p for p in re.split(r"\n\s*\n", text) if SPEED_FIGURE.search(p)]
+    assert paragraphs, "the README quotes no speed figure: drop this test or the figures' check"
+    bare = [p.strip()[:120] for p in paragraphs if not CPU_CLASS.search(p)]
+    assert not bare, f"README speed figures without their CPU class (AVX2, AVX-512 VNNI, ...): {bare}"
