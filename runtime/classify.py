@@ -1,5 +1,5 @@
 """Sequence classification with an export's classification head: classifiers, rerankers and
-cross-encoders (``*ForSequenceClassification`` checkpoints), and ``tfport classify``.
+cross-encoders (``*ForSequenceClassification`` checkpoints); ``tfport classify`` is ``classify_cli``.
 
     >>> model.classify(["I loved it", "Meh"]).labels                    # ['POSITIVE', 'NEGATIVE']
     >>> model.classify("what is onnx?", pairs=["ONNX is ...", "A cat."]).scores[:, 0]   # relevance
@@ -15,19 +15,28 @@ encoder-decoder classifier (BART-large-MNLI: ``classify(premise, pairs=hypothese
 
 from __future__ import annotations
 
-import argparse
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
+
+from tfport.config import ModelConfig
 
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .texts import BATCH_SIZE, EncodedTexts, batches
 
-if TYPE_CHECKING:
-    from .model import Model
+
+class Model(Protocol):
+    """What classifying reads of a ``model.Model`` (which calls in here from ``classify``)."""
+
+    config: ModelConfig
+    runners: dict[str, Any]
+
+    def encode(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
+               token_type_ids: Prompts | None = None) -> Any: ...
+
+    def encode_texts(self, texts: Any, pairs: Any = None, method: str = "encode_texts") -> EncodedTexts: ...
 
 
 @dataclass
@@ -124,42 +133,3 @@ def classify_encoded(model: Model, encoded: EncodedTexts, *, batch_size: int = B
         logits[rows] = class_logits(model, [encoded.ids[r] for r in rows],
                                     token_type_ids=[encoded.type_ids[r] for r in rows] if types else None)
     return result(model, logits)
-
-
-# ------------------------------------------------------------------------------------ command
-def add_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``classify``."""
-    from .session import PROVIDERS
-
-    p = subparsers.add_parser(
-        "classify", help="classify texts or score text pairs with a sequence classification export",
-        description="Logits, scores and the label of each text (or --text/--pair row: rerankers, "
-                    "cross-encoders), one JSON object per line.")
-    p.add_argument("model_dir", metavar="DIR", help="directory written by 'tfport export'")
-    p.add_argument("--text", action="append", required=True, help="a text (repeatable)")
-    p.add_argument("--pair", action="append",
-                   help="its pair (repeatable: one per --text, one for all texts, or several for "
-                        "one --text: a premise against hypotheses)")
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="rows per encoder call (default 32)")
-    p.add_argument("--provider", choices=PROVIDERS, default="cpu",
-                   help="execution provider (default: cpu; auto tries CUDA)")
-    p.add_argument("--threads", type=int, default=0, help="intra-op threads (default: ONNX Runtime's choice)")
-    p.set_defaults(func=run_classify)
-
-
-def run_classify(args: argparse.Namespace) -> int:
-    from .model import load_model
-
-    model = load_model(args.model_dir, args.provider, intra_op_threads=args.threads)
-    texts, pairs = args.text, args.pair
-    if pairs is not None and len(pairs) == 1:
-        pairs = pairs[0]
-    elif pairs is not None and len(texts) == 1:
-        texts = texts[0]
-    elif pairs is not None and len(pairs) != len(texts):
-        raise ValueError(f"--pair: {len(pairs)} given for {len(texts)} --text; expected one per "
-                         "--text, one for all, or several for one --text")
-    out = model.classify(texts, pairs, batch_size=args.batch_size)
-    for row in out.to_rows():
-        print(json.dumps(row))
-    return 0

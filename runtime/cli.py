@@ -101,7 +101,7 @@ def _speculation(args: argparse.Namespace, model: Model) -> dict:
         if args.draft_tokens is not None or args.speculative_inexact:
             raise ValueError("--draft-tokens, --speculative-inexact: apply with --speculative")
         return {}
-    drafter = open_drafter(args.speculative, model.settings, "--speculative", args.verify)
+    drafter = open_drafter(args.speculative, model, "--speculative", args.verify)
     return {"speculative": Speculation(drafter, exact=not args.speculative_inexact),
             "draft_tokens": args.draft_tokens, "speculation": SpeculationStats()}
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from tfport.embedding import POOLINGS, EmbeddingSettings  # cls, mean, max, mean_sqrt_len_tokens, lasttoken
 
+from .classify import classify
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .texts import (BATCH_SIZE, EncodedTexts, TruncatingTokenizer, batches, check_texts, report_truncation,
                     tokenizer_truncation)
@@ -200,7 +201,6 @@ class EncoderMethods:
         cross-encoders -> ``Classification`` (logits [B, n_labels], label names from the
         checkpoint's id2label, scores). Keyword arguments: ``batch_size``, ``progress``; see
         ``tfport.runtime.classify``."""
-        from .classify import classify
         return classify(self, texts, pairs, **kwargs)
 
     def embed_text(self, texts: str | Sequence[str], *, pooling: str | None = None,

@@ -18,7 +18,7 @@ _COMMANDS = {
     "generate": "tfport.runtime.cli",
     "chat": "tfport.runtime.cli",
     "embed": "tfport.runtime.cli",
-    "classify": "tfport.runtime.classify",
+    "classify": "tfport.runtime.classify_cli",
     "parity": "tfport.export.parity.cli",
     "bench": "tfport.export.bench",
     "bench-scale": "tfport.export.bench.scale",
@@ -30,7 +30,7 @@ _EXTRA_HINT = {
     "tfport.export.bench.scale": "pip install 'tfport[export,cpu]' (or 'tfport[export,gpu]')",
     "tfport.export.parity.cli": "pip install 'tfport[export,cpu]' (or 'tfport[export,gpu]')",
     "tfport.runtime.cli": "pip install 'tfport[gpu]' (or 'tfport[cpu]')",
-    "tfport.runtime.classify": "pip install 'tfport[gpu,text]' (or 'tfport[cpu,text]')",
+    "tfport.runtime.classify_cli": "pip install 'tfport[gpu,text]' (or 'tfport[cpu,text]')",
     "tfport.export.bench": "pip install 'tfport[gpu,export]'",
     "tfport.runtime.serve.cli": "pip install 'tfport[serve,cpu]' (or 'tfport[serve,gpu]')",
 }

@@ -269,24 +269,21 @@ def names_draft_model(speculative: str | None) -> bool:
     return speculative is not None and speculative != LOOKUP
 
 
-def open_drafter(speculative: str, settings, argument: str, verify: str = "full"):
-    """``--speculative``'s value -> ``LOOKUP``, or the draft export it names opened once with
-    ``settings`` (a ``SessionSettings``); ``ValueError`` naming ``argument`` for anything else."""
-    from ..model import Model  # the model module imports this package
-
+def open_drafter(speculative: str, target, argument: str, verify: str = "full"):
+    """``--speculative``'s value -> ``LOOKUP``, or the draft export it names opened once with the
+    ``target`` model's session settings; ``ValueError`` naming ``argument`` for anything else."""
     if speculative == LOOKUP:
         return LOOKUP
     if not Path(speculative).is_dir():
         raise ValueError(f"{argument}={speculative!r}: expected {LOOKUP!r} or the directory of a draft "
                          "decoder export")
-    return Model.load(speculative, settings=settings, verify=verify)
+    return type(target).load(speculative, settings=target.settings, verify=verify)
 
 
 def drafter_for(speculative, model) -> Drafter:
     """The drafter ``speculative`` names: "lookup", a ``Drafter``, a draft ``Model`` or the
     directory of a draft export (opened with the target's session settings)."""
-    from ..model import Model  # the model module imports this package
-
+    Model = type(model)  # the target's class: this package is imported by the model module
     if isinstance(speculative, str) and speculative == LOOKUP:
         return PromptLookup()
     if isinstance(speculative, Model):

@@ -65,7 +65,7 @@ class ServedModel(RequestLimits):
         target's session settings)."""
         if self.options.speculative is None:
             return None
-        drafter = open_drafter(self.options.speculative, self.model.settings, "speculative")
+        drafter = open_drafter(self.options.speculative, self.model, "speculative")
         if drafter != LOOKUP:
             drafter.prefix_cache = PrefixCache.from_mb(self.options.prefix_cache_mb)  # the target's budget
         return Speculation(drafter, self.options.draft_tokens, exact=not self.options.speculative_inexact)

@@ -333,8 +333,8 @@ def test_bad_arguments_are_refused(models, tmp_path):
         last.generate([[5, 6]], speculative="lookup")
     from tfport.runtime.decoding.speculative import open_drafter  # the CLI's and the server's --speculative
     with pytest.raises(ValueError, match=r"--speculative='nowhere': expected 'lookup' or the directory of a draft"):
-        open_drafter("nowhere", model.settings, "--speculative")
-    assert open_drafter("lookup", model.settings, "--speculative") == "lookup"
+        open_drafter("nowhere", model, "--speculative")
+    assert open_drafter("lookup", model, "--speculative") == "lookup"
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "draft"])
