@@ -12,7 +12,7 @@ completions sample at temperature 1 with 16, its chat as many as the context lea
 protocol layer translate their arguments into a ``Request``; nothing else reads them.
 
     >>> request = Request(max_new_tokens=32, temperature=0.7, seed=1)
-    >>> model.generate([[1, 5, 7]], request)     # the same as model.generate(ids, max_new_tokens=32, ...)
+    >>> model.generate([[1, 5, 7]], request=request)   # = model.generate(ids, max_new_tokens=32, ...)
 """
 
 from __future__ import annotations

@@ -178,3 +178,21 @@ def test_a_null_pad_token_pads_and_fills_with_eos(target, tmp_path):
         np.testing.assert_array_equal(got[b, :len(expected)], expected)
         assert list(got[b, len(expected):]) == [config.eos_token_id] * (6 - len(expected))
     assert list(got[1]) == [*free[1, :2], *[config.eos_token_id] * 4]
+
+
+def test_a_request_object_decodes_as_its_fields_given_as_keywords(loaded):
+    """``generate(ids, request=r)`` is ``generate(ids, **r's fields)``; keywords given beside a
+    request replace its fields (sampled, so every sampling field and the seed must reach the
+    engine for the rows to agree)."""
+    from tfport.runtime import Request
+
+    _, model = loaded("decoder-rope")
+    fields = dict(max_new_tokens=12, stop_token_ids=(), seed=5, repetition_penalty=1.2, **SAMPLING)
+    by_request = model.generate(PROMPTS, request=Request(**fields))
+    np.testing.assert_array_equal(by_request, model.generate(PROMPTS, **fields))
+    greedy = model.generate(PROMPTS, request=Request(**fields), temperature=0.0, max_new_tokens=6)
+    np.testing.assert_array_equal(greedy, model.generate(PROMPTS, max_new_tokens=6, stop_token_ids=(),
+                                                         repetition_penalty=1.2))
+    assert by_request.shape == (3, 12) and greedy.shape == (3, 6)
+    with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['max_tokens'\]"):
+        model.generate(PROMPTS, max_tokens=4)
