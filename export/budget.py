@@ -46,7 +46,7 @@ from torch import nn
 from .calibrate import PROMOTED_BITS, PrecomputedQuantization, calibrate, fingerprint, hessian_groups, in_order, layer_of
 from .gptq import DAMP
 from .hessians import Calibration, collect_hessians, token_sequences
-from .quantize import QuantScheme, fake_quantize, quantized_weights
+from .quant import QuantScheme, fake_quantize, quantized_weights
 from .row_index import RowIndex
 
 log = logging.getLogger(__name__)

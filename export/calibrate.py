@@ -4,10 +4,11 @@ seen, round-to-nearest elsewhere, the LM head and token table at ``head_bits`` i
 ``head_block``.
 
 ``PrecomputedQuantization`` holds the result and finds each matrix again by its rows' exact values
-(``row_index.RowIndex``), like ``gguf_keep.KeptQuantization``: a drop-in for ``QuantScheme`` in the
-exporter and in ``quantize.fake_quantize``, so the exact parity check compares the graph with the
-module holding the same dequantised weights. ``calibrated_scheme`` is ``export_model``'s
-``calibration`` / ``head_bits``; ``recorded_scheme`` recomputes what a manifest records.
+(``row_index.RowIndex``), like ``quant.keep.KeptQuantization``: a blockwise scheme
+(``quant.blockwise.Blockwise``) for the exporter and for ``quant.fake_quantize``, so the exact
+parity check compares the graph with the module holding the same dequantised weights.
+``calibrated_scheme`` is ``export_model``'s ``calibration`` / ``head_bits``; ``recorded_scheme``
+recomputes what a manifest records.
 """
 
 from __future__ import annotations
@@ -30,21 +31,19 @@ from .blocks import BlockQuantized, concat_rows
 from .gptq import DAMP, gptq_bytes, gptq_rows
 from .hessians import (AUTO, BUILTIN, NONE, Calibration, RowHessians, collect_hessians, hessian_bytes,
                        token_sequences)
-from .quantize import BLOCK_SIZES, QuantScheme, token_table_paths
+from .quant import (BLOCK_SIZES, HEAD_BITS, PROMOTED_BITS, Blockwise, QuantScheme, layout_formats,
+                    token_table_paths)
 from .row_index import RowIndex
 
 log = logging.getLogger(__name__)
 
-HEAD_BITS = (4, 8)
-PROMOTED_BITS = 8  # the bits of the matrices of a promoted (sensitive) layer: --max-loss
 HESSIAN_BUDGET = 2 * 2**30  # bytes of Hessians held at once (float64; see hessian_groups)
 WORK_BUDGET = 2 * 2**30  # bytes of GPTQ working memory (gptq.gptq_bytes) in flight across threads
 
 
-class PrecomputedQuantization:
+class PrecomputedQuantization(Blockwise):
     """Every weight matrix of a module quantised up front and found again by its rows (see the
-    module doc): a drop-in for ``QuantScheme`` in the exporter and ``fake_quantize`` (``quantize``,
-    ``embeddings``, ``name``, ``to_dict``). Built by ``calibrate``."""
+    module doc): the blockwise scheme of ``scheme``'s format with these codes. Built by ``calibrate``."""
 
     def __init__(self, scheme: QuantScheme, index: RowIndex, scale_dtype: str, record: dict,
                  names: list[str]):
@@ -113,7 +112,7 @@ def head_weights(model: nn.Module, scheme: QuantScheme) -> list[nn.Parameter]:
 def own_head_block(model: nn.Module, scheme) -> bool:
     """Whether ``head_block`` gives ``scheme``'s LM head or a token table other blocks than its
     own (then ``calibrate`` quantises it, round-to-nearest without a calibration text)."""
-    return isinstance(scheme, QuantScheme) and any(
+    return scheme is not None and scheme.rechoosable and any(
         head_block(scheme.block_size, p.shape[1]) != scheme.block_size for p in head_weights(model, scheme))
 
 
@@ -302,7 +301,7 @@ def resolve_calibration(scheme, calibration: str | Calibration | None, tokenizer
         return None
     if calibration != AUTO:
         return calibration
-    if not isinstance(scheme, QuantScheme) or scheme.bits != 4:
+    if scheme is None or not scheme.rechoosable or scheme.bits != 4:
         return None
     if tokenizer is None:
         log.warning("quantize='int4' without a tokenizer: round-to-nearest codes (about 40%% more "
@@ -322,12 +321,12 @@ def calibrated_scheme(model: nn.Module, scheme, calibration: str | Calibration |
     None: round-to-nearest) read with ``tokenizer`` (a tokenizer.json path), the LM head and
     token table at ``head_bits``, the ``promoted`` modules' matrices at ``PROMOTED_BITS``,
     ``threads`` matrices at once (``calibrate``)."""
-    if scheme is None or not isinstance(scheme, QuantScheme):
+    if scheme is None or not scheme.rechoosable:
         option = next(f"{name}={value!r}" for name, value in (("calibration", calibration), ("head_bits", head_bits),
                                                               ("head_block_size", head_block_size))
                       if value is not None)
         got = "no quantisation" if scheme is None else f"quantize={scheme.name!r}"
-        raise ValueError(f"{option}: applies to quantize='int4' or 'int8' (round-to-nearest blocks it "
+        raise ValueError(f"{option}: applies to quantize={layout_formats()} (round-to-nearest blocks it "
                          f"re-chooses), got {got}")
     if isinstance(calibration, (str, Path)):
         calibration = Calibration(str(calibration))

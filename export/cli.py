@@ -7,13 +7,10 @@ import logging
 
 from tfport.contract import DTYPES, KV_DTYPES, LOGITS
 
-from .calibrate import HEAD_BITS, PROMOTED_BITS
 from .hessians import AUTO, BUILTIN, DEFAULT_TOKENS, NONE, Calibration
 from .exporter import export_checkpoint_or_preset
 from .options import MAX_OPSET, MIN_OPSET, ExportOptions
-from .quantize import BITS as QUANTIZE_FORMATS
-from .quantize import FORMAT_W8A8
-from .quantize import BLOCK_SIZES
+from .quant import BLOCK_SIZES, DEFAULT_BLOCK, FORMATS, GENERATING_INT4_BLOCK, HEAD_BITS, get_format
 from .targets import DEFAULT_TARGET, TARGETS
 
 log = logging.getLogger(__name__)
@@ -44,29 +41,16 @@ def run_export(args: argparse.Namespace) -> int:
 
 def describe_quantization(quantization: dict) -> str:
     """One phrase for a manifest's quantisation entry, e.g. "int4 in blocks of 32 (GPTQ)" or
-    "keep Q4_K, Q6_K: 120 weight products kept, 1 re-quantised as int8" (a fused QKV or gate|up
-    product counts once)."""
-    if quantization["format"] == "keep":
-        text = f"keep {', '.join(quantization['types']) or 'no kept type'}: {quantization['kept']} weight products kept"
-        if quantization["requantized"]:
-            text += f", {quantization['requantized']} re-quantised as {quantization['fallback']['format']}"
-        return text
-    if quantization["format"] == FORMAT_W8A8:
-        return "w8a8: int8 weights per output channel, int8 activations per token"
-    method = "GPTQ" if quantization.get("method") == "gptq" else "round-to-nearest"
-    head = f", head int{quantization['head_bits']}" if "head_bits" in quantization else ""
-    if quantization.get("head_block_size", quantization["block_size"]) != quantization["block_size"]:
-        head += f"{' in' if head else ', head in'} blocks of {quantization['head_block_size']}"
-    if quantization.get("promoted"):
-        head += f", {len(quantization['promoted'])} layers int{PROMOTED_BITS}"
-    symmetric = "symmetric" if quantization["symmetric"] else "with zero points"
-    text = f"{quantization['format']} in blocks of {quantization['block_size']}, {symmetric} ({method}{head})"
-    budget = quantization.get("budget")
-    if budget:
-        show = (lambda v: f"{v:.4f}") if budget["metric"] == "mean KL divergence" else (lambda v: f"{v:.1%}")
-        text += f", the fastest of {len(budget['candidates'])} layouts within --max-loss {show(budget['max_loss'])} " \
-                f"({budget['metric']} {show(budget['loss'])})"
-    return text
+    "keep Q4_K, Q6_K: 120 weight products kept, 1 re-quantised as int8" (its format's ``describe``)."""
+    return get_format(quantization["format"], "quantization['format']").describe(quantization)
+
+
+def quantize_help() -> str:
+    """``--quantize``'s help: each format's summary, formats with the same one named together."""
+    summaries: dict[str, list[str]] = {}
+    for name, fmt in FORMATS.items():
+        summaries.setdefault(fmt.summary, []).append(name)
+    return "; ".join(f"{'/'.join(names)}: {summary}" for summary, names in summaries.items())
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
@@ -92,16 +76,10 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-validate", action="store_true",
                    help="skip running ONNX Runtime against PyTorch after export")
     p.add_argument("--progress", action="store_true", help="always show the progress bar")
-    p.add_argument("--quantize", choices=[*QUANTIZE_FORMATS, FORMAT_W8A8, "keep"], default=None,
-                   help="int4/int8: weight-only blockwise quantisation of every weight product, the token table "
-                        "and a tied head (codes chosen as --calibration says; the target lowers it: DequantizeLinear + "
-                        "MatMul for portable/onnx23, MatMulNBits for ort); w8a8: int8 weights per output "
-                        "channel and int8 activations per token (MatMulInteger: fast for batches and "
-                        "prefill, e.g. as tfport serve --batch-export); keep: a .gguf source's own "
-                        "Q4_0/Q4_1/Q8_0 blocks, not re-quantised")
+    p.add_argument("--quantize", choices=list(FORMATS), default=None, help=quantize_help())
     p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None,
-                   help="values per scale along each weight row of --quantize int4/int8 (default: 128 "
-                        "for int4 of a model that generates, else 32)")
+                   help=f"values per scale along each weight row of --quantize int4/int8 (default: "
+                        f"{GENERATING_INT4_BLOCK} for int4 of a model that generates, else {DEFAULT_BLOCK})")
     p.add_argument("--calibration", metavar="TEXT", default=AUTO,
                    help=f"how int4/int8 codes are chosen: {AUTO} (default): GPTQ on the built-in text for "
                         f"int4 when the source has a tokenizer, else round-to-nearest; {NONE}: "

@@ -37,7 +37,7 @@ def project(g: GraphBuilder, x: str, weight: np.ndarray | str, name: str, *,
     an initializer already in the graph; ``transposed`` says that stored one is [out, in] (a tied
     embedding table read as the output head) and is transposed in the graph, not copied.
     """
-    quantizer = getattr(g, "quantizer", None)  # export/quantized_graph.WeightQuantizer, or None
+    quantizer = getattr(g, "quantizer", None)  # export/quant: the scheme's graph_quantizer, or None
     if quantizer is not None and (not isinstance(weight, str) or quantizer.owns(weight)):
         return quantizer.project(g, x, weight, name, bias=bias, transposed=transposed)
     if not isinstance(weight, str):

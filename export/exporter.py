@@ -32,9 +32,7 @@ from .graphs import BUILDERS
 from .hessians import Calibration
 from .memory import check_memory
 from .options import ExportOptions, ExportPlan, plan_export
-from .quantize import fake_quantize
-from .w8a8 import DEVICE_REFUSALS as W8A8_REFUSALS
-from .w8a8 import W8A8
+from .quant import get_format
 
 log = logging.getLogger(__name__)
 EXTERNAL_SUFFIX = ".data"  # <graph>.onnx.data: a graph's external weights
@@ -55,14 +53,15 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
     they differ beyond the dtype's tolerance (``ModuleNotFoundError`` up front if ONNX Runtime is
     not installed). ``out_dir`` must not exist unless ``overwrite``.
 
-    ``quantize`` ("int4", "int8" or an ``export.quantize.QuantScheme``) stores every weight
+    ``quantize`` ("int4", "int8" or an ``export.quant.QuantScheme``) stores every weight
     product, the token table and a tied head as blockwise round-to-nearest codes (``block_size``
     values per scale, zero points unless ``symmetric``), lowered by the target
     (``project_quantized``); validation then compares against the module with its weights
-    replaced by the dequantised values (``quantize.fake_quantize``). ``calibration`` ("auto", the
-    default: GPTQ on the built-in text for int4 when ``tokenizer`` is given; "none"; "builtin",
-    a text file's path or an ``export.calibrate.Calibration``; needs ``tokenizer``) chooses the
-    codes with GPTQ on the module's activations over that text instead (same layout);
+    replaced by the dequantised values (the scheme's ``reference``; the other formats are
+    ``export.quant.FORMATS``). ``calibration`` ("auto", the default: GPTQ on the built-in text
+    for int4 when ``tokenizer`` is given; "none"; "builtin", a text file's path or an
+    ``export.calibrate.Calibration``; needs ``tokenizer``) chooses the codes with GPTQ on the
+    module's activations over that text instead (same layout);
     ``head_bits`` (8 or 4) quantises the LM head and token table with that many bits, in blocks of
     ``head_block_size`` (default: the largest block size up to ``block_size`` that divides their
     width, ``calibrate.head_block``).
@@ -93,7 +92,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
     manifest = Manifest(config=config, dtype=options.dtype, opset=plan.opset, target=plan.target.name,
                         layout=plan.target.layout,
                         device_refusals={**plan.target.device_refusals(options.dtype, plan.kv_dtype),
-                                         **(W8A8_REFUSALS if isinstance(scheme, W8A8) else {})},
+                                         **({} if scheme is None else scheme.device_refusals())},
                         kv_dtype=plan.kv_dtype,
                         tokenizer=TOKENIZER_FILE if options.tokenizer is not None else None,
                         chat_template=CHAT_TEMPLATE_FILE if options.chat_template is not None else None,
@@ -104,7 +103,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
         _write_graphs(model, plan, scheme, manifest, tmp)
         if scheme is not None:  # what the graphs were built with (keep: matrices kept and re-quantised)
             manifest = dataclasses.replace(manifest, quantization=scheme.to_dict())
-            _warn_requantized(manifest.quantization)
+            scheme.report()
         _write_files(config, options, tmp)
         # Every file but the manifest itself, external data included, with its size and sha256.
         written = [p.name for p in tmp.iterdir() if p.name != MANIFEST_FILE]
@@ -113,7 +112,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
         if options.validate:
             from .parity import validate_export
 
-            reference = model if scheme is None else fake_quantize(model, scheme, options.dtype)
+            reference = model if scheme is None else scheme.reference(model, options.dtype)
             # a lazy module runs one module's weights at a time, each read again per forward
             with (tqdm(desc="validate: reference modules read", unit="module",
                        disable=not (is_lazy(reference) and _show_progress(options, config))) as bar,
@@ -192,32 +191,22 @@ def _save_graph(model: onnx.ModelProto, initializers: Initializers, path: Path, 
     return external
 
 
-def _warn_requantized(quantization: dict) -> None:
-    """A warning when ``quantize="keep"`` could not keep every weight matrix's own blocks."""
-    if quantization.get("requantized"):
-        fallback = quantization["fallback"]
-        log.warning("quantize='keep': %d of %d weight products are not stored in a kept GGUF type and "
-                    "were re-quantised as %s, blocks of %d (round-to-nearest)", quantization["requantized"],
-                    quantization["requantized"] + quantization["kept"], fallback["format"], fallback["block_size"])
-
-
 def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, options: ExportOptions | None = None,
                                 seed: int = 0) -> Manifest:
     """Export a source (see ``tfport.export.source.load_source``; ``seed`` for a preset's random
     weights); a checkpoint's own ``tokenizer.json``, chat template, sentence-transformers
-    pipeline and generation defaults are shipped unless ``options`` give them, and
-    ``quantize="keep"`` keeps a GGUF file's own blocks."""
+    pipeline and generation defaults are shipped unless ``options`` give them, and a format
+    bound to its source file (``quantize="keep"``: a GGUF file's own blocks) is bound here."""
     from .source import load_source
 
     options = ExportOptions() if options is None else options
     if not isinstance(options, ExportOptions):
         raise TypeError(f"options={options!r}: expected an ExportOptions or None")
     loaded = load_source(source, seed, lazy=True)  # each weight read from the file as it is emitted
-    if options.quantize == "keep":  # the GGUF file's own blocks (export/gguf_keep.py)
-        from .gguf_keep import KeptQuantization, check_keep
-
-        check_keep(source, options.dtype)
-        options = options.replace(quantize=KeptQuantization(source))
+    if isinstance(options.quantize, str):  # a format read from the source file (keep: its own blocks)
+        bound = get_format(options.quantize).for_source(source, options.dtype)
+        if bound is not None:
+            options = options.replace(quantize=bound)
     filled = {"tokenizer": loaded.tokenizer, "chat_template": loaded.chat_template,
               "embedding": loaded.embedding, "generation": loaded.generation}
     options = options.replace(**{name: value for name, value in filled.items() if getattr(options, name) is None})

@@ -1,6 +1,6 @@
-"""``--quantize keep``: a GGUF file's own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks, and the Q4_K / Q5_K / Q6_K
-super-blocks of llama.cpp's "K-quants" (Q4_K_M, Q5_K_M ...), as the export's quantised weights,
-without re-quantising.
+"""A GGUF file's own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks, and the Q4_K / Q5_K / Q6_K
+super-blocks of llama.cpp's "K-quants" (Q4_K_M, Q5_K_M ...), read as the export's quantised
+blocks without re-quantising: what ``--quantize keep`` keeps (``export.quant.keep``).
 
 ggml's legacy block types are blockwise quantisations along each row, 32 values per block, with
 an fp16 scale ``d`` -- exactly ``export.blocks.BlockQuantized``:
@@ -9,7 +9,7 @@ an fp16 scale ``d`` -- exactly ``export.blocks.BlockQuantized``:
 * Q8_0: 32 int8 ``q``, ``w = q d``: 8 bits, symmetric (codes q + 128, implicit zero point 128);
 * Q4_1: an fp16 minimum ``m`` too, ``w = q d + m = (q - z) d + (m + z d)``: 4 bits, the integer
   zero point z nearest -m / d, and the small remainder ``m + z d`` as the block *offset*, which
-  the targets add as (x summed per block) @ offset (``quantized_graph.offset_product``);
+  the targets add as (x summed per block) @ offset (``quant.graph.offset_product``);
 * Q5_0 / Q5_1: as Q4_0 / Q4_1 with a fifth bit per value (``qh``), ``w = (q - 16) d`` and
   ``q d + m``: int8 blocks (zero point 16; offsets), the 5-bit codes stored in 8 bits. llama.cpp
   writes them where a row's length is not a multiple of 256 (K-quant files of models with 576-wide
@@ -30,60 +30,20 @@ sub-block is one block of the export's layout, with scale ``d sc`` (exact in flo
 
 Q2_K and Q3_K are not kept (they fall back like F32).
 
-A mixture's experts, stacked [N, rows, K] per layer and projection (``ffn_*_exps``), are indexed
-as N * rows rows, so each expert's products keep their blocks; its router (``ffn_gate_inp``),
-which llama.cpp's files hold in F32, is re-quantised with the fallback like any F32 matrix.
-
-The importer (``tfport.models.gguf``) dequantises these blocks to float32 for the reference
-module; ``KeptQuantization`` finds each weight row of that module among the file's rows (by its
-exact float32 bytes, which survives the importer's row concatenations and Q/K un-permutation) and
-hands back the file's codes and scales, so ``dequantize()`` reproduces the module's weights
-bit for bit. A product whose rows come from tensors of different types (a Q4_K_M file's Q4_K
-query and key with its Q6_K value, fused into one QKV product) keeps each part's blocks as its
-own product, concatenated (``RowParts``). Rows stored in another type (F32, F16, Q2_K, Q3_K ...)
-are re-quantised with ``fallback`` (round-to-nearest), with a warning, and counted in the
-manifest (``kept`` and ``requantized`` weight products: a fused QKV or gate|up is one).
+``export.quant.keep`` (``--quantize keep``) finds a weight's rows among these blocks and keeps them.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-from pathlib import Path
-
 import numpy as np
 
-from .blocks import BlockQuantized, RowParts
-from .quantize import QuantScheme
-from .row_index import RowIndex, row_keys
-
-log = logging.getLogger(__name__)
+from .blocks import BlockQuantized
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}  # ggml type -> bytes per block of 32
 SUPER_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # K-quant type -> bytes per 256 values
 KEPT_TYPES = (*BLOCK_BYTES, *SUPER_BYTES)
-KEY_ROWS = 4096  # rows whose values are computed at a time to index them
 KEPT_BLOCK_SIZES = {"Q6_K": 16}  # the export's block size where it is not 32
-
-
-def check_keep(source: str, dtype: str = "float32") -> None:
-    """``ValueError`` unless ``quantize="keep"`` applies: ``source`` a GGUF file, exported in ``dtype``
-    float32 (``check_keep_dtype``)."""
-    from tfport.models.gguf.reader import is_gguf_file
-
-    if not is_gguf_file(source):
-        raise ValueError(f"quantize='keep': source={source!r} is not a GGUF file; 'keep' keeps a GGUF "
-                         "file's own Q4_0 / Q4_1 / Q8_0 blocks (use int4 or int8 otherwise)")
-    check_keep_dtype(dtype)
-
-
-def check_keep_dtype(dtype: str) -> None:
-    """``ValueError`` for a ``quantize="keep"`` export in a ``dtype`` other than float32."""
-    if dtype != "float32":
-        raise ValueError(f"quantize='keep' with dtype={dtype!r}: a GGUF file's blocks are kept with "
-                         "their float32 scales (a K-quant's d x sc is not a float16 number); export "
-                         "with dtype='float32', or re-quantise with quantize='int4' or 'int8'")
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -187,127 +147,3 @@ def gguf_values(blocks: BlockQuantized) -> np.ndarray:
         return (blocks.codes.reshape(shape).astype(np.float32) * blocks.scales[..., None]
                 + minimum[..., None]).reshape(n, k)
     return blocks.codes.astype(np.float32) * blocks.block_values(blocks.scales) + blocks.block_values(minimum)
-
-
-def _key(rows: np.ndarray) -> str:
-    """A weight product's identity: the sha1 of its float32 bytes."""
-    return hashlib.sha1(np.ascontiguousarray(rows, dtype=np.float32).tobytes()).hexdigest()
-
-
-class KeptQuantization:
-    """The quantisation a GGUF file already has, looked up row by row (see the module doc); a
-    drop-in for ``QuantScheme`` in the exporter (``quantize``, ``embeddings``, ``name``,
-    ``to_dict``).
-
-    Only the file's tensors that weights were just read from are indexed: each dequantised
-    tensor of the file (``reader.on_tensor_read``) joins the index, which starts again when a
-    read moves on to another layer (``blk.N``; the tensors outside the layers are one group), so
-    a streamed export indexes one layer at a time. A weight found in none of them (a module
-    loaded before this object existed) indexes the whole file once, and is found there.
-    """
-
-    name = "keep"
-    embeddings = True
-
-    def __init__(self, path: str | Path, fallback: QuantScheme | None = None):
-        from tfport.models.gguf.reader import GGUFFile, on_tensor_read
-
-        self.path = Path(path)
-        self.fallback = fallback or QuantScheme(8, BLOCK, symmetric=True)
-        self.file = GGUFFile(self.path)
-        # kept tensors: name -> ggml type (a stack of experts [N, rows, K] holds N * rows rows of K)
-        self.kinds = {name: self.file.tensor_type(name) for name in self.file.tensor_names()
-                      if self.file.tensor_type(name) in KEPT_TYPES and len(self.file.shape(name)) in (2, 3)}
-        self.index = RowIndex()
-        self._indexed: set[str] = set()
-        self._group: str | None = None
-        self._whole = False  # the whole file indexed (a miss among the recent tensors)
-        self._stop_listening = on_tensor_read(self.path, self._read)
-        # distinct weight products seen so far (sha1 of their float32 bytes) -> kept or not: a
-        # matrix lowered in several graphs (or again for validation) counts once
-        self._seen: dict[str, bool] = {}
-
-    def __del__(self):
-        stop = getattr(self, "_stop_listening", None)
-        if stop is not None:
-            stop()
-
-    def _read(self, name: str) -> None:
-        """A tensor of the file was dequantised: index it, in a new index if its group is new."""
-        if name not in self.kinds or self._whole:
-            return
-        group = ".".join(name.split(".")[:2]) if name.startswith("blk.") else ""
-        if group != self._group:
-            self.index, self._indexed, self._group = RowIndex(), set(), group
-        self._add(name)
-
-    def _add(self, name: str) -> None:
-        if name in self._indexed:
-            return
-        rows = int(np.prod(self.file.shape(name)[:-1]))
-        blocks = decode_blocks(self.kinds[name], self.file.blocks(name).reshape(rows, -1))
-        self.file.release(name)
-        keys = []  # in chunks of rows: a large table's float values are never all held
-        for start in range(0, rows, KEY_ROWS):
-            keys += row_keys(gguf_values(blocks.rows(start, start + KEY_ROWS)))
-        self.index.add_keys(keys, blocks)
-        self._indexed.add(name)
-
-    def _index_whole_file(self) -> None:
-        log.info("keep: indexing every tensor of %s (a weight read before the export started)", self.path.name)
-        self._whole = True
-        for name in self.kinds:
-            self._add(name)
-
-    @property
-    def bits(self) -> int:
-        """The widest codes the kept blocks store (4 for Q4_0 / Q4_1 / Q4_K, else 8): what a
-        memory estimate takes the export's weights to need."""
-        return 4 if all(kind.startswith("Q4") for kind in self.kinds.values()) else 8
-
-    block_size = BLOCK
-
-    @property
-    def kept(self) -> int:
-        """Weight products (and token tables) lowered with the file's own blocks so far."""
-        return sum(self._seen.values())
-
-    @property
-    def requantized(self) -> int:
-        """Weight products (and token tables) re-quantised with ``fallback`` so far (stored in no kept type)."""
-        return len(self._seen) - self.kept
-
-    def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> BlockQuantized | RowParts:
-        """The file's blocks of ``rows`` [N, K] if every row is one of its rows: one
-        ``BlockQuantized``, or ``RowParts`` where consecutive rows come from tensors of different
-        types (each part lowered as its own product); otherwise ``rows`` re-quantised with
-        ``fallback``."""
-        parts = None
-        if scale_dtype == "float32":
-            parts = self.index.find_parts(rows)
-            if parts is None and not self._whole:
-                self._index_whole_file()
-                parts = self.index.find_parts(rows)
-        found = None if parts is None else parts[0] if len(parts) == 1 else RowParts(parts)
-        key = _key(rows)
-        if found is None:
-            if key not in self._seen:
-                log.info("keep: a [%d, %d] weight is not stored in one of %s: re-quantised as %s",
-                         *rows.shape, list(KEPT_TYPES), self.fallback.name)
-            self._seen[key] = False
-            return self.fallback.quantize(rows, scale_dtype)
-        self._seen[key] = True
-        return found
-
-    def holds(self, rows: np.ndarray) -> bool:
-        """Whether ``quantize(rows)`` gave the file's own blocks, whose dequantised values are
-        ``rows`` exactly (their keys are those values): a reference needs no dequantised copy."""
-        return self._seen.get(_key(rows), False)
-
-    def to_dict(self) -> dict:
-        types = sorted(set(self.kinds.values()))
-        sizes = {kind: KEPT_BLOCK_SIZES.get(kind, BLOCK) for kind in types}
-        return {"format": "keep", "source": self.path.name, "types": types,
-                "block_size": min(sizes.values(), default=BLOCK), "block_sizes": sizes,
-                "embeddings": True, "fallback": self.fallback.to_dict(),
-                "kept": self.kept, "requantized": self.requantized}

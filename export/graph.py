@@ -130,7 +130,7 @@ class GraphBuilder:
         # reference module path they correspond to ("decoder.layers.0.ffn"), in graph order.
         self.taps: dict[str, tuple[str, str]] = {}
         # Weight-only quantisation of this graph's products and token gathers
-        # (export/quantized_graph.WeightQuantizer), or None for weights in the graph dtype.
+        # (the scheme's graph_quantizer, export/quant/), or None for weights in the graph dtype.
         self.quantizer = None
 
     def fresh(self, hint: str) -> str:

@@ -19,13 +19,11 @@ from . import emit
 from .graph import GraphBuilder, to_numpy
 from .heads import classifier, classifier_head, last_slot, lm_head, mask_positions, token_table
 from .lowering import Target
-from .quantize import QuantScheme
-from .quantized_graph import WeightQuantizer
-from .w8a8 import W8A8, RowQuantizer
+from .quant import Quantization
 
 
 def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
-                        progress=None, quantization: QuantScheme | None = None,
+                        progress=None, quantization: Quantization | None = None,
                         data_file: Path | None = None) -> GraphBuilder:
     """Encoder graph of an EncoderModel or of an EncoderDecoderLM (which adds cross K/V outputs)."""
     config: ModelConfig = model.config
@@ -61,7 +59,7 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
 
 
 def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
-                        progress=None, quantization: QuantScheme | None = None,
+                        progress=None, quantization: Quantization | None = None,
                         data_file: Path | None = None) -> GraphBuilder:
     """Decoder graph of a DecoderLM or EncoderDecoderLM: one graph for prefill and decode."""
     config: ModelConfig = model.config
@@ -91,7 +89,7 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
 
 
 def build_classifier_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: Target,
-                           progress=None, quantization: QuantScheme | None = None,
+                           progress=None, quantization: Quantization | None = None,
                         data_file: Path | None = None) -> GraphBuilder:
     """Classifier graph of an EncoderDecoderLM with a classification head
     (``EncoderDecoderLM.classify``): the encoder, the decoder over input_ids shifted right with
@@ -137,15 +135,10 @@ def build_classifier_graph(model: nn.Module, spec: GraphSpec, dtype: str, target
 BUILDERS = {"encoder": build_encoder_graph, "decoder": build_decoder_graph, "classifier": build_classifier_graph}
 
 
-def _builder(name: str, dtype: str, target: Target, quantization: QuantScheme | None,
+def _builder(name: str, dtype: str, target: Target, quantization: Quantization | None,
              data_file: Path | None) -> GraphBuilder:
     g = GraphBuilder(name, dtype, data_file)
-    if quantization is None:
-        g.quantizer = None
-    elif isinstance(quantization, W8A8):  # int8 weights and activations: standard operators, any target
-        g.quantizer = RowQuantizer(quantization, target)
-    else:
-        g.quantizer = WeightQuantizer(quantization, target)
+    g.quantizer = None if quantization is None else quantization.graph_quantizer(target)
     return g
 
 

@@ -30,8 +30,7 @@ from tfport.models.moe import MixtureOfExperts
 
 from .blocks import BlockQuantized, pack_nibbles
 from .graph import GraphBuilder, to_numpy
-from .quantize import QuantScheme
-from .quantized_graph import byte_initializer
+from .quant.graph import byte_initializer
 
 # moe.routing -> the ai.tfport function computing the dense routing weights
 ROUTING_FUNCTIONS = {"softmax_topk": "SoftmaxTopKRouting", "topk_softmax": "TopKSoftmaxRouting"}
@@ -71,7 +70,7 @@ def fusable(g: GraphBuilder, module: MixtureOfExperts) -> bool:
     tiling each row: E and F multiples of the block size; renormalised routing weights) computes
     ``module``'s routed experts in graph ``g``."""
     expert, quantizer = module.experts[0], getattr(g, "quantizer", None)
-    if quantizer is not None and not (isinstance(quantizer.scheme, QuantScheme) and quantizer.scheme.bits == 4
+    if quantizer is not None and not (quantizer.scheme.rechoosable and quantizer.scheme.bits == 4
                                       and _renormalised(module)
                                       and expert.up.in_features % quantizer.scheme.block_size == 0
                                       and expert.up.out_features % quantizer.scheme.block_size == 0):

@@ -22,8 +22,7 @@ from tfport.generation import GenerationDefaults
 
 from .calibrate import check_head_block_size, resolve_threads
 from .hessians import AUTO, Calibration
-from .quantize import QuantScheme, resolve_scheme
-from .w8a8 import W8A8
+from .quant import Quantization, layout_formats, resolve_scheme
 from .targets import DEFAULT_TARGET, Target, get_target
 
 MIN_OPSET, MAX_OPSET = 18, 23
@@ -45,12 +44,13 @@ class ExportOptions:
     ``embedding``: a sentence encoder's pooling settings (encoders only); ``generation``: the
     generation_config.json defaults. ``overwrite``: replace an existing ``out_dir``.
     ``external_data_threshold``: weight bytes past which a graph keeps them in ``.onnx.data``.
-    ``show_progress``: None shows the bar for large models. ``quantize``: None, "int4", "int8",
-    "w8a8" (int8 weights per channel and activations per token: export/w8a8.py) or a
-    ``QuantScheme`` (or a GGUF ``KeptQuantization``), with ``block_size`` and ``symmetric``
-    for the named formats; ``calibration`` ("auto": GPTQ on the built-in text for int4 when
-    ``tokenizer`` is given, else round-to-nearest; "none": round-to-nearest; "builtin", a text
-    file or a ``Calibration``: GPTQ)
+    ``show_progress``: None shows the bar for large models. ``quantize``: None, a name of
+    ``quant.FORMATS`` ("int4", "int8", "w8a8": int8 weights per channel and activations per
+    token, export/quant/w8a8.py) or a scheme (``quant.QuantScheme``, a GGUF
+    ``quant.KeptQuantization``), with ``block_size`` and ``symmetric`` for int4 / int8;
+    ``calibration`` ("auto": GPTQ on the built-in text for int4 when ``tokenizer`` is given,
+    else round-to-nearest; "none": round-to-nearest; "builtin", a text file or a
+    ``Calibration``: GPTQ)
     ``head_bits`` (8 or 4) and ``head_block_size`` (default: ``calibrate.head_block``) re-choose
     an int4/int8 quantisation's codes. ``logits``: "all" or
     "last" (``tfport.contract.LOGITS``). ``kv_dtype``: the KV cache's dtype (None: float16 for
@@ -72,7 +72,7 @@ class ExportOptions:
     overwrite: bool = False
     external_data_threshold: int = EXTERNAL_DATA_THRESHOLD
     show_progress: bool | None = None
-    quantize: str | QuantScheme | None = None
+    quantize: str | Quantization | None = None
     block_size: int | None = None
     symmetric: bool | None = None
     logits: str = "all"
@@ -98,7 +98,7 @@ class ExportPlan:
     target: Target
     opset: int
     kv_dtype: str
-    scheme: QuantScheme | None
+    scheme: Quantization | None
     out_dir: Path
     specs: dict[str, GraphSpec]
 
@@ -115,24 +115,12 @@ def plan_export(options: ExportOptions, config: ModelConfig, out_dir: str | os.P
     target = get_target(options.target)
     scheme = resolve_scheme(options.quantize, options.block_size, options.symmetric, config.has_decoder)
     opset = options.opset
-    blockwise = scheme is not None and not isinstance(scheme, W8A8)  # w8a8 needs no opset-21 blocks
     if opset is None:
-        opset = target.quantized_opset(target.default_opset) if blockwise else target.default_opset
+        opset = target.default_opset if scheme is None else scheme.default_opset(target)
     _check_model_options(config, dtype, opset, target, kv_dtype)
     kv_dtype = cache_dtype(dtype, kv_dtype)
-    if isinstance(scheme, W8A8) and dtype != "float32":
-        raise ValueError(f"quantize='w8a8' with dtype={dtype!r}: its integer products dequantise to float32; "
-                         "export with dtype='float32'")
-    if blockwise:
-        if dtype == "bfloat16":
-            raise ValueError(f"quantize={scheme.name!r} with dtype='bfloat16': quantised weights replace "
-                             "the stored ones and bfloat16 graphs compute in float32; export with "
-                             "dtype='float32' (same activations)")
-        if scheme.name == "keep":
-            from .gguf_keep import check_keep_dtype
-
-            check_keep_dtype(dtype)
-        target.check_quantized(scheme, opset)
+    if scheme is not None:
+        scheme.check(dtype, target, opset)
     _check_budget(options, scheme)
     _check_head_block(options.head_block_size, scheme)
     resolve_threads(options.calibration_threads)
@@ -164,7 +152,7 @@ def _check_model_options(config: ModelConfig, dtype: str, opset: int, target: Ta
     target.check(config, dtype, opset)
 
 
-def _check_budget(options: ExportOptions, scheme: QuantScheme | None) -> None:
+def _check_budget(options: ExportOptions, scheme: Quantization | None) -> None:
     """``max_loss`` / ``loss_text``: a loss budget applies to an int4 or int8 quantisation."""
     if options.max_loss is None:
         if options.loss_text is not None:
@@ -173,20 +161,20 @@ def _check_budget(options: ExportOptions, scheme: QuantScheme | None) -> None:
     from .budget import parse_loss
 
     parse_loss(options.max_loss)
-    if not isinstance(scheme, QuantScheme):
+    if scheme is None or not scheme.rechoosable:
         got = "no quantisation" if scheme is None else f"quantize={scheme.name!r}"
-        raise ValueError(f"max_loss={options.max_loss!r}: chooses the layout of quantize='int4' or "
-                         f"'int8', got {got}")
+        raise ValueError(f"max_loss={options.max_loss!r}: chooses the layout of quantize={layout_formats()}, "
+                         f"got {got}")
     if options.loss_text is not None and not Path(options.loss_text).is_file():
         raise ValueError(f"loss_text={str(options.loss_text)!r}: no such file (expected a UTF-8 text)")
 
 
-def _check_head_block(head_block_size: int | None, scheme) -> None:
+def _check_head_block(head_block_size: int | None, scheme: Quantization | None) -> None:
     """``head_block_size``: one of ``BLOCK_SIZES``, for an int4 or int8 quantisation."""
     check_head_block_size(head_block_size)
-    if head_block_size is not None and not isinstance(scheme, QuantScheme):
+    if head_block_size is not None and (scheme is None or not scheme.rechoosable):
         got = "no quantisation" if scheme is None else f"quantize={scheme.name!r}, whose layout is its own"
-        raise ValueError(f"head_block_size={head_block_size!r}: applies to quantize='int4' or 'int8', got {got}")
+        raise ValueError(f"head_block_size={head_block_size!r}: applies to quantize={layout_formats()}, got {got}")
 
 
 def _check_tokenizer(path: Path) -> None:

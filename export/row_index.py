@@ -19,7 +19,7 @@ def row_keys(values: np.ndarray) -> list[bytes]:
 
 class RowIndex:
     """Quantised matrices found again by their rows' exact float32 values: how a quantisation
-    chosen ahead of time (a GGUF file's blocks, ``export.gguf_keep``; calibrated GPTQ,
+    chosen ahead of time (a GGUF file's blocks, ``export.quant.keep``; calibrated GPTQ,
     ``export.calibrate``) reaches the weights the exporter projects with, which may be several
     matrices' rows concatenated (QKV, gate + up) or a module's rows in another order."""
 

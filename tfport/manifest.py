@@ -44,8 +44,8 @@ class Manifest:
     # Every other file of the export -> size and sha256 (tfport.integrity); None when read from a
     # format-2 manifest, which records none.
     files: dict[str, FileRecord] | None = None
-    # Weight-only quantisation of the graphs' weight products (export/quantize.QuantScheme's
-    # to_dict: format, bits, block_size, symmetric, embeddings), None for float weights.
+    # Quantisation of the graphs' weight products (its scheme's to_dict, export/quant/: format,
+    # then the format's own fields, e.g. bits, block_size, symmetric, embeddings), None for float weights.
     quantization: dict[str, Any] | None = None
     logits: str = "all"  # LOGITS: the decoder returns every position's logits or the last one's
     kv_dtype: str | None = None  # the KV cache dtype (None: the dtype's default, set on creation)

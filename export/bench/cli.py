@@ -8,6 +8,7 @@ import sys
 
 from tfport.dtypes import COMPUTE_DTYPES
 
+from .compare import QUANTIZED_FORMATS
 from .measurement import DEFAULT, PROVIDERS, QUICK, BenchSettings
 from .report import format_table, write_json, write_plot
 from .run import run_benchmark
@@ -179,8 +180,8 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "engine comparison (batch 1, one prompt length; any of these options selects it)")
     compare.add_argument("--source", help="model to export: preset, checkpoint, HF directory or .gguf")
     compare.add_argument("--quantize", type=_name_list,
-                         help="quantised exports besides fp32, e.g. int4,int8 (symmetric; "
-                              "int4-asym for zero points; keep: a .gguf source's own blocks)")
+                         help=f"quantised exports besides fp32, comma-separated among {','.join(QUANTIZED_FORMATS)} "
+                              "(int4 and int8 symmetric, -asym with zero points; keep: a .gguf source's own blocks)")
     compare.add_argument("--genai", action="append",
                          help="an onnxruntime-genai model directory (its builder's output) to time "
                               "on the same prompt, threads set to --threads (repeatable)")

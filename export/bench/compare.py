@@ -28,15 +28,18 @@ from typing import Any
 import numpy as np
 import onnx
 
+from ..quant import FORMATS, get_format
 from .measurement import BenchSettings, RunTiming, load_average, machine_info, measure, time_tfport
 from .roofline import measure_bandwidth
 
 log = logging.getLogger(__name__)
 
 FLOAT = "fp32"  # the unquantised export's format, whatever its dtype
-QUANTIZED_FORMATS = ("int4", "int8", "int4-asym", "int8-asym", "keep")  # --quantize: symmetric unless -asym
+ASYMMETRIC = "-asym"  # a format with zero points: int4-asym (without it, int4 and int8 are symmetric)
+# --quantize: every format, and those with a layout with zero points too
+QUANTIZED_FORMATS = (*FORMATS, *(f"{name}{ASYMMETRIC}" for name, fmt in FORMATS.items() if fmt.layout_options))
+PRODUCT_OPS = {"MatMul", "MatMulNBits", "DequantizeLinear", "Gemm", "MatMulInteger"}
 SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-PRODUCT_OPS = {"MatMul", "MatMulNBits", "DequantizeLinear", "Gemm"}
 
 
 @dataclass
@@ -110,12 +113,12 @@ def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tu
             if settings.dtype != "float32":  # the float row is named by its dtype, the others carry it
                 label = f"tfport {target} {SHORT[settings.dtype]}" if fmt == FLOAT else f"{label} {SHORT[settings.dtype]}"
             out = root / f"{target}-{fmt}"
-            quantize = None if fmt == FLOAT else fmt.removesuffix("-asym")
-            if fmt == "keep":  # a GGUF source's own blocks
-                from ..gguf_keep import KeptQuantization
-
-                quantize = KeptQuantization(source_name)
-            symmetric = not fmt.endswith("-asym") if isinstance(quantize, str) else None
+            quantize = symmetric = None
+            if fmt != FLOAT:
+                quantize = fmt.removesuffix(ASYMMETRIC)
+                layout = get_format(quantize)
+                symmetric = not fmt.endswith(ASYMMETRIC) if layout.layout_options else None
+                quantize = layout.for_source(source_name, settings.dtype) or quantize  # keep: the file's blocks
             export_model(source.model, out, ExportOptions(dtype=settings.dtype, target=target, quantize=quantize,
                                                           logits="last", symmetric=symmetric, validate=False))
             model = load_model(out, settings.provider, intra_op_threads=settings.threads)
@@ -171,10 +174,8 @@ def run_compare(settings: BenchSettings, source_name: str, formats: tuple[str, .
     if (genai or gguf) and settings.provider != "cpu":
         raise ValueError(f"provider={settings.provider!r}: the peers (--genai, --llama-cpp) run on the "
                          "CPU; compare them with provider='cpu', or time tfport alone on this provider")
-    if "keep" in formats:  # refused now rather than after the other sides are exported
-        from ..gguf_keep import check_keep
-
-        check_keep(source_name, settings.dtype)
+    for fmt in formats:  # refused now rather than after the other sides are exported (keep: a GGUF file)
+        get_format(fmt.removesuffix(ASYMMETRIC)).check_source(source_name, settings.dtype)
     load_before = load_average()
     source = load_source(source_name, settings.seed)
     context, steps = settings.contexts[0], settings.new_tokens

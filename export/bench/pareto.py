@@ -33,34 +33,33 @@ import numpy as np
 
 from tfport.files import write_text_atomic
 
-from ..quantize import BLOCK_SIZES
+from ..quant import BLOCK_SIZES, INT4, INT8, W8A8_FORMAT
 from .measurement import BenchSettings, load_average, machine_info, measure, time_tfport
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LAYOUTS = ("default", "gptq32-sym-h8", "gptq64-sym-h8", "gptq128-sym", "rtn32-sym", "int8")
 _LAYOUT = re.compile(r"(rtn|gptq)(\d+)-(sym|zp)(-h8)?(?:-hb(\d+))?")
+# Layouts named alone -> their options: int4 as --quantize alone has it, the other formats round-to-nearest.
+NAMED_LAYOUTS = {"default": {"quantize": INT4.name},
+                 **{fmt.name: {"quantize": fmt.name, "calibration": "none"} for fmt in (INT8, W8A8_FORMAT)}}
 
 
 def layout_options(name: str) -> dict[str, Any]:
     """``ExportOptions`` fields of a layout name: "default" (``--quantize int4`` alone), "int8"
     (the int8 default: round-to-nearest, blocks of 32), "w8a8" (int8 weights and per-row
-    activations, export/w8a8.py), or ``{rtn|gptq}{block}-{sym|zp}[-h8][-hb{block}]``:
+    activations, export/quant/w8a8.py), or ``{rtn|gptq}{block}-{sym|zp}[-h8][-hb{block}]``:
     int4, round-to-nearest or GPTQ on the built-in text, that block size, symmetric or with zero
     points, the head and token table at 8 bits with ``-h8``, in blocks of ``-hb`` (default:
     ``calibrate.head_block``)."""
-    if name == "default":
-        return {"quantize": "int4"}
-    if name == "int8":
-        return {"quantize": "int8", "calibration": "none"}
-    if name == "w8a8":
-        return {"quantize": "w8a8", "calibration": "none"}
+    if name in NAMED_LAYOUTS:
+        return dict(NAMED_LAYOUTS[name])
     match = _LAYOUT.fullmatch(name)
     if match is None or not {int(b) for b in (match[2], match[5]) if b} <= set(BLOCK_SIZES):
-        raise ValueError(f"--layouts {name!r}: expected default, int8, w8a8 or rtn|gptq, a block size "
+        raise ValueError(f"--layouts {name!r}: expected {', '.join(NAMED_LAYOUTS)} or rtn|gptq, a block size "
                          f"({', '.join(map(str, BLOCK_SIZES))}), -sym or -zp, optionally -h8 and -hb with "
                          "a block size, e.g. gptq32-sym-h8 or gptq128-sym-hb32")
-    options = {"quantize": "int4", "block_size": int(match[2]), "symmetric": match[3] == "sym",
+    options = {"quantize": INT4.name, "block_size": int(match[2]), "symmetric": match[3] == "sym",
                "calibration": "none" if match[1] == "rtn" else "builtin"}
     if match[4]:
         options["head_bits"] = 8

@@ -151,16 +151,17 @@ def dynamic_int8(fused: bool) -> Callable[[np.ndarray], Product]:
 
 
 def rows_int8() -> Callable[[np.ndarray], Product]:
-    """``--quantize w8a8``'s product, built by the exporter's own lowering (``w8a8.RowQuantizer``):
+    """``--quantize w8a8``'s product, built by the exporter's own lowering (its graph quantiser):
     the input rounded per row to uint8 around 128 (``QuantizeLinear``), int8 weight codes per
     output column (7 bits), standard ``MatMulInteger``, then the column and row scales."""
     def build(weight: np.ndarray) -> Product:
         from ..graph import GraphBuilder
-        from ..w8a8 import W8A8, RowQuantizer
+        from ..quant import W8A8_FORMAT
 
         n, k = weight.shape
         g = GraphBuilder("product", "float32")
-        y = RowQuantizer(W8A8()).project(g, "x", np.ascontiguousarray(weight.T), "w")  # W^T [K, N]
+        quantizer = W8A8_FORMAT.parse().graph_quantizer(target=None)  # standard operators: no target
+        y = quantizer.project(g, "x", np.ascontiguousarray(weight.T), "w")  # W^T [K, N]
         weights = {t.name: numpy_helper.to_array(t) for t in g.initializers}
         return Product(_model([*g.nodes, helper.make_node("Identity", [y], ["y"])], k, n, weights),
                        np.dtype("float32"), weights)

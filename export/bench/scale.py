@@ -35,6 +35,7 @@ from pathlib import Path
 
 from tfport.files import write_text_atomic
 
+from ..quant import INT4, KEEP
 from .scale_models import FORMATS, SHAPES, Shape, write_gguf, write_safetensors
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ def _size(path: Path) -> int:
 
 def export_args(source: Path, fmt: str, out: Path, validate: bool) -> list[str]:
     """``tfport export`` arguments of the benchmark's export of ``fmt``."""
-    quantize = ["--quantize", "keep"] if fmt in GGUF_KINDS else ["--quantize", "int4", "--calibration", "none"]
+    quantize = ["--quantize", KEEP.name] if fmt in GGUF_KINDS else ["--quantize", INT4.name, "--calibration", "none"]
     return [str(source), "--out", str(out), "--target", "ort", *quantize, *([] if validate else ["--no-validate"])]
 
 

@@ -14,7 +14,7 @@ from tfport.contract import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
 from tfport.files import write_text_atomic
 from tfport.manifest import Manifest
 
-from ..quantize import FORMAT_W8A8, fake_quantize
+from ..quant import fake_quantize, get_format
 from ..source import load_source
 from .cases import CASES
 from .localize import first_divergence
@@ -25,24 +25,14 @@ def reference_scheme(quantization: dict, against: str, model=None, tokenizer=Non
                      dtype: str = "float32"):
     """The quantisation a manifest records, to fake-quantise the reference with: a calibrated or
     mixed-precision one (export/calibrate.py) is recomputed from ``model`` with ``tokenizer`` and
-    the calibration text (``calibration``: the file, unless it was the built-in text)."""
-    from ..quantize import QuantScheme
-
+    the calibration text (``calibration``: the file, unless it was the built-in text); any other
+    is its format's (``QuantFormat.from_manifest``; ``against``: the source a GGUF file's kept
+    blocks are read from)."""
     if "sha256" in quantization:
         from ..calibrate import recorded_scheme
 
         return recorded_scheme(quantization, model, tokenizer, dtype, calibration)
-    if quantization.get("format") == FORMAT_W8A8:
-        from ..w8a8 import W8A8
-
-        return W8A8()
-    if quantization.get("format") == "keep":
-        from ..gguf_keep import KeptQuantization
-
-        return KeptQuantization(against, QuantScheme(**{k: quantization["fallback"][k] for k in
-                                                        ("bits", "block_size", "symmetric", "embeddings")}))
-    return QuantScheme(quantization["bits"], quantization["block_size"], quantization["symmetric"],
-                       quantization.get("embeddings", True))
+    return get_format(quantization["format"], "quantization['format']").from_manifest(quantization, against)
 
 
 def print_accuracy(model_dir, model, tokenizer) -> None:

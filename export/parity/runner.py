@@ -23,7 +23,7 @@ from tfport.models.lazy import is_lazy
 from tfport.models.masks import MASK_VALUE
 from tfport.runtime.threads import shared_pool
 
-from ..quantized_graph import EXACT_SESSION_CONFIG, EXTERNAL_DATA_FOLDER, exact_graph
+from ..quant import EXACT_SESSION_CONFIG, EXTERNAL_DATA_FOLDER, exact_graph
 from .cases import CACHE_ULPS, ROUNDING_FACTOR, TOLERANCES, Case, CaseResult, Diff, _compare
 from .inputs import CaseInputs, Prepared
 from .reference import TORCH_DTYPES, reference_module

@@ -24,7 +24,7 @@ from ..lowering import StackInputs, heads, split_qkv
 from ..moe import Emitter, mixture_of_experts
 from ..positions import POSITION_EMITTERS
 from ..blocks import BlockQuantized
-from ..quantized_graph import int_initializer, offset_product
+from ..quant.graph import int_initializer, offset_product
 
 QUANTIZED_MIN_OPSET = 21  # DequantizeLinear with block_size and int4/uint4 codes
 
@@ -53,7 +53,7 @@ class PortableTarget:
         return compute_dtype
 
     def check_quantized(self, scheme, opset: int) -> None:
-        """Raise ``ValueError`` if this target cannot lower ``scheme`` (export/quantize.QuantScheme)
+        """Raise ``ValueError`` if this target cannot lower ``scheme`` (export/quant/blockwise.py)
         at ``opset``: the portable lowering uses ONNX's blocked DequantizeLinear (opset 21)."""
         if opset < QUANTIZED_MIN_OPSET:
             raise ValueError(f"opset={opset!r}: target {self.name!r} lowers a quantised weight as a "

@@ -16,7 +16,7 @@ from ..functions import tfport
 from ..lowering import StackInputs
 from ..moe import fused_mixture_of_experts
 from ..blocks import pack_nibbles
-from ..quantized_graph import byte_initializer, offset_product
+from ..quant.graph import byte_initializer, offset_product
 from .base import PortableTarget
 from .onnx23 import rope_cache
 

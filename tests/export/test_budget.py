@@ -23,7 +23,7 @@ from tfport.export import hessians as activations
 from tfport.export.budget import Candidate, LossBudget, parse_loss, pick
 from tfport.export.calibrate import recorded_scheme
 from tfport.export.parity.accuracy import export_logits, perplexity, reference_logits
-from tfport.export.quantize import fake_quantize
+from tfport.export.quant import fake_quantize
 
 
 @pytest.fixture(scope="module")

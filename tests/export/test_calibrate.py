@@ -29,7 +29,7 @@ from tfport.export import calibrate as C
 from tfport.export import gptq
 from tfport.export import hessians as activations
 from tfport.export.parity.accuracy import PERPLEXITY_TEXT
-from tfport.export.quantize import QuantScheme, fake_quantize
+from tfport.export.quant import QuantScheme, fake_quantize
 from tfport.export import rounding
 from tfport.manifest import Manifest
 from tfport.models import build_model

@@ -17,7 +17,7 @@ from tests.matrix import matrix_config
 from tfport.contract import MANIFEST_FILE
 from tfport.export import ExportOptions, export_model
 from tfport.export import calibrate as C
-from tfport.export.quantize import QuantScheme
+from tfport.export.quant import QuantScheme
 from tfport.manifest import Manifest
 
 

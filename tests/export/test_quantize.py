@@ -1,4 +1,4 @@
-"""Weight-only quantisation (export/quantize.py and each target's lowering).
+"""Weight-only quantisation (export/quant/blockwise.py and each target's lowering).
 
 The codes are checked against literal blocks worked out by hand; every export below is validated
 by ``export_model`` against the fake-quantised module (the same dequantised weights) with float32
@@ -17,7 +17,7 @@ import pytest
 from tests.matrix import matrix_config
 from tfport.export import ExportOptions, export_model
 from tfport.export.blocks import pack_nibbles
-from tfport.export.quantize import QuantScheme, fake_quantize
+from tfport.export.quant import QuantScheme, fake_quantize, get_format
 from tfport.export.rounding import quantize_rows
 from tfport.export.row_index import RowIndex
 from tfport.export.targets import TARGETS
@@ -114,7 +114,7 @@ def test_scheme_checks_its_arguments():
     with pytest.raises(ValueError, match="block_size=24"):
         QuantScheme(4, 24)
     with pytest.raises(ValueError, match="quantize='int3'"):
-        QuantScheme.parse("int3")
+        get_format("int3")
     with pytest.raises(TypeError, match="symmetric='no'"):
         QuantScheme(4, 32, "no")
 

@@ -1,4 +1,4 @@
-"""``--quantize w8a8`` (export/w8a8.py): int8 weights per output channel, int8 activations per row.
+"""``--quantize w8a8`` (export/quant/w8a8.py): int8 weights per output channel, int8 activations per row.
 
 The codes are checked against values worked out by hand. Every export below is validated by
 ``export_model`` against the module with the same dequantised weights (float32 tolerances),
@@ -17,9 +17,9 @@ import torch
 
 from tests.matrix import matrix_config, ort_config
 from tfport.export import ExportOptions, export_model
-from tfport.export.quantized_graph import exact_graph
+from tfport.export.quant import exact_graph
 from tfport.export.targets import TARGETS
-from tfport.export.w8a8 import W8A8, quantize_channels, round_rows
+from tfport.export.quant.w8a8 import W8A8, quantize_channels, round_rows
 from tfport.manifest import Manifest
 from tfport.models import build_model
 from tfport.runtime import load_model

@@ -15,7 +15,8 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the 'dev' extra installs gguf-py")
 
 from tfport.export import ExportOptions, export_checkpoint_or_preset  # noqa: E402
-from tfport.export.gguf_keep import KeptQuantization, decode_blocks, gguf_values  # noqa: E402
+from tfport.export.gguf_keep import decode_blocks, gguf_values  # noqa: E402
+from tfport.export.quant import KeptQuantization  # noqa: E402
 from tfport.manifest import Manifest  # noqa: E402
 
 from .tiny import K_BLOCKS, random_super_blocks, write_tiny_llama  # noqa: E402

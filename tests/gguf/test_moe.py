@@ -19,7 +19,7 @@ import torch
 
 from tfport.config_moe import MoeConfig
 from tfport.export import ExportOptions, export_checkpoint_or_preset
-from tfport.export.gguf_keep import KeptQuantization
+from tfport.export.quant import KeptQuantization
 from tfport.models.gguf import load_gguf, read_gguf
 from tfport.runtime import load_model
 

@@ -1,7 +1,7 @@
 """Localisation (export/parity/localize.py) runs the graph as parity runs it.
 
 A quantised export is compared with the fake-quantised module at float32 tolerances because
-parity runs its 4-bit products with float activations (``export.quantized_graph.exact_graph`` and
+parity runs its 4-bit products with float activations (``export.quant.exact_graph`` and
 ``EXACT_SESSION_CONFIG``). The tap session that localises a failure must run the same way: with
 ONNX Runtime's default (int8 activations in ``MatMulNBits`` and in the fused portable
 DequantizeLinear + MatMul) every tap after the first product differs by the activation rounding
@@ -16,7 +16,7 @@ import pytest
 from tests.matrix import ort_config
 from tfport.export import ExportOptions, export_model
 from tfport.export.parity import CASES, Runner, first_divergence
-from tfport.export.quantize import QuantScheme, fake_quantize
+from tfport.export.quant import QuantScheme, fake_quantize
 from tfport.export.targets import TARGETS
 from tfport.models import build_model
 
@@ -40,7 +40,7 @@ def test_a_quantised_export_with_external_data_is_run_in_place(target, tmp_path)
     """Weights in decoder.onnx.data: the exact graph is serialised without them (bytes over 2 GiB
     cannot be a protobuf) and its sessions read them from the export's directory; validation at
     export, parity and the taps all run."""
-    from tfport.export.quantized_graph import exact_graph
+    from tfport.export.quant import exact_graph
 
     model = build_model(ort_config("gqa"), seed=7)
     export_model(model, tmp_path / "q", ExportOptions(target=target, quantize=SCHEME, external_data_threshold=0))

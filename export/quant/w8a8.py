@@ -33,7 +33,8 @@ with its integer GEMM (as fast as its fused ``MatMulIntegerToFloat``, measured).
 provider's ``MatMulInteger`` takes int8 x int8 only, so these uint8 activations would run on the
 CPU: the manifest refuses CUDA (``DEVICE_REFUSALS``). ``reference``
 is the PyTorch module computing the same: its weights dequantised and each ``nn.Linear``'s input
-rounded per row, which parity and export validation compare the graph against.
+rounded per row, which parity and export validation compare the graph against. ``W8A8`` is the
+scheme, ``RowQuantizer`` its graph side and ``FORMAT`` the registry entry.
 
 Shapes: B batch, S new tokens, K inputs, N outputs, V vocabulary, E model width.
 """
@@ -45,13 +46,15 @@ from typing import ClassVar
 
 import numpy as np
 
-from .quantized_graph import int_initializer
+from .base import QuantFormat, Quantization
+from .graph import int_initializer
+from .reference import replaced_weights, token_table_paths
 
 WEIGHT_LEVELS = 63  # weight codes in [-63, 63] (see the module docstring)
 ACTIVATION_LEVELS = 127  # activation codes in [-127, 127], stored as uint8 around 128
 ACTIVATION_ZERO_POINT = 128
 TINY = 1e-30  # the least row scale: an all-zero row gives zero codes, not 0 / 0
-FORMAT = "w8a8"
+NAME = "w8a8"
 DEVICE_REFUSALS = {"cuda": "quantize='w8a8': ONNX Runtime's CUDA MatMulInteger takes int8 x int8 only, "
                            "so the uint8 activations of every weight product would run on the CPU; "
                            "run this export on the CPU, or export int4/int8 or float16 for CUDA"}
@@ -90,18 +93,30 @@ def quantize_channels(rows: np.ndarray) -> ChannelQuantized:
 
 
 @dataclass(frozen=True)
-class W8A8:
+class W8A8(Quantization):
     """The ``w8a8`` scheme (see the module docstring); token tables are always quantised too."""
 
     embeddings: ClassVar[bool] = True  # read by the graph builders (heads.token_table), not an option
-    name: ClassVar[str] = FORMAT
+    name: ClassVar[str] = NAME
 
     def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> ChannelQuantized:
         """Weights [N, K] -> their codes, per row (``scale_dtype``: float32 only, checked at plan)."""
         return quantize_channels(rows)
 
+    def check(self, dtype: str, target, opset: int) -> None:
+        if dtype != "float32":
+            raise ValueError(f"quantize='w8a8' with dtype={dtype!r}: its integer products dequantise to float32; "
+                             "export with dtype='float32'")
+
+    def graph_quantizer(self, target) -> "RowQuantizer":
+        """Standard operators only: any target."""
+        return RowQuantizer(self, target)
+
+    def device_refusals(self) -> dict[str, str]:
+        return dict(DEVICE_REFUSALS)
+
     def to_dict(self) -> dict:
-        return {"format": FORMAT, "weights": f"int8 per output channel, codes in +-{WEIGHT_LEVELS}",
+        return {"format": NAME, "weights": f"int8 per output channel, codes in +-{WEIGHT_LEVELS}",
                 "activations": f"int8 per token, codes in +-{ACTIVATION_LEVELS}", "embeddings": True}
 
     def reference(self, model, dtype: str = "float32", activations: bool = False):
@@ -114,8 +129,6 @@ class W8A8:
         from torch import nn
 
         from tfport.models.lazy import parameter_names
-
-        from .quantize import replaced_weights, token_table_paths
 
         names = {f"{path}.weight" for path, module in model.named_modules() if isinstance(module, nn.Linear)}
         names.update(token_table_paths(model))
@@ -140,7 +153,7 @@ def round_rows(x):
 
 # -------------------------------------------------------------------------------------- graph
 class RowQuantizer:
-    """The graph side of ``W8A8``, in the place of ``quantized_graph.WeightQuantizer``
+    """The graph side of ``W8A8``, in the place of ``graph.WeightQuantizer``
     (``g.quantizer``: ``emit.project`` and ``emit.gather_rows`` consult it). Each input is
     quantised once per graph however many products read it (a layer's q, k and v)."""
 
@@ -246,3 +259,29 @@ def float_activations(model) -> None:
     kept = [info for info in model.graph.value_info if info.name not in changed]  # int32 no more
     del model.graph.value_info[:]
     model.graph.value_info.extend(kept)
+
+
+# ---------------------------------------------------------------------------------- registry
+class W8A8Format(QuantFormat):
+    """``--quantize w8a8``: no options (one scale per output channel, symmetric)."""
+
+    name = NAME
+    summary = ("int8 weights per output channel and int8 activations per token (MatMulInteger: fast for "
+               "batches and prefill, e.g. as tfport serve --batch-export)")
+
+    def parse(self, block_size: int | None = None, symmetric: bool | None = None,
+              generates: bool = False) -> W8A8:
+        for option, value in (("block_size", block_size), ("symmetric", symmetric)):
+            if value is not None:
+                raise ValueError(f"{option}={value!r}: applies to quantize='int4' or 'int8'; quantize='w8a8' "
+                                 "has one scale per output channel, symmetric")
+        return W8A8()
+
+    def from_manifest(self, entry: dict, source: str) -> W8A8:
+        return W8A8()
+
+    def describe(self, entry: dict) -> str:
+        return "w8a8: int8 weights per output channel, int8 activations per token"
+
+
+FORMAT = W8A8Format()

@@ -1,9 +1,8 @@
 """The graph side of quantised weights: how ``export.blocks`` are stored as ONNX
 initializers (int4 / uint4 / int8 / uint8, packed bytes for the contrib operators), the
-``WeightQuantizer`` a ``GraphBuilder`` holds (every weight product and token gather of one graph,
-lowered by the export target: ``project_quantized``, ``gather_quantized``), the block offsets of
-GGUF's Q4_1 / Q4_K / Q5_1 / Q5_K, and the float-activation form of a graph that parity runs
-(``exact_graph``).
+``WeightQuantizer`` a ``GraphBuilder`` holds for a blockwise scheme (every weight product and
+token gather of one graph, lowered by the export target: ``project_quantized``,
+``gather_quantized``) and the block offsets of GGUF's Q4_1 / Q4_K / Q5_1 / Q5_K.
 """
 
 from __future__ import annotations
@@ -12,8 +11,8 @@ import logging
 
 import numpy as np
 
-from .blocks import BlockQuantized, RowParts, pack_nibbles
-from .quantize import QuantScheme, gatherable
+from ..blocks import BlockQuantized, RowParts, pack_nibbles
+from .base import Quantization
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +47,19 @@ def byte_initializer(g, name: str, values: np.ndarray) -> str:
     return name
 
 
+def gatherable(table) -> bool:
+    """Whether a quantised token table can be gathered from: one format (not ``RowParts``)."""
+    return isinstance(table, BlockQuantized)
+
+
 class WeightQuantizer:
-    """What one graph's weight products and token gathers do under a ``QuantScheme``: held by the
+    """What one graph's weight products and token gathers do under a blockwise scheme: held by the
     ``GraphBuilder`` (``g.quantizer``) and consulted by ``emit.project`` and ``emit.gather_rows``,
     it quantises each weight once and hands it to the export target's lowering
     (``project_quantized``, ``gather_quantized``). A token table quantised here is kept by its
     graph name, so a tied head and the embedding gather read the same quantised rows."""
 
-    def __init__(self, scheme: QuantScheme, target):
+    def __init__(self, scheme: Quantization, target):
         self.scheme = scheme
         self.target = target
         self.tables: dict[str, BlockQuantized] = {}
@@ -117,38 +121,6 @@ class WeightQuantizer:
         spread = g.op("Reshape", spread, g.const([0, 0, -1], name=f"{name}.offsets_shape"),
                       name=f"{name}.offsets_rows")  # [B, S, E]
         return g.op("Add", rows, spread, name=f"{name}.offsets_add")
-
-
-# ------------------------------------------------------------------------------ exact parity
-# ONNX Runtime fuses DequantizeLinear + MatMul into MatMulNBits at this accuracy level (default 4:
-# int8 activations); parity sets 0 (float activations), so the graph computes what the
-# fake-quantised reference computes.
-EXACT_SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "0"}
-# Where ONNX Runtime reads the external data of a model given as bytes (``exact_graph``): the
-# export's directory, so the weights are neither copied nor put in the bytes (a protobuf message
-# is limited to 2 GiB; an 8B model in int4 is 4-5 GB).
-EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
-
-
-def exact_graph(path) -> bytes:
-    """The graph at ``path`` with every ``MatMulNBits`` at accuracy level 0 and every w8a8
-    product on float activations (``w8a8.float_activations``),
-    serialised without its external data (open it with ``EXTERNAL_DATA_FOLDER`` set to
-    ``path``'s directory): what parity runs a quantised export as. The int8-activation error of
-    the shipped level is measured separately (``tfport parity --accuracy``)."""
-    import onnx
-    from onnx import helper
-
-    from .w8a8 import float_activations
-
-    model = onnx.load(str(path), load_external_data=False)
-    float_activations(model)  # w8a8's integer products
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
-            kept = [a for a in node.attribute if a.name != "accuracy_level"]
-            del node.attribute[:]
-            node.attribute.extend(kept + [helper.make_attribute("accuracy_level", 0)])
-    return model.SerializeToString()
 
 
 def offset_product(g, x: str, weight: BlockQuantized, name: str) -> str:
