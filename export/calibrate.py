@@ -67,6 +67,9 @@ class PrecomputedQuantization(Blockwise):
         self.found += 1
         return found
 
+    def bytes_per_value(self) -> float:
+        return self.scheme.bytes_per_value()
+
     def to_dict(self) -> dict:
         return {**self.scheme.to_dict(), **self.record}
 

@@ -68,9 +68,7 @@ def stored_bytes_per_value(scheme, dtype: str) -> float:
     """Bytes one weight value takes in the export under ``scheme`` (None: the dtype's)."""
     if scheme is None:
         return 4.0 if dtype == "float32" else 2.0
-    bits = getattr(scheme, "bits", 8)
-    block = getattr(scheme, "block_size", 32) or 32
-    return bits / 8 + 4 / block + (0 if getattr(scheme, "symmetric", True) else 1 / block)
+    return scheme.bytes_per_value()
 
 
 def estimate_export(model: nn.Module, options, scheme, calibrating: bool) -> MemoryEstimate:

@@ -9,8 +9,8 @@ Two objects per format:
 * ``Quantization``, the scheme one export is built with (a format with its settings: bits and
   blocks, a GGUF file's own blocks, codes chosen by GPTQ ...): the checks against the export's
   dtype, target and opset, the graph quantiser every weight product goes through, the devices
-  its graphs must not run on, the PyTorch reference it is validated against, and its manifest
-  entry.
+  its graphs must not run on, the PyTorch reference it is validated against, its manifest entry
+  and the bytes a weight takes (for the memory estimate).
 
 The exporter holds the scheme and asks it; no code outside this package tests a scheme's type
 or compares a format's name.
@@ -39,6 +39,11 @@ class Quantization:
     # ------------------------------------------------------------------------------ weights
     def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> Any:
         """Weights [N, K] -> their quantised form, with scales in ``scale_dtype``."""
+        raise NotImplementedError
+
+    def bytes_per_value(self) -> float:
+        """Bytes one weight value takes in the export (codes, scales, zero points): what a
+        memory estimate (``export.memory``) takes the quantised weights to need."""
         raise NotImplementedError
 
     def holds(self, rows: np.ndarray) -> bool:

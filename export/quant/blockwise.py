@@ -92,6 +92,10 @@ class QuantScheme(Blockwise):
     def quantize(self, rows: np.ndarray, scale_dtype: str = "float32") -> BlockQuantized:
         return quantize_rows(rows, self.bits, self.block_size, self.symmetric, scale_dtype)
 
+    def bytes_per_value(self) -> float:
+        """The codes, a float32 scale per block and a byte of zero point per block unless symmetric."""
+        return self.bits / 8 + 4 / self.block_size + (0 if self.symmetric else 1 / self.block_size)
+
 
 def format_name(bits: int) -> str:
     """The ``--quantize`` name of blockwise codes of ``bits``: "int4", "int8"."""

@@ -164,6 +164,10 @@ class KeptQuantization(Blockwise):
         self._seen[key] = True
         return found
 
+    def bytes_per_value(self) -> float:
+        """The widest kept codes (``bits``) and a float32 scale per block of 32."""
+        return self.bits / 8 + 4 / self.block_size
+
     def check_dtype(self, dtype: str) -> None:
         super().check_dtype(dtype)
         check_keep_dtype(dtype)

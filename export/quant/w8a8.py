@@ -103,6 +103,10 @@ class W8A8(Quantization):
         """Weights [N, K] -> their codes, per row (``scale_dtype``: float32 only, checked at plan)."""
         return quantize_channels(rows)
 
+    def bytes_per_value(self) -> float:
+        """int8 codes and their float32 row scales, counted as one per 32 values (an upper bound)."""
+        return 1 + 4 / 32
+
     def check(self, dtype: str, target, opset: int) -> None:
         if dtype != "float32":
             raise ValueError(f"quantize='w8a8' with dtype={dtype!r}: its integer products dequantise to float32; "

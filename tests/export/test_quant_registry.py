@@ -69,6 +69,7 @@ def test_each_format_round_trips_its_manifest_entry(name, gguf_source):
     fmt = FORMATS[name]
     scheme = _scheme(fmt, gguf_source)
     assert isinstance(scheme, Quantization) and scheme.name == name
+    assert 0 < scheme.bytes_per_value() < 4  # less than float32's, for the memory estimate
     entry = scheme.to_dict()
     assert entry["format"] == name and json.loads(json.dumps(entry)) == entry  # what manifest.json holds
     assert get_format(entry["format"]) is fmt
