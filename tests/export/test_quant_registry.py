@@ -78,15 +78,18 @@ def test_each_format_round_trips_its_manifest_entry(name, gguf_source):
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_each_format_exports_and_validates(name, gguf_source, tmp_path, capsys):
+def test_each_format_exports_validates_and_passes_parity(name, gguf_source, tmp_path):
     """Through ``export_checkpoint_or_preset`` (which binds keep to its file) and validation
-    against the scheme's reference; the CLI's phrase is the format's."""
+    against the scheme's reference; ``tfport parity`` rebuilds that reference from the manifest
+    entry (``from_manifest``); the CLI's phrase is the format's."""
+    from tfport.cli import main
     from tfport.export.cli import describe_quantization
 
     manifest = export_checkpoint_or_preset(gguf_source, tmp_path / name, ExportOptions(
         quantize=name, calibration="none"))
     assert manifest.quantization["format"] == name
     assert describe_quantization(manifest.quantization) == FORMATS[name].describe(manifest.quantization)
+    assert main(["parity", str(tmp_path / name), "--against", gguf_source, "--providers", "cpu"]) == 0
 
 
 # ------------------------------------------------------------------------------ refusals
