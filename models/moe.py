@@ -24,7 +24,7 @@ def routing_weights(logits: torch.Tensor, top_k: int, routing: str, normalize: b
     top ``top_k`` experts.
 
     ``"softmax_topk"``: softmax over the N experts, keep the top k (divided by their sum when
-    ``normalize``); ``"topk_softmax"``: softmax over the top k logits (see ``tfport.config_moe``).
+    ``normalize``); ``"topk_softmax"``: softmax over the top k logits (see ``tfport.config.moe``).
     """
     logits = logits.float()
     if routing == "softmax_topk":

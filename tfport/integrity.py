@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig
-from .config_json import FLAT_NAMES, flat_dict, flat_fields
+from .config.json_forms import FLAT_NAMES, flat_dict, flat_fields
 from .dtypes import CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def _canonical_config(config: ModelConfig) -> dict[str, Any]:
     """The config's fields that differ from their defaults, integers in float fields as floats:
     a field added to ModelConfig later (at its default) does not change the fingerprint of
     existing exports, and ``"rope_theta": 10000`` equals ``10000.0``. Fields go by their flat
-    names (``tfport.config_json.flat_dict``), so grouping the config changed no fingerprint."""
+    names (``tfport.config.json_forms.flat_dict``), so grouping the config changed no fingerprint."""
     floats = {name for name, f in flat_fields(ModelConfig).items() if "float" in str(f.type)}
     defaults = _defaults()
     values = {}

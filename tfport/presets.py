@@ -7,8 +7,8 @@ enough to build, export and run in well under a second each on a 2-core CPU.
 from __future__ import annotations
 
 from .config import ModelConfig
-from .config_relative import RelativeConfig
-from .config_rope import RopeConfig
+from .config.positions import RelativeConfig
+from .config.rope import RopeConfig
 
 _TINY = dict(vocab_size=96, d_model=32, n_heads=4, d_ff=64, max_positions=64)
 

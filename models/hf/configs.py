@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 import math
 
-from tfport.config_rope import RopeConfig
-from tfport.config_window import WindowConfig
+from tfport.config.rope import RopeConfig
+from tfport.config.window import WindowConfig
 from tfport.files import read_json_object
 
 log = logging.getLogger(__name__)

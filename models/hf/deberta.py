@@ -20,8 +20,8 @@ queries attend uniformly to every key; tfport's padded queries attend to the rea
 from __future__ import annotations
 
 from tfport.config import ModelConfig
-from tfport.config_heads import CLASSIFIER_ACTIVATIONS
-from tfport.config_relative import DISENTANGLED_TERMS, DisentangledConfig
+from tfport.config.classifier import CLASSIFIER_ACTIVATIONS
+from tfport.config.positions import DISENTANGLED_TERMS, DisentangledConfig
 
 from .configs import hf_activation, hf_field, refuse, token_ids
 from .heads import CLASSIFIER, MLM, classifier_fields

@@ -9,7 +9,7 @@ bias (``lm_head_bias``).
 from __future__ import annotations
 
 from tfport.config import ModelConfig
-from tfport.config_rope import RopeConfig
+from tfport.config.rope import RopeConfig
 
 from .configs import hf_activation, hf_field, refuse, token_ids
 from .rules import QKV, Architecture, Rule, decoder_lm, params

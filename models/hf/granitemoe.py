@@ -16,7 +16,7 @@ its up rows) and ``output_linear`` [N, E, F].
 from __future__ import annotations
 
 from tfport.config import ModelConfig
-from tfport.config_moe import MoeConfig
+from tfport.config.moe import MoeConfig
 
 from .configs import hf_field, refuse, rope_fields
 from .llama import LLAMA_LAYER, ROTARY_BUFFERS, llama_like_config, llama_rules

@@ -7,7 +7,7 @@ tensor names say which when they are at hand, else the ``architectures`` class d
 
 from __future__ import annotations
 
-from tfport.config_heads import ClassifierConfig
+from tfport.config.classifier import ClassifierConfig
 
 from .configs import refuse
 

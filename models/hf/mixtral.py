@@ -3,7 +3,7 @@
 LLaMA's attention and norms (GQA, RoPE, a sliding window on every layer when set); the FFN is
 ``block_sparse_moe``: a router ``gate`` [N, E] and N SwiGLU experts ``w1`` (gate), ``w3`` (up),
 ``w2`` (down). Routing: softmax over the N experts, top ``num_experts_per_tok``, renormalised
-(``tfport.config_moe``). ``router_jitter_noise`` only acts in training.
+(``tfport.config.moe``). ``router_jitter_noise`` only acts in training.
 
 The checkpoints read are per-expert tensors (``experts.{e}.w1.weight``), as every published
 Mixtral and transformers' ``save_pretrained`` write them; transformers 5's fused in-memory layout
@@ -13,7 +13,7 @@ Mixtral and transformers' ``save_pretrained`` write them; transformers 5's fused
 from __future__ import annotations
 
 from tfport.config import ModelConfig
-from tfport.config_moe import MoeConfig
+from tfport.config.moe import MoeConfig
 
 from .configs import hf_field, rope_fields, sliding_fields
 from .llama import LLAMA_LAYER, ROTARY_BUFFERS, llama_like_config, llama_rules

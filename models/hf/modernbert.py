@@ -27,7 +27,7 @@ masked).
 from __future__ import annotations
 
 from tfport.config import ModelConfig
-from tfport.config_window import WindowConfig
+from tfport.config.window import WindowConfig
 
 from .configs import HF_ACTIVATIONS, hf_field, refuse, rope_fields, token_ids
 from .heads import CLASSIFIER, MLM, classifier_fields

@@ -11,7 +11,7 @@ them. The FFN (``mlp``): a router ``gate`` [N, E] and N SwiGLU experts ``gate_pr
 from __future__ import annotations
 
 from tfport.config import ModelConfig
-from tfport.config_moe import MoeConfig
+from tfport.config.moe import MoeConfig
 
 from .configs import hf_field, refuse, rope_fields
 from .llama import QK_NORM_RULES, ROTARY_BUFFERS, llama_like_config, llama_rules

@@ -12,7 +12,7 @@ expert (width ``shared_expert_intermediate_size``) scaled by sigmoid(``shared_ex
 from __future__ import annotations
 
 from tfport.config import ModelConfig
-from tfport.config_moe import MoeConfig
+from tfport.config.moe import MoeConfig
 
 from .configs import hf_field, refuse, rope_fields, sliding_fields
 from .llama import QK_NORM_RULES, ROTARY_BUFFERS, llama_like_config, llama_rules

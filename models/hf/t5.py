@@ -8,7 +8,7 @@ when the config ties, as v1.0) or the file's own ``lm_head``.
 from __future__ import annotations
 
 from tfport.config import ModelConfig
-from tfport.config_relative import RelativeConfig
+from tfport.config.positions import RelativeConfig
 
 from .configs import hf_activation, hf_field, refuse, token_ids
 from .rules import QKV, Architecture, Rule, concat_rows

@@ -16,7 +16,7 @@ import pytest
 
 from tests.changes import changed
 from tfport.config import ModelConfig
-from tfport.config_rope import RopeConfig
+from tfport.config.rope import RopeConfig
 from tfport.presets import PRESETS, get_preset
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from tests.changes import changed
 from tfport.config import ModelConfig
-from tfport.config_rope import RopeConfig
-from tfport.config_window import WindowConfig
+from tfport.config.rope import RopeConfig
+from tfport.config.window import WindowConfig
 from tfport.presets import PRESETS
 
 BASE = PRESETS["tiny-decoder"]  # 4 heads of 8 channels, 2 layers, RoPE

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from tfport.config import ModelConfig
-from tfport.config_dropout import DropoutConfig
-from tfport.config_heads import ClassifierConfig
-from tfport.config_relative import DisentangledConfig, RelativeConfig
-from tfport.config_rope import RopeConfig
-from tfport.config_window import WindowConfig
+from tfport.config.classifier import ClassifierConfig
+from tfport.config.dropout import DropoutConfig
+from tfport.config.positions import DisentangledConfig, RelativeConfig
+from tfport.config.rope import RopeConfig
+from tfport.config.window import WindowConfig
 from tfport.contract import CONFIG_FILE, MANIFEST_FILE
 from tfport.integrity import export_settings, fingerprint, record_files
 from tfport.manifest import Manifest

@@ -12,7 +12,7 @@ from tfport import integrity
 from tfport.integrity import (FINGERPRINT_KEY, SETTINGS_KEY, check_graph_metadata, export_settings,
                               graph_metadata, parse_file_records, record_files, sha256_file,
                               verify_files)
-from tfport.config_rope import RopeConfig
+from tfport.config.rope import RopeConfig
 from tfport.presets import get_preset
 
 CONFIG = get_preset("tiny-decoder")

@@ -131,7 +131,7 @@ def test_named_source_files_exist():
     named = set(re.findall(rf"`({top}[\w./-]*)`", documented_text() + README.read_text()))
     missing = sorted(path for path in named if not (ROOT / path).exists())
     assert named and not missing, f"docs name files that do not exist: {missing}"
-    # Bare module names (`config_rope.py`, `engine.py`) exist somewhere in the packages or tests.
+    # Bare module names (`rope.py`, `engine.py`) exist somewhere in the packages or tests.
     bare = set(re.findall(r"`(\w+\.py)`", documented_text()))
     sources = {p.name for folder in ("tfport", "models", "export", "runtime", "tests")
                for p in (ROOT / folder).rglob("*.py")}

@@ -361,7 +361,7 @@ def test_hessians_are_the_mean_input_products(kind):
     hooks over the same batches, H = mean of x x^T in float64. Passes stop after the last hook
     (the LM head's product runs only in the two-token probe), and products that read one input
     (gate and up, a mixture's router and experts) share one H."""
-    from tfport.config_moe import MoeConfig
+    from tfport.config.moe import MoeConfig
 
     family, position, attention, moe = HESSIAN_MODELS[kind]
     config = matrix_config(family, position, attention)

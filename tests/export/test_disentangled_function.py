@@ -10,7 +10,7 @@ import onnx
 import pytest
 import torch
 
-from tfport.config_relative import DisentangledConfig
+from tfport.config.positions import DisentangledConfig
 from tfport.contract import TensorSpec
 from tfport.export.graph import GraphBuilder
 from tfport.export.positions import POSITION_EMITTERS

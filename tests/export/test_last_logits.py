@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from tests.matrix import matrix_config
-from tfport.config_heads import ClassifierConfig
+from tfport.config.classifier import ClassifierConfig
 from tfport.contract import graph_specs
 from tfport.export import ExportOptions, export_model
 from tfport.export.parity import CASES, Runner

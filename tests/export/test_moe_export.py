@@ -131,7 +131,7 @@ def test_quantized_experts(exported, tmp_path, name, target, quantize, fused):
 def _moe_model(**moe_fields):
     """A tiny random SwiGLU decoder (RoPE, GQA, head dim 16) whose layer 1 is a mixture of 4 experts."""
     from tfport.config import ModelConfig
-    from tfport.config_moe import MoeConfig
+    from tfport.config.moe import MoeConfig
     from tfport.models import build_model
 
     config = ModelConfig(family="decoder", vocab_size=96, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96,

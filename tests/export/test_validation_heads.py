@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tfport.config_heads import ClassifierConfig
+from tfport.config.classifier import ClassifierConfig
 from tfport.presets import get_preset
 
 pytest.importorskip("onnxruntime", reason="validation runs ONNX Runtime")

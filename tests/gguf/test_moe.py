@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tfport.config_moe import MoeConfig
+from tfport.config.moe import MoeConfig
 from tfport.export import ExportOptions, export_checkpoint_or_preset
 from tfport.export.quant import KeptQuantization
 from tfport.models.gguf import load_gguf, read_gguf

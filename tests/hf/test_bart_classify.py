@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tfport.config import ModelConfig
-from tfport.config_heads import ClassifierConfig
+from tfport.config.classifier import ClassifierConfig
 from tfport.export import ExportOptions, export_checkpoint_or_preset, export_model
 from tfport.models.hf import load_hf_model
 from tfport.runtime import load_model

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tfport.config_window import WindowConfig
+from tfport.config.window import WindowConfig
 from tfport.models import build_model
 from tfport.models.hf import hf_config_to_tfport, load_hf_model
 from tfport.models.masks import attention_bias

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tfport.config import ModelConfig
-from tfport.config_moe import MoeConfig
+from tfport.config.moe import MoeConfig
 from tfport.models.hf import hf_config_to_tfport, load_hf_model
 from tfport.models.moe import MixtureOfExperts, routing_weights
 
@@ -33,7 +33,7 @@ def moe(tmp_path_factory):
 
 
 def _numpy_routing(logits: np.ndarray, k: int, routing: str, normalize: bool) -> np.ndarray:
-    """Dense routing weights [..., N] written from the definitions (tfport.config_moe)."""
+    """Dense routing weights [..., N] written from the definitions (tfport.config.moe)."""
     def softmax(x):
         e = np.exp(x - x.max(-1, keepdims=True))
         return e / e.sum(-1, keepdims=True)

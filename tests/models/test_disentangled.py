@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tfport.config_relative import DisentangledConfig
+from tfport.config.positions import DisentangledConfig
 from tfport.models.attention import Attention
 from tfport.models.disentangled import DisentangledBias, index_table, relative_index
 

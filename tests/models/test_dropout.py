@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tfport import get_preset
-from tfport.config_dropout import DropoutConfig
-from tfport.config_heads import ClassifierConfig
+from tfport.config.classifier import ClassifierConfig
+from tfport.config.dropout import DropoutConfig
 from tfport.export import export_model
 from tfport.models import build_model
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tfport.config_rope import RopeConfig
+from tfport.config.rope import RopeConfig
 from tfport.models.positions import (alibi_bias, alibi_slopes, apply_rope, positions_from_mask,
                                      relative_bias, relative_position_bucket, rope_cos_sin,
                                      rope_inv_freq, sinusoidal_table)

@@ -183,7 +183,7 @@ CORRUPTIONS = [
 @pytest.fixture(scope="module")
 def more_exports(exports, tmp_path_factory):
     """``exports`` plus two decoders with the I/O of decoder-rope: other weights, other rope.theta."""
-    from tfport.config_rope import RopeConfig
+    from tfport.config.rope import RopeConfig
     from tfport.export import ExportOptions, export_model
     from tfport.models import build_model
     from tfport.presets import get_preset

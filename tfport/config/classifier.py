@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config_checks import Part, is_int
+from .checks import Part, is_int
 
 CLASSIFIER_POOLINGS = ("cls", "mean", "last_eos")  # last_eos: encoder-decoder (BART)
 # An encoder-decoder classifier's first decoder input: decoder_start_token_id (BART), or each row's

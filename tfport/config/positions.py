@@ -1,13 +1,17 @@
-"""The settings of the two relative position schemes: T5's bucketed attention bias
-(``ModelConfig.relative``) and DeBERTa's disentangled attention (``ModelConfig.disentangled``).
+"""Position schemes: the names a config's ``position`` may take, and the settings of the two
+relative schemes, T5's bucketed attention bias (``ModelConfig.relative``) and DeBERTa's
+disentangled attention (``ModelConfig.disentangled``). RoPE's settings are ``tfport.config.rope``.
 ``ModelConfig`` checks what needs the rest of the architecture (position, family, heads)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config_checks import Part, is_int
+from .checks import Part, is_int
 
+POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "disentangled", "none")
+ENCODER_ONLY_POSITIONS = ("disentangled",)  # no causal or cached form
+ALIBI_SLOPES = ("press", "mpt")  # ALiBi's head slopes when H is not a power of two (ModelConfig)
 DISENTANGLED_TERMS = ("c2p", "p2c")  # content-to-position, position-to-content (DeBERTa)
 
 

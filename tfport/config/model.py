@@ -1,19 +1,7 @@
-"""One configuration for every transformer family tfport handles.
-
-The same frozen dataclass is read by the PyTorch reference modules, the ONNX exporter and the
-torch-free runtime, so it imports nothing but the standard library. The architecture's backbone
-(sizes, norm, activation, position scheme, token ids ...) is flat; each concept with several
-settings is a small frozen part of its own: ``rope`` (RopeConfig), ``window`` (WindowConfig),
-``relative`` and ``disentangled`` (the relative position schemes), ``moe`` (MoeConfig: mixture-of-
-experts layers), ``classifier`` (ClassifierConfig) and ``dropout`` (DropoutConfig). Each part validates its own fields on
-construction, ``ModelConfig`` the combinations that need more than one part; a bad value raises
-``ValueError`` naming the field by its full path (``config.rope.scaling_factor=0.5: expected
-...``), the value and what was expected. It round-trips through JSON (``to_json`` /
-``from_json``; ``tfport.config_json`` also reads the flat form earlier versions wrote).
-
-Shape legend used across the project: B batch, S new tokens, P past length, T = P + S,
-H query heads, Hkv key/value heads, D head dim, E model dim (d_model), V vocab.
-"""
+"""``ModelConfig``: the architecture's backbone (sizes, norm, activation, position scheme, token
+ids ...) as flat fields, each concept with several settings as a part of its own (``rope``,
+``window``, ``relative``, ``disentangled``, ``moe``, ``classifier``, ``dropout``), and the checks
+that need more than one part. The parts validate their own fields (``tfport.config.rope`` ...)."""
 
 from __future__ import annotations
 
@@ -22,22 +10,19 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config_checks import Checks, is_int, is_number, reject
-from .config_dropout import DropoutConfig
-from .config_heads import ClassifierConfig
-from .config_json import config_from_dict, parts
-from .config_moe import MoeConfig
-from .config_relative import DisentangledConfig, RelativeConfig
-from .config_rope import RopeConfig
-from .config_window import WindowConfig
+from .checks import Checks, is_int, is_number, reject
+from .classifier import ClassifierConfig
+from .dropout import DropoutConfig
+from .json_forms import config_from_dict, parts
+from .moe import MoeConfig
+from .positions import ALIBI_SLOPES, POSITIONS, DisentangledConfig, RelativeConfig
+from .rope import RopeConfig
+from .window import WindowConfig
 
 FAMILIES = ("encoder", "decoder", "encoder-decoder")
 NORMS = ("layernorm", "rmsnorm")
 NORM_POSITIONS = ("pre", "post")
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-POSITIONS = ("sinusoidal", "learned", "rope", "alibi", "relative", "disentangled", "none")
-ENCODER_ONLY_POSITIONS = ("disentangled",)  # no causal or cached form
-ALIBI_SLOPES = ("press", "mpt")
 QK_NORM_SPANS = ("head", "all_heads")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config_checks import Part, is_number
+from .checks import Part, is_number
 
 ROPE_SCALINGS = (None, "linear", "ntk", "llama3", "longrope", "yarn", "dynamic")
 # Scalings that rescale from a trained context length (original_max_positions).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .config_checks import Part
+from .checks import Part
 
 
 @dataclass(frozen=True)

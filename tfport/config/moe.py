@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config_checks import Part, is_int
+from .checks import Part, is_int
 
 # How the router's logits [N] become the weights of the top-k experts:
 # "softmax_topk": softmax over all N experts, keep the k largest (Mixtral, Qwen2/3-MoE, OLMoE), and

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config_checks import Part, is_int
+from .checks import Part, is_int
 
 
 @dataclass(frozen=True)
