@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from tfport.config.checks import is_int
 from tfport.models.lazy import read_weight
 
 from .blocks import BlockQuantized, concat_rows
@@ -208,7 +209,7 @@ def resolve_threads(threads: int | None) -> int:
     this process may run on); ``ValueError`` unless a positive integer or None."""
     if threads is None:
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+    if not is_int(threads) or threads < 1:
         raise ValueError(f"calibration_threads={threads!r}: expected a positive integer, or None for the "
                          "machine's cores")
     return threads

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tfport.config import ModelConfig
+from tfport.config.checks import is_int
 from tfport.contract import DTYPES, GraphSpec, graph_specs
 from tfport.dtypes import cache_dtype
 from tfport.embedding import EmbeddingSettings
@@ -146,7 +147,7 @@ def _check_model_options(config: ModelConfig, dtype: str, opset: int, target: Ta
         raise ValueError(f"kv_dtype={kv_dtype!r}: a classification export (n_labels={config.classifier.n_labels}) "
                          "keeps no KV cache (leave kv_dtype unset)")
     cache_dtype(dtype, kv_dtype)  # ValueError naming kv_dtype
-    if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_OPSET <= opset <= MAX_OPSET:
+    if not is_int(opset) or not MIN_OPSET <= opset <= MAX_OPSET:
         raise ValueError(f"opset={opset!r}: expected an integer in [{MIN_OPSET}, {MAX_OPSET}] "
                          f"(the function library needs opset 18 or newer)")
     target.check(config, dtype, opset)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tfport.config.checks import is_int
 from tfport.embedding import POOLINGS, EmbeddingSettings
 
 MODULES_FILE = "modules.json"
@@ -74,7 +75,7 @@ def _max_seq_length(directory: Path) -> tuple[int | None, bool]:
             if not isinstance(config, dict):
                 raise ValueError(f"{path}: expected a JSON object")
             length = config.get("max_seq_length")
-            if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            if length is not None and (not is_int(length) or length < 1):
                 raise ValueError(f"{path}: max_seq_length={length!r}: expected a positive integer")
             if length is not None:
                 return length, bool(config.get("do_lower_case", False))
@@ -85,7 +86,7 @@ def _max_seq_length(directory: Path) -> tuple[int | None, bool]:
     tokenizer_config = directory / "tokenizer_config.json"
     if tokenizer_config.is_file():
         limit = _json(tokenizer_config).get("model_max_length")
-        if isinstance(limit, int) and not isinstance(limit, bool) and 0 < limit < NO_LIMIT:
+        if is_int(limit) and 0 < limit < NO_LIMIT:
             return limit, lowercase
     return None, lowercase
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tfport.config.checks import is_int
 from tfport.manifest import Manifest
 
 from .binding import GraphRunner
@@ -34,7 +35,7 @@ PROBE_ROWS = (1, 2, 4, 8, 16, 32)  # prompt lengths measure_batch_rows times on 
 
 def check_batch_rows(batch_rows) -> None:
     """``ValueError`` unless ``batch_rows`` is "auto" or a positive integer."""
-    if batch_rows != AUTO and (isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1):
+    if batch_rows != AUTO and (not is_int(batch_rows) or batch_rows < 1):
         raise ValueError(f"batch_rows={batch_rows!r}: expected {AUTO!r} or a positive integer (rows, batch "
                          "x new tokens)")
 

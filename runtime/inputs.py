@@ -13,6 +13,8 @@ from typing import Union
 
 import numpy as np
 
+from tfport.config.checks import is_int
+
 # A batch of prompts: ragged sequences of ids, or an integer array [B, S].
 Prompts = Union[np.ndarray, Sequence[Sequence[int]]]
 PAD_SIDES = ("left", "right")
@@ -73,7 +75,7 @@ def split_prompts(input_ids: Prompts, attention_mask: np.ndarray | None = None,
                 raise ValueError(f"{argument}: expected a list of prompts (id lists), got a flat "
                                  f"list of ids; wrap one prompt as [ids]")
             array = np.asarray(row)
-            if array.dtype == object and all(isinstance(v, int) and not isinstance(v, bool) for v in array.ravel()):
+            if array.dtype == object and all(is_int(v) for v in array.ravel()):
                 huge = [v for v in array.ravel() if not -2**63 <= v < 2**63]  # Python ints past int64
                 raise ValueError(f"{argument}[{index}]: ids {huge[:4]} do not fit int64 (expected token "
                                  "ids in [0, vocab_size))")

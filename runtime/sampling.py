@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tfport.config.checks import is_integer
+
 NUMBERS = (int, float, np.integer, np.floating)
 
 
@@ -67,8 +69,7 @@ class SamplingParams:
         if temperature is None or temperature < 0:
             raise ValueError(f"temperature={self.temperature!r}: expected a finite number >= 0 "
                              "(0 is greedy)")
-        if not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool) \
-                or self.top_k < 0:
+        if not is_integer(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k={self.top_k!r}: expected an integer >= 0 (0 keeps all)")
         if top_p is None or not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p={self.top_p!r}: expected a number in (0, 1] (1 keeps all)")
@@ -83,7 +84,7 @@ class SamplingParams:
             raise ValueError(f"logit_bias={self.logit_bias!r}: expected a mapping of token id -> "
                              "bias in [-100, 100]")
         for token, bias in self.logit_bias.items():
-            if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or token < 0:
+            if not is_integer(token) or token < 0:
                 raise ValueError(f"logit_bias: key {token!r}: expected a token id (an integer >= 0)")
             _check_range(f"logit_bias[{token}]", bias, -100.0, 100.0, "")
 
@@ -109,8 +110,7 @@ def make_rng(seed: int | np.random.Generator | None) -> np.random.Generator:
     """A ``numpy.random.Generator``: ``seed`` itself, one seeded with it, or a fresh one."""
     if isinstance(seed, np.random.Generator):
         return seed
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                             or seed < 0):
+    if seed is not None and (not is_integer(seed) or seed < 0):
         raise ValueError(f"seed={seed!r}: expected a non-negative integer, a "
                          "numpy.random.Generator or None")
     return np.random.default_rng(seed)
@@ -308,7 +308,7 @@ class Logprobs:
     rows: list[list[TokenLogprob]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if isinstance(self.top, bool) or not isinstance(self.top, (int, np.integer)) or self.top < 0:
+        if not is_integer(self.top) or self.top < 0:
             raise ValueError(f"top={self.top!r}: expected an integer >= 0 (alternatives per token)")
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

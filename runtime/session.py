@@ -16,6 +16,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from tfport.config.checks import is_int
 from tfport.contract import GraphSpec
 
 from .threads import share_pool, shared_pool, thread_policy
@@ -73,7 +74,7 @@ class SessionSettings:
                              f"{list(GRAPH_OPTIMIZATIONS)}")
         for name in ("device_id", "intra_op_threads", "inter_op_threads"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ValueError(f"{name}={value!r}: expected a non-negative integer")
         if not isinstance(self.shared_threads, bool):
             raise ValueError(f"shared_threads={self.shared_threads!r}: expected True or False")

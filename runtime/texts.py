@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from tfport.config.checks import is_integer
+
 log = logging.getLogger(__name__)
 
 BATCH_SIZE = 32  # sentence-transformers' default
@@ -83,7 +85,7 @@ def batches(n: int, lengths: Sequence[int], batch_size: int, progress: bool | No
     """Row indices of each batch, longest rows first (rows of similar length share a batch, so
     little padding is computed), with a tqdm bar on stderr when ``progress`` (None: from
     ``PROGRESS_MIN_BATCHES`` batches on)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+    if not is_integer(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: expected a positive integer")
     order = np.argsort(-np.asarray(lengths), kind="stable")
     chunks = [order[i:i + batch_size] for i in range(0, n, batch_size)]

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .config.checks import is_int
 from .files import read_json_object
 
 EMBEDDING_FILE = "embedding.json"
@@ -44,14 +45,14 @@ class EmbeddingSettings:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"embedding.{name}={getattr(self, name)!r}: expected true or false")
         length = self.max_seq_length
-        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+        if length is not None and (not is_int(length) or length < 1):
             raise ValueError(f"embedding.max_seq_length={length!r}: expected a positive integer or null")
         dims = self.matryoshka_dimensions
         if isinstance(dims, list):  # as JSON reads it
             dims = tuple(dims)
             object.__setattr__(self, "matryoshka_dimensions", dims)
         if dims is not None and (not isinstance(dims, tuple) or not dims or any(
-                isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims)):
+                not is_int(d) or d < 1 for d in dims)):
             raise ValueError(f"embedding.matryoshka_dimensions={dims!r}: expected a non-empty list "
                              "of positive integers or null")
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .config.checks import is_int, is_number
 from .files import read_json_object
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -59,12 +60,12 @@ class GenerationDefaults:
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or self.temperature < 0:
             raise ValueError(f"generation.temperature={self.temperature!r}: expected a number >= 0")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"generation.top_k={self.top_k!r}: expected an integer >= 0")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"generation.top_p={self.top_p!r}: expected a number in (0, 1]")
         penalty = self.repetition_penalty
-        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not 0 < penalty < float("inf"):
+        if not is_number(penalty) or not 0 < penalty < float("inf"):
             raise ValueError(f"generation.repetition_penalty={penalty!r}: expected a finite number > 0 (1 is off)")
 
     @property
@@ -142,4 +143,4 @@ class GenerationDefaults:
 
 
 def _is_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig
+from .config.checks import is_int
 from .config.json_forms import FLAT_NAMES, flat_dict, flat_fields
 from .dtypes import CACHE_DTYPES
 
@@ -90,7 +91,7 @@ def parse_file_records(value: object, where: str) -> dict[str, FileRecord]:
             raise ValueError(f"{where}: files[{name!r}]={entry!r}: expected "
                              "{'bytes': size, 'sha256': hex digest}")
         size, digest = entry["bytes"], entry["sha256"]
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        if not is_int(size) or size < 0:
             raise ValueError(f"{where}: files[{name!r}].bytes={size!r}: expected a size >= 0")
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             raise ValueError(f"{where}: files[{name!r}].sha256={digest!r}: expected 64 "
@@ -156,7 +157,7 @@ def _canonical_config(config: ModelConfig) -> dict[str, Any]:
     defaults = _defaults()
     values = {}
     for name, value in flat_dict(config).items():
-        if name in floats and isinstance(value, int) and not isinstance(value, bool):
+        if name in floats and is_int(value):
             value = float(value)
         if name not in defaults or value != defaults[name] or type(value) is not type(defaults[name]):
             values[name] = value

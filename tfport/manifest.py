@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import ModelConfig
+from .config.checks import is_int
 from .contract import (CHAT_TEMPLATE_FILE, CONFIG_FILE, DTYPES, LAYOUTS, MANIFEST_FILE, TOKENIZER_FILE,
                        GraphSpec, graph_specs)
 from .dtypes import CACHE_DTYPES, cache_dtype
@@ -139,8 +140,7 @@ class Manifest:
         _check_field(path, data, "kv_dtype", data.get("kv_dtype") in (None, *CACHE_DTYPES[data["dtype"]]),
                      f"one of {list(CACHE_DTYPES[data['dtype']])} for dtype {data['dtype']!r}")
         opset = data["opset"]
-        _check_field(path, data, "opset", isinstance(opset, int) and not isinstance(opset, bool)
-                     and opset > 0, "a positive integer")
+        _check_field(path, data, "opset", is_int(opset) and opset > 0, "a positive integer")
         _check_field(path, data, "target", isinstance(data["target"], str), "a target name")
         _check_field(path, data, "layout", isinstance(data["layout"], str) and data["layout"] in LAYOUTS,
                      f"one of {sorted(LAYOUTS)}")

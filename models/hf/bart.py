@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 
 from tfport.config import ModelConfig
+from tfport.config.checks import is_int
 
 from .configs import hf_activation, hf_field, refuse, token_ids
 from .heads import classifier_fields
@@ -90,7 +91,7 @@ def start_token(hf: dict, ids: dict, default: int | None) -> int:
     """``decoder_start_token_id``, else ``default`` (transformers' generate falls back to bos)."""
     start = hf.get("decoder_start_token_id")
     start = default if start is None else start
-    if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start < hf_field(hf, "vocab_size"):
+    if not is_int(start) or not 0 <= start < hf_field(hf, "vocab_size"):
         refuse(hf, "decoder_start_token_id", start, "a token id of the vocabulary (decoding starts from it)")
     return start
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 
+from tfport.config.checks import is_int
 from tfport.config.rope import RopeConfig
 from tfport.config.window import WindowConfig
 from tfport.files import read_json_object
@@ -183,7 +184,7 @@ def sliding_fields(hf: dict, n_layers: int, all_layers: bool) -> dict:
     window = hf.get("sliding_window")
     if window is None or hf.get("use_sliding_window") is False:
         return {}
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+    if not is_int(window) or window <= 0:
         refuse(hf, "sliding_window", window, "expected a positive integer or null")
     types = hf.get("layer_types")
     if types is None:

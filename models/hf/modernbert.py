@@ -27,6 +27,7 @@ masked).
 from __future__ import annotations
 
 from tfport.config import ModelConfig
+from tfport.config.checks import is_int
 from tfport.config.window import WindowConfig
 
 from .configs import HF_ACTIVATIONS, hf_field, refuse, rope_fields, token_ids
@@ -53,7 +54,7 @@ def _layer_types(hf: dict, n_layers: int) -> list[str]:
     types = hf.get("layer_types")
     if types is None:
         every = hf.get("global_attn_every_n_layers", 3)
-        if not isinstance(every, int) or isinstance(every, bool) or every <= 0:
+        if not is_int(every) or every <= 0:
             refuse(hf, "global_attn_every_n_layers", every, "expected a positive integer")
         types = ["sliding_attention" if i % every else "full_attention" for i in range(n_layers)]
     if not isinstance(types, list) or len(types) != n_layers or set(types) - set(LAYER_TYPES):
@@ -117,7 +118,7 @@ def _modernbert_config(hf: dict, keys: frozenset[str] | None) -> ModelConfig:
     if CLASSIFIER in heads and pooling not in ("cls", "mean"):
         refuse(hf, "classifier_pooling", pooling, "tfport pools 'cls' or 'mean'")
     window = hf.get("local_attention", 128)
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+    if not is_int(window) or window <= 0:
         refuse(hf, "local_attention", window, "expected a positive integer")
     local = tuple(i for i, t in enumerate(_layer_types(hf, n_layers)) if t == "sliding_attention")
     rope, local_theta = _rope(hf)

@@ -12,6 +12,7 @@ expert (width ``shared_expert_intermediate_size``) scaled by sigmoid(``shared_ex
 from __future__ import annotations
 
 from tfport.config import ModelConfig
+from tfport.config.checks import is_int
 from tfport.config.moe import MoeConfig
 
 from .configs import hf_field, refuse, rope_fields, sliding_fields
@@ -27,7 +28,7 @@ def moe_layers(hf: dict, n_layers: int) -> tuple[int, ...]:
     them: not in ``mlp_only_layers``, and (i + 1) a multiple of ``decoder_sparse_step``."""
     step = hf_field(hf, "decoder_sparse_step", default=1)
     dense = hf.get("mlp_only_layers") or []
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+    if not is_int(step) or step < 1:
         refuse(hf, "decoder_sparse_step", step, "expected a positive integer")
     return tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
 

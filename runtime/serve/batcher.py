@@ -24,6 +24,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tfport.config.checks import is_int
+
 from ..texts import EncodedTexts
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ class EmbeddingBatcher:
                  max_tokens: int = MAX_TOKENS):
         if not window_s >= 0:
             raise ValueError(f"window_s={window_s!r}: expected a number of seconds >= 0")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        if not is_int(max_tokens) or max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens!r}: expected a positive integer")
         self.embed_rows = embed_rows
         self.window_s = window_s

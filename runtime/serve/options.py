@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tfport.config.checks import is_int
 from tfport.flags import option, positive_int
 
 from ..decoding.prefix import DEFAULT_MB, PrefixCache
@@ -167,7 +168,7 @@ class ServeOptions:
             value = getattr(self, name)
             if value is None and name == "max_prompt_tokens":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
         for name in ("timeout", "header_timeout", "body_timeout", "keep_alive_timeout",
                      "shutdown_timeout"):
@@ -177,7 +178,7 @@ class ServeOptions:
             raise ValueError(f"embedding_batch_ms={self.embedding_batch_ms!r}: expected milliseconds "
                              "in [0, 1000]")
         limit = self.limit_concurrency
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        if limit is not None and (not is_int(limit) or limit < 1):
             raise ValueError(f"limit_concurrency={limit!r}: expected a positive integer, or None "
                              "for no limit")
         check_origins(self.cors_origins)

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tfport.config.checks import is_int
+
 from .options import ServeOptions
 
 logger = logging.getLogger(__name__)
@@ -56,10 +58,9 @@ class Replicas:
     maximum: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.minimum, bool) or not isinstance(self.minimum, int) or self.minimum < 0:
+        if not is_int(self.minimum) or self.minimum < 0:
             raise ValueError(f"min_replicas={self.minimum!r}: expected an integer >= 0")
-        if (isinstance(self.maximum, bool) or not isinstance(self.maximum, int)
-                or self.maximum < max(self.minimum, 1)):
+        if not is_int(self.maximum) or self.maximum < max(self.minimum, 1):
             raise ValueError(f"max_replicas={self.maximum!r}: expected an integer >= 1 and >= "
                              f"min_replicas={self.minimum}")
 

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
 
 def is_int(value: object) -> bool:
-    """An integer that is not a bool."""
+    """A Python integer that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_integer(value: object) -> bool:
+    """An integer that is not a bool: a Python int, or a numpy integer (``np.int64(3)``, what
+    indexing an array gives). numpy registers its integer types as ``numbers.Integral`` (its bool
+    is not one), so this needs no numpy import."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_number(value: object) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .checks import Part
+from .checks import Part, is_number
 
 
 @dataclass(frozen=True)
@@ -24,5 +24,5 @@ class DropoutConfig(Part):
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            if not is_number(value) or not 0.0 <= value < 1.0:
                 self.checks().fail(field.name, "a probability in [0, 1)")
