@@ -1,58 +1,87 @@
-"""Autoregressive generation of a fixed batch over an exported decoder graph (decoder-only and
-seq2seq): what ``Model.generate`` / ``stream`` / ``chat`` run.
+"""Autoregressive generation of a batch over an exported decoder graph (decoder-only and
+seq2seq): what ``Model.generate`` / ``stream`` / ``chat`` run, on the loop the server runs
+(``decoding.loop.DecodeLoop``).
 
-The loop is ``tfport.models.generate.generate`` / ``generate_seq2seq`` in numpy: one forward over
-the prompt (prefill; for seq2seq the decoder start token), then per step: the engine picks each
+As ``tfport.models.generate.generate`` / ``generate_seq2seq`` in numpy: one forward over the
+prompts (prefill; for seq2seq the decoder start token), then per step: the engine picks each
 row's token (``decoding.engine.choose``: forced ids, processors, sampling), the step is yielded,
 stop ids end rows, and one decode step runs with the cache. Rows that are done continue with the
 pad id; the loop ends when every row has ended, skipping the forward after the last token (its
-logits would be unused). How the cache is kept between steps is the layout's strategy
-(``decoding``).
+logits would be unused). Without speculation the batch is a ``FixedBatch``: the layout's strategy
+(``decoding``) prefills every row in one forward and keeps the cache between steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
 from .binding import Feed, GraphRunner
 from .decoding import DecodeStrategy
-from .decoding.engine import SequenceState, choose
+from .decoding.engine import SequenceState
+from .decoding.loop import DecodeLoop, decode_rows
 from .decoding.prefix import PrefixCache
+from .decoding.rows import Row
 
 # step -> the token ids allowed at that step (forced bos at 0, forced eos at the last).
 Forced = Mapping[int, tuple[int, ...]]
 
 
-def sample_loop(logits: np.ndarray, advance: Callable[[np.ndarray, int], np.ndarray],
-                states: Sequence[SequenceState], pad_token_id: int) -> Iterator[np.ndarray]:
-    """The token loop of a fixed batch; yields int64 [B] per step.
+class FixedBatch:
+    """A layout strategy's fixed batch (``DecodeStrategy``) as a row batch that admits every row
+    at once: ``add_all`` prefills the rows together (padded, in one forward), ``step`` feeds the
+    live rows' tokens and the pad id for rows that left, as the strategy's ``advance`` expects
+    of every row, and returns the live rows' logits. What ``generate`` decodes on without
+    speculation; nothing is freed before the batch goes (a row removed only stops counting)."""
 
-    ``logits`` [B, V] are the prompts' last; ``advance(token [B], step)`` feeds the tokens just
-    picked and returns the next logits; ``states[b]`` says how row b's tokens are chosen and when
-    it ends. Rows that ended continue with ``pad_token_id``. ``RuntimeError`` for NaN logits.
-    """
-    for step in range(max(state.max_tokens for state in states)):
-        picked, errors = choose(logits, states)
-        if errors:
-            raise RuntimeError(f"rows {sorted(errors)}: {next(iter(errors.values()))}")
-        done = np.array([state.finish is not None for state in states])
-        token = np.where(done, pad_token_id, picked)
-        for state, t, ended, row in zip(states, token.tolist(), done, logits):
-            if not ended:  # pushed before the yield: the step's logprobs come with its tokens
-                state.push(t, row)
-        yield token
-        if all(state.finish is not None for state in states):
-            return
-        logits = advance(token, step)
+    all_logits = False  # speculation runs on a layout's ``RowBatch`` instead
+
+    def __init__(self, strategy: DecodeStrategy, runner: GraphRunner, pad_token_id: int,
+                 static: Mapping[str, Feed] | None = None, prefix: PrefixCache | None = None):
+        self.strategy, self.runner = strategy, runner
+        self.pad_token_id = pad_token_id
+        self.static = static or {}
+        self.prefix = prefix
+        self.rows: list[Row] = []
+        self._size = 0
+        self._advance = None
+        self._steps = 0
+
+    def add_all(self, prompts: Sequence[np.ndarray], max_new_tokens: int) -> tuple[list[Row], np.ndarray]:
+        """Prefill ``prompts`` (checked int64 [S_b]; for seq2seq each row's start token) for up to
+        ``max_new_tokens`` steps -> (their rows, their last logits [B, V]). Once per batch."""
+        if self._advance is not None:
+            raise RuntimeError("add_all: a fixed batch admits its rows once")
+        logits, self._advance = self.strategy.start(self.runner, prompts, max_new_tokens, self.pad_token_id,
+                                                    self.static, self.prefix)
+        self._size = len(prompts)
+        self.rows = [Row(b, len(prompt)) for b, prompt in enumerate(prompts)]
+        return list(self.rows), logits
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed one token per live row (int64 [n], ordered as ``rows``) -> logits [n, V]."""
+        every = len(self.rows) == self._size
+        live = [row.index for row in self.rows]
+        token = np.asarray(tokens, dtype=np.int64) if every else np.full(self._size, self.pad_token_id, np.int64)
+        if not every:
+            token[live] = tokens
+        logits = self._advance(token, self._steps)
+        self._steps += 1
+        for row in self.rows:
+            row.length += 1
+        return logits if every else logits[live]
+
+    def remove(self, row: Row) -> None:
+        self.rows.remove(row)
 
 
 def generate_steps(strategy: DecodeStrategy, runner: GraphRunner, rows: Sequence[np.ndarray],
                    states: Sequence[SequenceState], pad_token_id: int,
                    static: Mapping[str, Feed] | None = None,
                    prefix: PrefixCache | None = None) -> Iterator[np.ndarray]:
-    """Yield one token per row, int64 [B], until every row has ended (``sample_loop``).
+    """Yield one token per row, int64 [B], until every row has ended (``decode_rows`` on a
+    ``FixedBatch``).
 
     ``rows`` are the first decoder input, checked: the prompts, or for seq2seq the decoder start
     token per row; ``strategy`` (from the export's cache layout) pads them and keeps the cache for
@@ -60,6 +89,6 @@ def generate_steps(strategy: DecodeStrategy, runner: GraphRunner, rows: Sequence
     ``prefix``, which keeps its tokens' keys and values when it ends (``decoding.prefix``).
     Nothing runs until the first token is asked for.
     """
-    steps = max(state.max_tokens for state in states)
-    logits, advance = strategy.start(runner, rows, steps, pad_token_id, static or {}, prefix)
-    yield from sample_loop(logits, advance, states, pad_token_id)
+    batch = FixedBatch(strategy, runner, pad_token_id, static, prefix)
+    added, logits = batch.add_all(rows, max(state.max_tokens for state in states))
+    yield from decode_rows(DecodeLoop(batch), added, logits, states, rows, pad_token_id)

@@ -3,11 +3,10 @@ in one forward on top of the row's cache, and the rows keep the accepted run (``
 and forget the rest (``RowBatch.rewind``).
 
     speculator = Speculator(batch, runner, Speculation("lookup"), PromptLookup(), stats)
-    for tokens in speculative_steps(batch, prompts, states, speculator, pad_token_id):
-        ...                                   # int64 [B] per step, as plain decoding yields them
+    loop = DecodeLoop(batch, speculator)      # decoding.loop: each step verifies every row's proposal
 
-(``speculate`` builds them for ``Model.stream``; the server's scheduler uses a ``Speculator`` of
-its own over its running batch.)
+(``speculate`` builds them for ``Model.stream``; the server's scheduler builds its own over its
+running batch.)
 
 Greedy output is token for token plain greedy decoding's; sampled output follows the target's
 distribution exactly (the rejection rule). K is chosen per row and step by ``policy.KPolicy``
@@ -18,7 +17,6 @@ draft model drafts on while the policy says one more token pays (``KPolicy.keep_
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 import time
@@ -29,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from .drafters import Drafter, DraftModel, PromptLookup, Proposal
-from .engine import SequenceState, choose, verify
+from .engine import SequenceState, verify
+from .loop import DecodeLoop, decode_rows
 from .policy import KPolicy, VerifyCosts, measure_costs
 from .rows import Row, RowBatch
 
@@ -145,50 +144,6 @@ class Speculator:
         self.policy.forget(key)
 
 
-def speculative_steps(batch: RowBatch, prompts: Sequence[np.ndarray], states: Sequence[SequenceState],
-                      speculator: Speculator, pad_token_id: int) -> Iterator[np.ndarray]:
-    """Decode ``prompts`` (checked int64 [S_b]) on an empty ``batch`` with speculation; yields
-    int64 [B] per step like plain decoding (rows that ended carry ``pad_token_id``). Rows advance
-    by different counts per forward; a step is yielded once every live row has its token.
-    ``RuntimeError`` for NaN logits."""
-    count = len(prompts)
-    added = [batch.add(prompt) for prompt in prompts]
-    rows = [row for row, _ in added]
-    first = np.stack([logits for _, logits in added])  # [B, V]
-    picked, errors = choose(first, states)
-    if errors:
-        raise RuntimeError(f"rows {sorted(errors)}: {next(iter(errors.values()))}")
-    contexts = [[int(t) for t in prompt] for prompt in prompts]
-    ready: list[collections.deque[int]] = [collections.deque() for _ in range(count)]
-    for b, token in enumerate(picked.tolist()):
-        states[b].push(token, first[b])
-        _take(batch, rows[b], states[b], [token], contexts[b], ready[b])
-    while True:
-        while all(ready[b] or states[b].finish for b in range(count)) and any(ready):
-            yield np.array([ready[b].popleft() if ready[b] else pad_token_id for b in range(count)])
-        live = sorted((b for b in range(count) if not states[b].finish), key=lambda b: rows[b].index)
-        if not live:
-            return
-        proposals = speculator.propose(live, [contexts[b] for b in live], [states[b] for b in live],
-                                       [rows[b] for b in live])
-        chunks = [np.array([contexts[b][-1], *p.tokens], np.int64) for b, p in zip(live, proposals)]
-        for b, proposal, logits in zip(live, proposals, speculator.forward(chunks)):
-            pushed, _, error = speculator.verify(b, rows[b], states[b], logits, proposal)
-            if error is not None:
-                raise error
-            _take(batch, rows[b], states[b], pushed, contexts[b], ready[b])
-
-
-def _take(batch: RowBatch, row: Row, state: SequenceState, tokens: list[int], context: list[int],
-          ready: collections.deque) -> None:
-    """Tokens the engine pushed for a row: ready to yield and part of its context; the row
-    leaves the batch once it ended."""
-    context.extend(tokens)
-    ready.extend(tokens)
-    if state.finish:
-        batch.remove(row)
-
-
 # Verification costs measured once per (decoder session, rows, K): cost(s) functions.
 _COSTS = "verify-costs"
 
@@ -231,7 +186,18 @@ def speculate(model, rows: Sequence[np.ndarray], states: Sequence[SequenceState]
                                 prefix=prefix)
     check_speculative(model, batch, speculative)
     speculator = Speculator(batch, runner, speculative, drafter, stats)
-    return speculative_steps(batch, rows, states, speculator, config.fill_token_id)
+    return _speculative_steps(batch, rows, states, speculator, config.fill_token_id)
+
+
+def _speculative_steps(batch: RowBatch, prompts: Sequence[np.ndarray], states: Sequence[SequenceState],
+                       speculator: Speculator, pad_token_id: int) -> Iterator[np.ndarray]:
+    """Decode ``prompts`` (checked int64 [S_b]) on an empty ``batch`` with speculation (the
+    ``DecodeLoop`` plain decoding and the server run); int64 [B] per step, as plain decoding
+    yields them. Nothing runs until the first token is asked for."""
+    added = [batch.add(prompt) for prompt in prompts]
+    logits = np.stack([row_logits for _, row_logits in added])  # [B, V]
+    yield from decode_rows(DecodeLoop(batch, speculator), [row for row, _ in added], logits, states,
+                           prompts, pad_token_id)
 
 
 def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:

@@ -4,8 +4,9 @@ Requests wait in a bounded queue. At every step boundary the scheduler retires r
 finished, cancelled or past their deadline, admits waiting requests into free rows (each prompt
 prefilled alone, its first token sampled from the prefill's logits), then runs one decode step for
 all live rows together and samples each row's next token with that row's own parameters and random
-generator. A row's tokens therefore do not depend on what else is in the batch: greedy rows get
-their solo result.
+generator: the ``decoding.loop.DecodeLoop`` that ``Model.generate`` runs too, here admitting rows
+as they free up. A row's tokens therefore do not depend on what else is in the batch: greedy rows
+get their solo result.
 
     scheduler = Scheduler(model, SchedulerLimits(max_rows=16, max_queue=64))
     scheduler.start()
@@ -33,9 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..decoding.engine import SequenceState, choose
+from ..decoding.loop import Advanced, DecodeLoop, LiveRow
 from ..decoding.prefix import PrefixCache
-from ..decoding.rows import Row, RowBatch
+from ..decoding.rows import RowBatch
 from ..decoding.speculative import Speculation, SpeculationStats, Speculator, check_speculative, drafter_for
 from ..defaults import sequence_states
 from .handles import (Event, Failed, Finished, GenerationRequest, Handle, Observer, QueueFull,  # noqa: F401
@@ -69,13 +70,6 @@ class SchedulerLimits:
             raise ValueError(f"prefill_chunk={chunk!r}: expected a positive integer or None")
 
 
-@dataclass(eq=False)
-class _Live:
-    handle: Handle
-    row: Row
-    state: SequenceState  # how its tokens are chosen (decoding.engine), and its tokens so far
-
-
 class Scheduler:
     """Continuous batching over one decoder ``Model`` (see the module docstring). With a
     ``prefix`` cache, each prompt starts from its longest cached prefix (``decoding.prefix``)."""
@@ -103,20 +97,24 @@ class Scheduler:
                              f"cache's block of {prefix.block_size} tokens")
         self._drafter = None if speculation is None else drafter_for(speculation.drafter, model)
         self.speculation_stats = SpeculationStats()
-        self.batch: RowBatch = self._new_batch()
+        self.loop = self._new_loop()
         self._queue = RequestQueue(limits.max_queue)
-        self._live: list[_Live] = []
         self._thread: threading.Thread | None = None
 
-    def _new_batch(self) -> RowBatch:
+    def _new_loop(self) -> DecodeLoop:
+        """An empty row batch and the ``DecodeLoop`` over it (``Model.generate``'s loop), each
+        live row keyed by its request's handle."""
         batch = self._make_batch(self.runner, self.limits.max_rows, self.max_length,
                                  self.model.config.fill_token_id, prefix=self.prefix)
-        self._speculator = None
+        speculator = None
         if self.speculation is not None:
             check_speculative(self.model, batch, self.speculation)
-            self._speculator = Speculator(batch, self.runner, self.speculation, self._drafter,
-                                          self.speculation_stats)
-        return batch
+            speculator = Speculator(batch, self.runner, self.speculation, self._drafter, self.speculation_stats)
+        return DecodeLoop(batch, speculator)
+
+    @property
+    def batch(self) -> RowBatch:
+        return self.loop.batch
 
     # ------------------------------------------------------------------------------ public API
     def check(self, request: GenerationRequest) -> None:
@@ -129,7 +127,7 @@ class Scheduler:
         for all of them, ``ValueError`` for a request ``check`` refuses, ``Stopped`` once stopped."""
         single = isinstance(requests, GenerationRequest)
         handles = self._queue.submit([requests] if single else list(requests), self.check, loop)
-        self.observer.queue_depth(len(self._queue), len(self._live))
+        self.observer.queue_depth(len(self._queue), len(self.loop.live))
         return handles[0] if single else handles
 
     @property
@@ -138,7 +136,7 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._live)
+        return len(self.loop.live)
 
     @property
     def alive(self) -> bool:
@@ -158,7 +156,7 @@ class Scheduler:
         (the rows' later tokens are dropped) and counts the requests it ended."""
         self._queue.close()
         with self._queue.cond:
-            handles = [*self._queue.waiting(), *(live.handle for live in list(self._live))]
+            handles = [*self._queue.waiting(), *(live.key for live in list(self.loop.live))]
         for handle in handles:
             handle.deliver(Finished("cancelled"))
 
@@ -168,8 +166,8 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
         with self._queue.cond:
-            handles = [*self._queue.take_all(), *(live.handle for live in self._live)]
-            self._live = []  # the counts (/health, the gauges) read 0 once stopped
+            handles = [*self._queue.take_all(), *(live.key for live in self.loop.live)]
+            self.loop.live = []  # the counts (/health, the gauges) read 0 once stopped
         now = time.monotonic()
         for handle in handles:
             handle.deliver(Finished("cancelled"))
@@ -177,7 +175,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------ the loop
     def _loop(self) -> None:
-        while self._queue.wait(idle=not self._live):  # only this thread changes the live rows
+        while self._queue.wait(idle=not self.loop.live):  # only this thread changes the live rows
             try:
                 self.run_once()
             except Exception:  # never lose the thread: a bug here fails the live rows only
@@ -185,69 +183,35 @@ class Scheduler:
                 self._fail_live(RuntimeError("internal error in the scheduler"))
 
     def run_once(self) -> None:
-        """One step boundary: retire, admit, decode one token for every live row."""
+        """One step boundary: retire, admit, decode one token (or a verified run) for every
+        live row."""
         now = time.monotonic()
-        for live in list(self._live):
-            reason = stop_reason(live.handle, now)
+        for live in list(self.loop.live):
+            reason = stop_reason(live.key, now)
             if reason:
                 self._retire(live, Finished(reason))
         self._admit(now)
-        self.observer.queue_depth(len(self._queue), len(self._live))
-        if not self._live:
+        self.observer.queue_depth(len(self._queue), len(self.loop.live))
+        if not self.loop.live:
             return
-        self._live.sort(key=lambda live: live.row.index)  # the batch's row order (rows move)
-        if self._speculator is not None:
-            self._speculate()
-            return
-        tokens = np.array([live.state.tokens[-1] for live in self._live], dtype=np.int64)
         start = time.perf_counter()
         try:
-            logits = self.batch.step(tokens)  # [n, V], rows in the order of self._live
+            results = self.loop.step()
         except Exception as err:
             logger.exception("decode step failed")
             self._fail_live(err)
             return
-        live = list(self._live)
-        picked, errors = choose(logits, [row.state for row in live])
-        self.observer.step(len(live), len(live) - len(errors), time.perf_counter() - start)
-        for b, row in enumerate(live):
-            if b in errors:
-                self._retire(row, Failed(errors[b]))
-            else:
-                self._push(row, int(picked[b]), logits[b])
-
-    def _speculate(self) -> None:
-        """One step of every live row with speculation: its proposals verified in one forward,
-        then the run it takes pushed token by token."""
-        live, speculator = list(self._live), self._speculator
-        start = time.perf_counter()
-        try:
-            proposals = speculator.propose([id(row.handle) for row in live],
-                                           [[*row.handle.request.prompt, *row.state.tokens] for row in live],
-                                           [row.state for row in live], [row.row for row in live])
-            chunks = [np.array([row.state.tokens[-1], *p.tokens], np.int64) for row, p in zip(live, proposals)]
-            logits = speculator.forward(chunks)  # [S_b, V] per row, rows in the order of live
-        except Exception as err:
-            logger.exception("decode step failed")
-            self._fail_live(err)
-            return
-        runs = [(row, *speculator.verify(id(row.handle), row.row, row.state, row_logits, proposal))
-                for row, proposal, row_logits in zip(live, proposals, logits)]
-        self.observer.step(len(live), sum(len(pushed) for _, pushed, _, _ in runs), time.perf_counter() - start)
-        for (row, pushed, accepted, error), proposal in zip(runs, proposals):
-            row.handle.proposed += len(proposal.tokens)
-            row.handle.accepted += accepted
-            self.observer.speculated(len(proposal.tokens), accepted)
-            scores = row.state.token_logprobs[-len(pushed):] if row.state.logprobs is not None else []
-            for n, token in enumerate(pushed):
-                row.handle.deliver(Token(token, scores[n] if scores else None))
-            if error is not None:
-                self._retire(row, Failed(error))
-            elif row.state.finish:
-                self._retire(row, Finished(row.state.finish))
+        self.observer.step(len(results), sum(len(result.tokens) for result in results),
+                           time.perf_counter() - start)
+        for result in results:
+            if self.loop.speculator is not None:
+                result.live.key.proposed += result.proposed
+                result.live.key.accepted += result.accepted
+                self.observer.speculated(result.proposed, result.accepted)
+            self._deliver(result)
 
     def _admit(self, now: float) -> None:
-        while len(self._live) < self.limits.max_rows:
+        while len(self.loop.live) < self.limits.max_rows:
             handle = self._queue.first()
             if handle is None:
                 return
@@ -274,21 +238,16 @@ class Scheduler:
                                      request.stop_ids, forced, request.processors, prompts=[request.prompt],
                                      vocab_size=self.model.config.vocab_size,
                                      logprobs=request.logprobs)
-            live = _Live(handle, row, state)
-            self._live.append(live)
             self.observer.first_token(time.monotonic() - handle.submitted)
-            picked, errors = choose(logits[None], [state])
-            if errors:  # NaN logits: this request only
-                self._retire(live, Failed(errors[0]))
-                continue
-            self._push(live, int(picked[0]), logits)
+            result, = self.loop.start([row], logits[None], [state], [request.prompt], [handle])
+            self._deliver(result)
 
     def _prefill_chunk(self, handle: Handle) -> bool:
         """Chunked prefill: while rows decode, prefill one chunk of a prompt that has more than
         ``prefill_chunk`` tokens left into the prefix cache -> whether it did (False: admit it
         now, its prefill starting from the chunks cached so far)."""
         budget = self.limits.prefill_chunk
-        if budget is None or self.prefix is None or not self._live:
+        if budget is None or self.prefix is None or not self.loop.live:
             return False
         prompt = np.asarray(handle.request.prompt, dtype=np.int64)
         before = self.prefix.cached_length(prompt)
@@ -300,28 +259,27 @@ class Scheduler:
             logger.exception("chunked prefill failed")
             return False
 
-    def _push(self, live: _Live, token: int, logits: np.ndarray) -> None:
-        """Report ``token``, picked from ``logits`` [V], and retire the row when it ended
-        (``SequenceState.push``)."""
-        state = live.state
-        finish = state.push(token, logits)
-        live.handle.deliver(Token(token, state.token_logprobs[-1] if state.logprobs is not None else None))
-        if finish:
-            self._retire(live, Finished(finish))
+    def _deliver(self, result: Advanced) -> None:
+        """Report the tokens ``result`` pushed (with their logprobs when asked), then retire the
+        row if it failed or ended."""
+        live, count = result.live, len(result.tokens)
+        scores = live.state.token_logprobs[-count:] if count and live.state.logprobs is not None else []
+        for n, token in enumerate(result.tokens):
+            live.key.deliver(Token(token, scores[n] if scores else None))
+        if result.error is not None:
+            self._retire(live, Failed(result.error))
+        elif live.state.finish:
+            self._retire(live, Finished(live.state.finish))
 
-    def _retire(self, live: _Live, event: Event) -> None:
-        self._live.remove(live)
-        self.batch.remove(live.row)
-        if self._speculator is not None:
-            self._speculator.forget(id(live.handle))
-        live.handle.deliver(event)
+    def _retire(self, live: LiveRow, event: Event) -> None:
+        self.loop.remove(live)
+        live.key.deliver(event)
         reason = event.reason if isinstance(event, Finished) else "error"
-        self.observer.finished(reason, time.monotonic() - live.handle.submitted)
+        self.observer.finished(reason, time.monotonic() - live.key.submitted)
 
     def _fail_live(self, err: BaseException) -> None:
         """Fail every live row and start over with an empty batch."""
-        for live in self._live:
-            live.handle.deliver(Failed(err))
-            self.observer.finished("error", time.monotonic() - live.handle.submitted)
-        self._live = []
-        self.batch = self._new_batch()
+        for live in self.loop.live:
+            live.key.deliver(Failed(err))
+            self.observer.finished("error", time.monotonic() - live.key.submitted)
+        self.loop = self._new_loop()
