@@ -32,7 +32,7 @@ from .decoding.grammar import compile_constraint
 from .decoding.prefix import DEFAULT_MB, PrefixCache
 from .decoding.speculative import SpeculationStats, speculate
 from .defaults import RequestDefaults, sequence_states
-from .request import Request
+from .request import LIBRARY, Request
 from .encoding import EncoderMethods
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
@@ -234,7 +234,8 @@ class Model(EncoderMethods, TextMethods):
         return Request(stop_token_ids=stop_token_ids).stop_ids(self.defaults)
 
     def forced_tokens(self, forced_bos_token_id: int | tuple[()] | None = None,
-                      forced_eos_token_id: int | Sequence[int] | None = None, max_new_tokens: int = 16,
+                      forced_eos_token_id: int | Sequence[int] | None = None,
+                      max_new_tokens: int = LIBRARY.max_new_tokens,
                       one_token_start: bool = True) -> dict[int, tuple[int, ...]]:
         """The steps ``generate`` forces -> the ids allowed there (``Request.forced``)."""
         return Request(forced_bos_token_id=forced_bos_token_id, forced_eos_token_id=forced_eos_token_id

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Union
 
 from ..decoding.engine import LogitsProcessor
-from ..request import Request
+from ..request import LIBRARY, Request
 from ..sampling import SamplingParams, TokenLogprob, check_bias_ids
 
 
@@ -31,7 +31,7 @@ class GenerationRequest:
     checked ``request.Request``; ``check`` checks one made by hand against a scheduler."""
 
     prompt: Sequence[int]
-    max_new_tokens: int = 16
+    max_new_tokens: int = LIBRARY.max_new_tokens
     params: SamplingParams = field(default_factory=SamplingParams)
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
