@@ -126,17 +126,17 @@ def in_order(layers) -> tuple[str, ...]:
 
 
 def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray] | None,
-              scale_dtype: str = "float32", head_bits: int | None = None, damp: float = DAMP,
-              progress: bool = False, record: dict | None = None,
-              hessians: dict | None = None, threads: int | None = None,
+              scale_dtype: str = "float32", head_bits: int | None = None, progress: bool = False,
+              record: dict | None = None, hessians: dict | None = None, threads: int | None = None,
               promoted: tuple[str, ...] = (), head_block_size: int | None = None) -> PrecomputedQuantization:
     """Quantise every weight matrix of ``model`` with ``scheme``'s block layout: GPTQ on each
     ``nn.Linear`` with the Hessian of its inputs on ``sequences`` (token id arrays [S]; None:
     round-to-nearest everywhere), the token tables (when ``scheme.embeddings``) with
     round-to-nearest, and the LM head and token table with ``head_bits`` (None: the scheme's bits)
-    in blocks of ``head_block(scheme.block_size, E, head_block_size)``.
-    ``record`` is added to the manifest's quantisation entry. ``hessians`` (``collect_hessians``'
-    result) replaces ``sequences`` when several layouts are calibrated on the same text.
+    in blocks of ``head_block(scheme.block_size, E, head_block_size)``; GPTQ damps each Hessian by
+    ``DAMP`` (which the manifest records). ``record`` is added to the manifest's quantisation
+    entry. ``hessians`` (``collect_hessians``' result) replaces ``sequences`` when several layouts
+    are calibrated on the same text.
     ``threads`` matrices are quantised at once (None: ``resolve_threads``), each on one thread,
     with at most ``WORK_BUDGET`` bytes of working memory in flight: the codes do not depend on it.
     ``promoted`` names decoder or encoder layers (``layer_of``) whose matrices are quantised
@@ -186,7 +186,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                     names.append(name)
                 quantized = _run_bounded(pool, [
                     (_work_bytes(rows, row_hessians), _quantise_matrix,
-                     (rows, row_hessians, QuantScheme(bits, block, scheme.symmetric), scale_dtype, damp))
+                     (rows, row_hessians, QuantScheme(bits, block, scheme.symmetric), scale_dtype, DAMP))
                     for rows, row_hessians, bits, block in jobs], bar.update)
                 for (rows, *_), matrix, name in zip(jobs, quantized, names):
                     index.add(rows, matrix)

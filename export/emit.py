@@ -291,16 +291,17 @@ def embeddings(g: GraphBuilder, target: Target, module: Embeddings, config: Mode
 
 
 def stack(g: GraphBuilder, module: Stack, config: ModelConfig, target: Target, inputs: dict[str, str], *,
-          token_table: str, causal: bool, pasts: list[tuple[str, str]] | None = None,
+          token_table: str, pasts: list[tuple[str, str]] | None = None,
           memories: list[tuple[str, str]] | None = None, progress=None, name: str = "stack"
           ) -> tuple[str, list[tuple[str, str] | None]]:
     """Embeddings, the values all layers share (made by ``target``), the blocks, the final norm.
 
     ``inputs`` are the graph's inputs by contract name (``input_ids``, ``attention_mask``,
     ``position_ids``, ``token_type_ids``, ``encoder_attention_mask``, a layout's own ...).
+    Causal or not as the module is (``module.causal``).
     Returns (states [B, S, E] in the model dtype, per-layer present (k, v) or None).
     """
-    ctx = target.stack_inputs(g, module, config, inputs, causal, name)
+    ctx = target.stack_inputs(g, module, config, inputs, module.causal, name)
     x = g.tap(f"{name}.embed", embeddings(g, target, module.embed, config, inputs["input_ids"],
                                           inputs.get("position_ids"), inputs.get("token_type_ids"), token_table,
                                           f"{name}.embed"))

@@ -33,8 +33,7 @@ def build_encoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
     table = token_table(g, body.embed.tokens)
     if config.uses_position_ids:
         inputs["position_ids"] = mask_positions(g, inputs["attention_mask"])
-    states, _ = emit.stack(g, body, config, target, inputs, token_table=table, causal=False,
-                           progress=progress, name="encoder")
+    states, _ = emit.stack(g, body, config, target, inputs, token_table=table, progress=progress, name="encoder")
     values = {"last_hidden_state": states}
     if getattr(model, "pooler", None) is not None:
         first = g.op("Gather", states, g.const(0, name="first"), axis=1, name="pooler.first")  # [B, E]
@@ -78,8 +77,7 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
                     for i in range(n)]
     table = token_table(g, model.decoder.embed.tokens)
     states, presents = emit.stack(g, model.decoder, config, target, inputs, token_table=table,
-                                  causal=True, pasts=pasts, memories=memories, progress=progress,
-                                  name="decoder")
+                                  pasts=pasts, memories=memories, progress=progress, name="decoder")
     if spec.outputs[0].shape[1] == 1:  # logits="last": the head runs on one position per row
         states = target.last_positions(g, states, inputs)
     values = {"logits": lm_head(g, states, model, table)}
@@ -102,7 +100,7 @@ def build_classifier_graph(model: nn.Module, spec: GraphSpec, dtype: str, target
     encoder_inputs = dict(inputs)
     if config.uses_position_ids:
         encoder_inputs["position_ids"] = mask_positions(g, mask)
-    states, _ = emit.stack(g, model.encoder, config, target, encoder_inputs, token_table=table, causal=False,
+    states, _ = emit.stack(g, model.encoder, config, target, encoder_inputs, token_table=table,
                            progress=progress, name="encoder")
     memories = [emit.cross_memory(g, states, layer.cross_attn, f"decoder.layers.{i}.cross_attn")
                 for i, layer in enumerate(model.decoder.layers)]
@@ -122,7 +120,7 @@ def build_classifier_graph(model: nn.Module, spec: GraphSpec, dtype: str, target
     decoder_inputs = {"input_ids": shifted, "attention_mask": ones, "encoder_attention_mask": mask}
     if config.uses_position_ids:
         decoder_inputs["position_ids"] = slots
-    states, _ = emit.stack(g, model.decoder, config, target, decoder_inputs, token_table=table, causal=True,
+    states, _ = emit.stack(g, model.decoder, config, target, decoder_inputs, token_table=table,
                            memories=memories, progress=progress, name="decoder")
     eos = g.op("And", g.op("Equal", ids, g.const(config.eos_token_id, name="eos")), real,
                name="classifier.eos")  # [B, S]

@@ -62,9 +62,9 @@ _PARSERS: dict[Any, Callable[[str], Any]] = {int: ascii_int, float: float, str: 
 def option(default: Any = MISSING, *, help: str | None = None, flag: bool | str | Sequence[str] = True,
            type: Callable[[str], Any] | None = None, metavar: str | None = None,
            choices: Sequence | None = None, none: str | None = None, negatable: bool = False,
-           group: str | None = None, default_factory: Callable[[], Any] | Any = MISSING,
-           repr: bool = True) -> Any:
-    """A dataclass field with its flag: ``dataclasses.field(default=..., metadata=...)``.
+           group: str | None = None, repr: bool = True) -> Any:
+    """A dataclass field with its flag: ``dataclasses.field(default=..., metadata=...)``; an options
+    dataclass is frozen and its defaults immutable (a tuple, not a list), so it takes no factory.
 
     ``flag``: True for ``--kebab-name`` (``--no-kebab-name`` for a bool that defaults to True),
     the flag's names (the first is the one ``to_args`` writes), or False when the field is not
@@ -77,8 +77,7 @@ def option(default: Any = MISSING, *, help: str | None = None, flag: bool | str 
     metadata = {"help": help, "flag": flag, "type": type, "metavar": metavar,
                 "choices": None if choices is None else tuple(choices), "none": none,
                 "negatable": negatable, "group": group}
-    return dataclasses.field(default=default, default_factory=default_factory, repr=repr,
-                             metadata=metadata)
+    return dataclasses.field(default=default, repr=repr, metadata=metadata)
 
 
 @dataclass(frozen=True)
