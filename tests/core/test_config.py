@@ -1,4 +1,4 @@
-"""tfport/config.py and tfport/presets.py: validation, JSON round trip, preset shapes, no torch.
+"""tfport/config/ and tfport/presets.py: validation, JSON round trip, preset shapes, no torch.
 
 These tests import nothing but tfport's core and the standard library.
 """
