@@ -57,9 +57,8 @@ class GenerationDefaults:
                              "token id or null")
         if not isinstance(self.do_sample, bool):
             raise ValueError(f"generation.do_sample={self.do_sample!r}: expected true or false")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or self.temperature < 0:
-            raise ValueError(f"generation.temperature={self.temperature!r}: expected a number >= 0")
+        if not is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"generation.temperature={self.temperature!r}: expected a finite number >= 0")
         if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"generation.top_k={self.top_k!r}: expected an integer >= 0")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
