@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import onnx
@@ -126,18 +127,36 @@ def _calibrated(model: nn.Module, plan: ExportPlan, options: ExportOptions, sche
     """The scheme the graphs are built with: ``scheme`` itself, or with codes chosen ahead (GPTQ,
     mixed precision, the head in its own blocks, the fastest layout within ``max_loss``)."""
     if options.max_loss is not None:  # the fastest layout within the budget, measured
-        from .budget import choose_layout, parse_loss
+        from .budget import LayoutSearch, choose_layout
 
-        scheme = choose_layout(model, scheme, parse_loss(options.max_loss), options.tokenizer,
-                               Calibration(calibration) if isinstance(calibration, str) else calibration,
-                               options.loss_text, options.block_size, options.head_bits, plan.target,
-                               options.dtype, options.calibration_threads, options.head_block_size)
+        search = LayoutSearch(
+            tokenizer=options.tokenizer, loss_text=options.loss_text,
+            calibration=Calibration(calibration) if isinstance(calibration, str) else calibration,
+            block_size=options.block_size, head_bits=options.head_bits, head_block_size=options.head_block_size,
+            scale_dtype=options.dtype, threads=options.calibration_threads)
+        scheme = choose_layout(model, scheme, options.max_loss, search, _layout_speed(model, plan))
     elif (calibration is not None or options.head_bits is not None or options.head_block_size is not None
           or own_head_block(model, scheme)):  # GPTQ, mixed precision, the head in other blocks
         scheme = calibrated_scheme(model, scheme, calibration, options.tokenizer, options.dtype,
                                    options.head_bits, options.show_progress, options.calibration_threads,
                                    head_block_size=options.head_block_size)
     return scheme
+
+
+def _layout_speed(model: nn.Module, plan: ExportPlan):
+    """How ``--max-loss`` times a candidate layout (``budget.Speed``): a round-to-nearest export
+    of it to a temporary directory (the codes do not change the speed), decoded under the runtime
+    (``validate.export_speed``)."""
+    def speed(quantize, head_bits: int | None, head_block_size: int | None) -> float:
+        from .validate import export_speed
+
+        with tempfile.TemporaryDirectory(prefix="tfport-max-loss-") as tmp:
+            out = Path(tmp) / "candidate"
+            export_model(model, out, ExportOptions(target=plan.target, quantize=quantize, calibration="none",
+                                                   head_bits=head_bits, head_block_size=head_block_size,
+                                                   validate=False))
+            return export_speed(out)
+    return speed
 
 
 def _write_graphs(model: nn.Module, plan: ExportPlan, scheme, manifest: Manifest, directory: Path) -> None:

@@ -159,7 +159,7 @@ def _check_budget(options: ExportOptions, scheme: Quantization | None) -> None:
         if options.loss_text is not None:
             raise ValueError(f"loss_text={str(options.loss_text)!r}: applies with max_loss")
         return
-    from .budget import parse_loss
+    from .loss import parse_loss
 
     parse_loss(options.max_loss)
     if scheme is None or not scheme.rechoosable:

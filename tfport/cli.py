@@ -1,8 +1,9 @@
 """The ``tfport`` command line.
 
 Each area registers its own subcommands (``add_parsers(subparsers)`` in ``tfport.export.cli``,
-``tfport.runtime.cli``, ...); they are imported lazily so that ``tfport generate`` runs on a host
-without torch, and a missing extra is reported as such rather than as a traceback.
+``tfport.runtime.cli``, the tools' modules under ``tfport.tools``, ...); they are imported lazily,
+by name, so that ``tfport generate`` runs on a host without torch, and a missing extra is reported
+as such rather than as a traceback.
 """
 
 from __future__ import annotations
@@ -19,20 +20,21 @@ _COMMANDS = {
     "chat": "tfport.runtime.cli",
     "embed": "tfport.runtime.cli",
     "classify": "tfport.runtime.classify_cli",
-    "parity": "tfport.export.parity.cli",
-    "bench": "tfport.export.bench",
-    "bench-scale": "tfport.export.bench.scale",
+    "parity": "tfport.tools.parity.cli",
+    "bench": "tfport.tools.bench.cli",
+    "bench-scale": "tfport.tools.bench.scale",
     "serve": "tfport.runtime.serve.cli",
-    "bench-serve": "tfport.runtime.serve.cli",
+    "bench-serve": "tfport.tools.serve_bench",
 }
 _EXTRA_HINT = {
     "tfport.export.cli": "pip install 'tfport[export]'",
-    "tfport.export.bench.scale": "pip install 'tfport[export,cpu]' (or 'tfport[export,gpu]')",
-    "tfport.export.parity.cli": "pip install 'tfport[export,cpu]' (or 'tfport[export,gpu]')",
+    "tfport.tools.bench.scale": "pip install 'tfport[export,cpu]' (or 'tfport[export,gpu]')",
+    "tfport.tools.parity.cli": "pip install 'tfport[export,cpu]' (or 'tfport[export,gpu]')",
     "tfport.runtime.cli": "pip install 'tfport[gpu]' (or 'tfport[cpu]')",
     "tfport.runtime.classify_cli": "pip install 'tfport[gpu,text]' (or 'tfport[cpu,text]')",
-    "tfport.export.bench": "pip install 'tfport[gpu,export]'",
+    "tfport.tools.bench.cli": "pip install 'tfport[gpu,export]'",
     "tfport.runtime.serve.cli": "pip install 'tfport[serve,cpu]' (or 'tfport[serve,gpu]')",
+    "tfport.tools.serve_bench": "pip install 'tfport[serve,cpu]' (or 'tfport[serve,gpu]')",
 }
 
 

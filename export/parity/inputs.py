@@ -1,7 +1,7 @@
 """The inputs of one case for one export: ONNX feeds, the matching reference call, and which
 positions are real. Decoder inputs are made in the ``concat`` cache layout, then re-laid out for
 the export's own layout by that layout's runtime module (``tfport.runtime.decoding``:
-``LayoutDecoding.relayout``).
+``LayoutDecoding.relayout``, reached through ``export/validate.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from tfport.contract import LAYOUTS, cache_names
 from tfport.models.cache import KVCache
 from tfport.models.positions import positions_from_mask
 
-from tfport.runtime.decoding import decoding_for
-
+from ..validate import relayout_for
 from .cases import Case
+
 
 def _mask(batch: int, padding: str, total: int) -> np.ndarray:
     """attention_mask [B, total]; row 0 gets 2 padded slots on the ``padding`` side."""
@@ -74,7 +74,7 @@ class CaseInputs:
         self.model, self.config, self.kv_dtype = model, config, kv_dtype
         self.model_dtype = next(model.parameters()).dtype
         self.layout = LAYOUTS[layout]  # tfport.contract.CacheLayout
-        self.relayout = decoding_for(layout).relayout
+        self.relayout = relayout_for(layout)
         self.run_encoder = run_encoder
 
     def _ids(self, rng: np.random.Generator, shape) -> np.ndarray:

@@ -1,8 +1,9 @@
 """Run an exported graph and its PyTorch reference on the same inputs, and compare.
 
-Used by the post-export validation, the parity test suite and ``tfport parity``: a ``Runner``
-holds an export's sessions and the reference module, makes each case's inputs (``inputs``),
-runs both sides and compares every output at real positions (``cases``).
+Used by the post-export validation (``validate_export``), the parity test suite and ``tfport
+parity``: a ``Runner`` holds an export's sessions (opened by ``export/validate.py``) and the
+reference module, makes each case's inputs (``inputs``), runs both sides and compares every
+output at real positions (``cases``). ``localize(runner, case)`` names the first diverging layer.
 """
 
 from __future__ import annotations
@@ -21,52 +22,12 @@ from tfport.dtypes import COMPUTE_DTYPES
 from tfport.manifest import Manifest
 from tfport.models.lazy import is_lazy
 from tfport.models.masks import MASK_VALUE
-from tfport.runtime.threads import shared_pool
 
 from ..quant import EXACT_SESSION_CONFIG, EXTERNAL_DATA_FOLDER, exact_graph
-from .cases import CACHE_ULPS, ROUNDING_FACTOR, TOLERANCES, Case, CaseResult, Diff, _compare
+from ..validate import make_session
+from .cases import CACHE_ULPS, ROUNDING_FACTOR, TOLERANCES, Case, CaseResult, _compare
 from .inputs import CaseInputs, Prepared
 from .reference import TORCH_DTYPES, reference_module
-
-PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
-
-def make_session(model: str | Path | bytes, provider: str = "cpu",
-                 config: dict[str, str] | None = None) -> ort.InferenceSession:
-    """An ONNX Runtime session on ``provider`` (``config``: session config entries); raises if
-    CUDA was asked for and not obtained."""
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if shared_pool() is not None:  # once ONNX Runtime's process-wide pool exists, every session runs on it
-        options.use_per_session_threads = False
-    for key, value in (config or {}).items():
-        options.add_session_config_entry(key, value)
-    source = model if isinstance(model, bytes) else str(model)
-    session = ort.InferenceSession(source, options, providers=PROVIDERS[provider])
-    if provider == "cuda" and "CUDAExecutionProvider" not in session.get_providers():
-        raise RuntimeError(f"provider='cuda': ONNX Runtime could not create a CUDA session "
-                           f"(got {session.get_providers()})")
-    return session
-
-
-def cuda_available() -> tuple[bool, str]:
-    """(usable, reason): whether a CUDA session can really be created here."""
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return False, "onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu)"
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
-    ort.set_default_logger_severity(4)  # the probe's failure is reported by the return value
-    try:
-        make_session(model.SerializeToString(), "cuda")
-    except Exception as err:  # noqa: BLE001 - any failure means "not usable", with its reason
-        return False, f"CUDA execution provider not usable here: {str(err).splitlines()[0][:200]}"
-    finally:
-        ort.set_default_logger_severity(2)
-    return True, "CUDA execution provider creates sessions"
-
 
 
 def _tolerance(manifest: Manifest, provider: str) -> tuple[float, float]:
@@ -228,13 +189,6 @@ class Runner:
 
     def run(self, case: Case) -> list[CaseResult]:
         return [self.check(prepared, case) for prepared in self.prepare(case)]
-
-    def localize(self, case: Case) -> list[Diff]:
-        """Every tapped intermediate of ``case`` against the reference (see ``localize``)."""
-        from .localize import localize
-
-        return localize(self, case)
-
 
 def validate_export(model: nn.Module, export_dir: str | Path, provider: str = "cpu",
                     log=None) -> list[CaseResult]:

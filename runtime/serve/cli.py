@@ -1,10 +1,10 @@
-"""``tfport serve`` and ``tfport bench-serve``.
+"""``tfport serve``; the export directories and options it shares with ``tfport bench-serve``
+(``tfport.tools.serve_bench``).
 
     tfport serve out/dec [out/minilm ...] [--host 127.0.0.1] [--port 8000] [--max-rows 16]
     tfport serve out/dec --ray [--replicas 2]          # Ray Serve: proxy + replica routing
     tfport serve out/dec --ray --min-replicas 1 --max-replicas 4   # Serve's autoscaler
     tfport serve out/dec --host 0.0.0.0 --api-key-file key.txt   # exposed: a key is needed
-    tfport bench-serve out/dec --concurrency 1,4,16 --requests 32 --max-tokens 64
 
 Needs the ``serve`` extra (``--ray``: ``serve-ray``); no torch.
 """
@@ -12,7 +12,6 @@ Needs the ``serve`` extra (``--ray``: ``serve-ray``); no torch.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from tfport.flags import positive_int as _positive
 logger = logging.getLogger(__name__)
 
 
-def _add_options(parser: argparse.ArgumentParser) -> None:
+def add_model_options(parser: argparse.ArgumentParser) -> None:
     """The export directories and the options ``serve`` and ``bench-serve`` share (the
     ``ServeOptions`` fields outside the ``SERVER`` group)."""
     from .options import ServeOptions
@@ -33,14 +32,14 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, ServeOptions, groups={None})
 
 
-def _options(args: argparse.Namespace, **values):
+def serve_options(args: argparse.Namespace, **values):
     """The ``ServeOptions`` of parsed arguments (``values``: fields set otherwise)."""
     from .options import ServeOptions
     return from_args(ServeOptions, args, **values)
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``serve`` and ``bench-serve``."""
+    """Register ``serve``."""
     import fastapi  # noqa: F401  -- a missing 'serve' extra is reported by tfport.cli
     import uvicorn  # noqa: F401
 
@@ -48,7 +47,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
         "serve", help="OpenAI-compatible HTTP server with continuous batching",
         description="Serve exports over HTTP: /v1/completions, /v1/chat/completions, "
                     "/v1/embeddings, /v1/rerank, /v1/score, /v1/classify, /v1/models, /health, /metrics.")
-    _add_options(serve)
+    add_model_options(serve)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to bind (default 127.0.0.1; another address needs --api-key "
                             "or --api-key-file, or --insecure)")
@@ -79,28 +78,6 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     add_flags(serve, ServeOptions, groups={SERVER})  # --no-ui, connections, what is exposed
     serve.set_defaults(func=run_serve)
 
-    bench = subparsers.add_parser(
-        "bench-serve", help="load-test a server: throughput, time to first token, latency",
-        description="Start a server on 127.0.0.1 for DIR (or use --url, loopback only), send "
-                    "--requests requests from N concurrent clients per --concurrency level, check "
-                    "every response and report tokens/s and p50/p99 TTFT and latency.")
-    _add_options(bench)
-    bench.add_argument("--url", help="an already running server on this machine "
-                                     "(http://127.0.0.1:PORT); default: start one")
-    bench.add_argument("--concurrency", default="1,4,16",
-                       help="comma-separated client counts (default 1,4,16)")
-    bench.add_argument("--requests", type=_positive, default=32,
-                       help="requests per concurrency level (default 32)")
-    bench.add_argument("--max-new", type=_positive, default=64, dest="new_tokens",
-                       help="tokens generated per request (default 64; ignore_eos)")
-    bench.add_argument("--prompt-len", default="16", metavar="N|MIN-MAX",
-                       help="prompt tokens per request, or a range whose lengths are drawn "
-                            "log-uniformly per request, e.g. 16-1024 (default 16)")
-    bench.add_argument("--time-limit", type=float, default=600.0,
-                       help="seconds for the whole run; stops sending after (default 600)")
-    bench.add_argument("--json", help="write the results to this file")
-    bench.set_defaults(func=run_bench)
-
 
 def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key_file is None:
@@ -123,7 +100,7 @@ def _allowed_hosts(args: argparse.Namespace) -> tuple[str, ...] | None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from .guards import is_loopback
-    options = _options(args, api_key=_api_key(args), allowed_hosts=_allowed_hosts(args))
+    options = serve_options(args, api_key=_api_key(args), allowed_hosts=_allowed_hosts(args))
     if not is_loopback(args.host) and options.api_key is None and not args.insecure:
         raise ValueError(f"--host={args.host!r}: serving beyond this machine without an API key "
                          "lets anyone who can reach it use the models; give --api-key-file (or "
@@ -154,25 +131,3 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"port={text!r}: expected an integer in [0, 65535]")
     return port
 
-
-def run_bench(args: argparse.Namespace) -> int:
-    from .bench import BenchConfig, format_table, parse_prompt_len, run_bench_serve
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
-    parts = [c.strip() for c in args.concurrency.split(",") if c.strip()]
-    if not parts or not all(c.isascii() and c.isdigit() for c in parts):
-        raise ValueError(f"--concurrency={args.concurrency!r}: expected positive integers such as 1,4,16")
-    levels = [int(c) for c in parts]
-    if min(levels) < 1:
-        raise ValueError(f"--concurrency={args.concurrency!r}: expected positive integers")
-    config = BenchConfig(concurrency=levels, requests=args.requests, new_tokens=args.new_tokens,
-                         prompt_len=parse_prompt_len(args.prompt_len), time_limit=args.time_limit)
-    results = run_bench_serve(args.model_dirs[0], config, _options(args), url=args.url,
-                              name=(args.names or [None])[0])
-    print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump([r.as_dict() for r in results], out, indent=2)
-    failed = sum(r.failed for r in results)
-    if failed:
-        print(f"{failed} responses failed their checks", flush=True)
-    return 1 if failed else 0

@@ -1,6 +1,7 @@
 """tfport's import graph, read from the source with ``ast`` (nothing is imported): no cycles
 between modules, and the layering the design asks for (the runtime never reaches torch, ONNX or
-transformers; the core imports none of them at module level).
+transformers; the core imports none of them at module level; each package imports only the ones
+below it, ``LAYERS``, and the exporter reaches the runtime through one module, ``EXPORT_RUNTIME``).
 
 Module names come from pyproject's ``[tool.setuptools.package-dir]`` (``models/hf/bart.py`` is
 ``tfport.models.hf.bart``); relative imports are resolved against the importing module.
@@ -8,19 +9,24 @@ Module names come from pyproject's ``[tool.setuptools.package-dir]`` (``models/h
 
 What counts as an import differs per check, and each check says why:
 
-* cycles: module-level imports only, i.e. what runs when the module is first imported (class
-  bodies, ``try`` and ordinary ``if`` blocks included). Imports inside functions run on call, and
-  imports under ``if TYPE_CHECKING:`` never run, so neither can close a cycle at import time. A
-  second pass also counts the ``TYPE_CHECKING`` imports (a type-level cycle: see
-  ``test_no_import_cycles``). The implicit import of a module's parent package is not an edge
-  (a package ``__init__`` that re-exports its submodules would otherwise be in a cycle with each).
+* cycles: module-level imports first, i.e. what runs when the module is first imported
+  (class bodies, ``try`` and ordinary ``if`` blocks included). Imports inside functions run on
+  call, and imports under ``if TYPE_CHECKING:`` never run, so neither can close a cycle at import
+  time. A second pass also counts the ``TYPE_CHECKING`` imports (a type-level cycle), a third the
+  imports inside functions (but not the ``TYPE_CHECKING`` ones): a cycle hidden in a function still
+  makes two modules that need each other (see ``test_no_import_cycles``). The implicit import of
+  a module's parent package is not an edge (a package ``__init__`` that re-exports its submodules
+  would otherwise be in a cycle with each).
+* the layers (``LAYERS``, ``EXPORT_RUNTIME``, tools): every import statement, in functions and
+  under ``TYPE_CHECKING`` too: a deferred import is still a dependency.
 * the runtime: every import statement anywhere in ``runtime/`` (module level, inside functions and
   under ``TYPE_CHECKING``), since a deploy host lacks these packages and any code path reaching
   one would fail there; plus the module-level imports of every tfport
   module those reach, transitively (with parent packages, which do run first).
 * the core (``tfport/``): module-level imports and what they reach transitively, since
   ``import tfport`` must work with the base install (numpy); a function of the core may import the
-  export stack lazily (``tfport export`` does).
+  packages above it lazily (``tfport.demo`` imports the exporter and the runtime; ``tfport.cli``
+  imports each command's module by name).
 
 ``tests/runtime/test_no_torch.py`` proves the runtime works in a process where torch, onnx and
 onnxscript cannot be imported, for the code paths it runs (load, generate, embed, the CLI); these
@@ -45,6 +51,18 @@ ROOT = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("torch", "onnx", "onnxscript", "transformers")
 # tfport packages that import torch / onnx themselves (the reference modules and the exporter).
 TORCH_PACKAGES = ("tfport.models", "tfport.export")
+# The packages above the core, each with what it never imports (in functions and for type
+# checkers too): docs/design.md's "Dependencies point one way". The core (``tfport`` outside them)
+# imports none of them at module level (``test_core_imports_no_package_above_it_at_module_level``).
+PACKAGES = ("tfport.models", "tfport.export", "tfport.runtime", "tfport.tools")
+LAYERS = {
+    "tfport.models": ("tfport.export", "tfport.runtime", "tfport.tools"),
+    "tfport.export": ("tfport.runtime", "tfport.tools"),  # the runtime: through EXPORT_RUNTIME only
+    "tfport.runtime": ("tfport.models", "tfport.export", "tfport.tools"),
+}
+# The modules of the exporter that may import the runtime: running an export it wrote (parity's
+# sessions, a cache layout's relayout of parity inputs, --max-loss timing its candidates).
+EXPORT_RUNTIME = ("tfport.export.validate",)
 
 
 @dataclass(frozen=True)
@@ -157,19 +175,20 @@ def in_packages(module: str, packages: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-def counts(i: Import, type_only: bool) -> bool:
+def counts(i: Import, type_only: bool, deferred: bool = False) -> bool:
     """Whether ``i`` is an edge of the graph: it runs at import (or, with ``type_only``, it is
-    imported for type checkers, under ``if TYPE_CHECKING:``)."""
-    return i.at_import or (type_only and i.type_only and not i.deferred)
+    imported for type checkers, under ``if TYPE_CHECKING:``; with ``deferred``, inside a function)."""
+    return i.at_import or (type_only and i.type_only and not i.deferred) or (deferred and i.deferred)
 
 
 @cache
-def import_graph(type_only: bool = False) -> dict[str, frozenset[str]]:
+def import_graph(type_only: bool = False, deferred: bool = False) -> dict[str, frozenset[str]]:
     """tfport module -> the tfport modules its module-level imports name (self-imports dropped);
-    with ``type_only``, its ``TYPE_CHECKING`` imports too."""
+    with ``type_only``, its ``TYPE_CHECKING`` imports too; with ``deferred``, its imports inside
+    functions too."""
     graph = {}
     for module in source_modules():
-        targets = {internal(i.target) for i in imports_of(module) if counts(i, type_only)}
+        targets = {internal(i.target) for i in imports_of(module) if counts(i, type_only, deferred)}
         graph[module] = frozenset(targets - {None, module})
     return graph
 
@@ -234,21 +253,46 @@ def shortest_path(graph: dict[str, frozenset[str]], start: str, goal: str, withi
     raise AssertionError(f"no path {start} -> {goal}")
 
 
-def describe_cycle(component: list[str], type_only: bool) -> str:
-    """One cycle through the component's first module, each edge with the line that makes it."""
-    chain = shortest_path(import_graph(type_only), component[0], component[0], set(component))
+def describe_cycle(component: list[str], type_only: bool, deferred: bool = False) -> str:
+    """One cycle through the component's first module, each edge with the line that makes it
+    (``in a function`` where that import is deferred)."""
+    chain = shortest_path(import_graph(type_only, deferred), component[0], component[0], set(component))
     edges = []
     for a, b in zip(chain, chain[1:]):
-        line = next(i.line for i in imports_of(a) if counts(i, type_only) and internal(i.target) == b)
-        edges.append(f"{a} ({source_modules()[a].relative_to(ROOT)}:{line})")
+        i = next(i for i in imports_of(a) if counts(i, type_only, deferred) and internal(i.target) == b)
+        edges.append(f"{a} ({where(i)}{', in a function' if i.deferred else ''})")
     return " -> ".join(edges + [chain[-1]]) + f"   [component: {', '.join(component)}]"
+
+
+def where(i: Import) -> str:
+    """``file:line`` of an import, the file relative to the repository."""
+    return f"{source_modules()[i.module].relative_to(ROOT)}:{i.line}"
+
+
+def imports_into(importers: set[str], packages: tuple[str, ...]) -> list[tuple[Import, str]]:
+    """Every import statement of ``importers`` (at any level) that lands in ``packages``, with the
+    tfport module it lands in."""
+    found = []
+    for module in sorted(importers):
+        for i in imports_of(module):
+            target = internal(i.target)
+            if target is not None and in_packages(target, packages):
+                found.append((i, target))
+    return found
+
+
+def describe_edge(i: Import, target: str) -> str:
+    kind = " (in a function)" if i.deferred else " (for type checkers)" if i.type_only else ""
+    return f"{where(i)}: {i.module} imports {target}{kind}"
 
 
 def test_module_names_cover_every_source_file():
     modules = source_modules()
-    files = {path for folder in ("tfport", "models", "export", "runtime") for path in (ROOT / folder).rglob("*.py")}
+    folders = ("tfport", "models", "export", "runtime", "tools")
+    files = {path for folder in folders for path in (ROOT / folder).rglob("*.py")}
     assert set(modules.values()) == files
-    assert {"tfport.config", "tfport.models.hf.bart", "tfport.export", "tfport.runtime.decoding"} <= set(modules)
+    assert {"tfport.config", "tfport.models.hf.bart", "tfport.export", "tfport.runtime.decoding",
+            "tfport.tools.bench"} <= set(modules)
 
 
 def test_imports_of_tfport_name_its_modules():
@@ -260,14 +304,55 @@ def test_imports_of_tfport_name_its_modules():
     assert not unknown, "\n".join(unknown)
 
 
-@pytest.mark.parametrize("type_only", [False, True], ids=["at-import", "with-type-checking"])
-def test_no_import_cycles(type_only):
+@pytest.mark.parametrize("type_only, deferred", [(False, False), (True, False), (False, True)],
+                         ids=["at-import", "with-type-checking", "with-function-level"])
+def test_no_import_cycles(type_only, deferred):
     """No cycle of module-level imports. ``with-type-checking`` also counts the imports under
     ``if TYPE_CHECKING:``: a cycle there cannot fail at import time, but it is still two modules
     that need each other (issue 22's ``export/emit.py`` <-> ``targets``: the targets imported
-    ``StackInputs`` from ``emit``, which imported ``Target`` from them for its annotations)."""
-    cycles = [describe_cycle(c, type_only) for c in strongly_connected(import_graph(type_only))]
+    ``StackInputs`` from ``emit``, which imported ``Target`` from them for its annotations).
+    ``with-function-level`` also counts the imports inside functions, which hid five cycles
+    (issue 42: the runtime's model / generation / decoding; ``export/budget.py`` timing its
+    candidates with the exporter that calls it; parity's runner and ``localize``; the benchmark
+    package and its CLI)."""
+    graph = import_graph(type_only, deferred)
+    cycles = [describe_cycle(c, type_only, deferred) for c in strongly_connected(graph)]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+@pytest.mark.parametrize("importer", sorted(LAYERS))
+def test_packages_import_only_the_layers_below(importer):
+    """``LAYERS``: the reference modules import neither the exporter, the runtime nor the tools;
+    the runtime neither the reference modules, the exporter nor the tools; the exporter not the
+    tools, and the runtime only from ``EXPORT_RUNTIME`` (where it runs an export it wrote).
+    Every import statement counts, in functions too."""
+    modules = {m for m in source_modules() if in_packages(m, (importer,))}
+    bad = [describe_edge(i, target) for i, target in imports_into(modules, LAYERS[importer])
+           if not (i.module in EXPORT_RUNTIME and in_packages(target, ("tfport.runtime",)))]
+    assert not bad, f"{importer} imports a package above it:\n" + "\n".join(bad)
+
+
+def test_export_reaches_the_runtime_through_its_allowed_modules_only():
+    """``EXPORT_RUNTIME`` names modules of the exporter that exist and do import the runtime (an
+    allow-list entry nothing needs is a hole for the next import)."""
+    runtime_users = {i.module for i, _ in imports_into(set(EXPORT_RUNTIME), ("tfport.runtime",))}
+    assert set(EXPORT_RUNTIME) <= set(source_modules()) and runtime_users == set(EXPORT_RUNTIME)
+
+
+def test_only_tools_import_tools():
+    """Nothing in the libraries imports ``tfport.tools`` (``tfport.cli`` names its commands'
+    modules as strings)."""
+    others = {m for m in source_modules() if not in_packages(m, ("tfport.tools",))}
+    bad = [describe_edge(i, target) for i, target in imports_into(others, ("tfport.tools",))]
+    assert not bad, "imports of tfport.tools outside it:\n" + "\n".join(bad)
+
+
+def test_core_imports_no_package_above_it_at_module_level():
+    """The core (``tfport/`` outside ``PACKAGES``) imports none of them when it is imported; its
+    functions may (the CLI and the demo do, lazily)."""
+    core = {m for m in source_modules() if not in_packages(m, PACKAGES)}
+    bad = [describe_edge(i, target) for i, target in imports_into(core, PACKAGES) if i.at_import]
+    assert not bad, "the core imports a package at module level:\n" + "\n".join(bad)
 
 
 def reached(chains: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -329,7 +414,7 @@ def test_runtime_reaches_no_torch_through_tfport():
 
 
 def test_core_imports_no_torch_at_module_level():
-    core = {m for m in source_modules() if not in_packages(m, TORCH_PACKAGES + ("tfport.runtime",))}
+    core = {m for m in source_modules() if not in_packages(m, PACKAGES)}
     bad = forbidden_at_import(reached({m: [m] for m in core}))
     assert not bad, "\n".join(bad)
 

@@ -127,13 +127,13 @@ def documented_text(history: bool = True) -> str:
 def test_named_source_files_exist():
     """A file the docs send a reader to (`export/targets/ort.py`, `runtime/decoding/`) is there:
     code that moves takes its page along."""
-    top = r"(?:tfport|models|export|runtime|tests|\.ci)/"
+    top = r"(?:tfport|models|export|runtime|tools|tests|\.ci)/"
     named = set(re.findall(rf"`({top}[\w./-]*)`", documented_text() + README.read_text()))
     missing = sorted(path for path in named if not (ROOT / path).exists())
     assert named and not missing, f"docs name files that do not exist: {missing}"
     # Bare module names (`rope.py`, `engine.py`) exist somewhere in the packages or tests.
     bare = set(re.findall(r"`(\w+\.py)`", documented_text()))
-    sources = {p.name for folder in ("tfport", "models", "export", "runtime", "tests")
+    sources = {p.name for folder in ("tfport", "models", "export", "runtime", "tools", "tests")
                for p in (ROOT / folder).rglob("*.py")}
     assert not sorted(bare - sources), f"docs name modules that do not exist: {sorted(bare - sources)}"
 

@@ -20,10 +20,12 @@ from tests.matrix import matrix_config
 from tfport.manifest import Manifest
 from tfport.export import ExportOptions, export_model
 from tfport.export import hessians as activations
-from tfport.export.budget import Candidate, LossBudget, parse_loss, pick
-from tfport.export.calibrate import recorded_scheme
-from tfport.export.parity.accuracy import export_logits, perplexity, reference_logits
-from tfport.export.quant import fake_quantize
+from tfport.export.budget import Candidate, pick
+from tfport.export.calibrate import in_order, layer_of, recorded_scheme
+from tfport.export.loss import LossBudget, parse_loss
+from tfport.export.promotion import mix
+from tfport.export.quant import QuantScheme, fake_quantize
+from tfport.tools.parity.accuracy import export_logits, perplexity, reference_logits
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +320,7 @@ def sampled(model, count: int) -> np.ndarray:
 def test_promote_layers_finds_the_fewest_most_sensitive_layers():
     """Made-up losses: each layer promoted takes its gain off a base of 1.0; sensitivity is the
     loss with it alone, so the largest gains come first. Brute force over the ranking agrees."""
-    from tfport.export.budget import promote_layers
+    from tfport.export.promotion import promote_layers
 
     gains = {"l0": 0.05, "l1": 0.4, "l2": 0.1, "l3": 0.3, "l4": 0.02}
 
@@ -344,16 +346,15 @@ def test_max_loss_promotes_the_sensitive_layers_of_a_layout_over_the_budget(deco
     import onnx
     from tokenizers import Tokenizer
 
-    from tfport.export import budget
     from tfport.export.calibrate import calibrate
 
     model, tokenizer = decoder
     model = copy.deepcopy(model)
     with torch.no_grad():  # softer logits (std ~2.7, not ~9): the quantised copies disagree with it
         model.get_parameter("decoder.norm.weight").mul_(0.3)
-    scheme = budget.QuantScheme(4, 32, True)
-    base, high = calibrate(model, scheme, None, head_bits=4), calibrate(model, budget.QuantScheme(8, 32, True), None, head_bits=4)
-    layers = sorted({budget.layer_of(n) for n, _ in model.named_parameters()} - {None})
+    scheme = QuantScheme(4, 32, True)
+    base, high = calibrate(model, scheme, None, head_bits=4), calibrate(model, QuantScheme(8, 32, True), None, head_bits=4)
+    layers = sorted({layer_of(n) for n, _ in model.named_parameters()} - {None})
     assert layers == [f"decoder.layers.{i}" for i in range(model.config.n_decoder_layers)]
     ids = sampled(model, 256)  # a text the float model finds likely: quantising it costs perplexity
     windows = [ids]
@@ -366,7 +367,7 @@ def test_max_loss_promotes_the_sensitive_layers_of_a_layout_over_the_budget(deco
     def module_loss(quantization) -> float:
         return increase(lambda w: reference_logits(fake_quantize(model, quantization), w))
 
-    everything = module_loss(budget.mix(base, high, tuple(layers)))
+    everything = module_loss(mix(base, high, tuple(layers)))
     none = module_loss(base)
     assert everything < none
     max_loss = (everything + none) / 2
@@ -385,15 +386,15 @@ def test_max_loss_promotes_the_sensitive_layers_of_a_layout_over_the_budget(deco
     recomputed = recorded_scheme(quantization, model, tokenizer, "float32")
     assert module_loss(recomputed) == pytest.approx(budget_record["loss"], rel=1e-3)
     # the fewest layers: the same layers but the last one, measured here, are over the budget
-    order = sorted(layers, key=lambda layer: module_loss(budget.mix(base, high, (layer,))))
-    assert list(budget.in_order(order[:len(promoted)])) == promoted
-    assert module_loss(budget.mix(base, high, tuple(order[:len(promoted) - 1]))) > max_loss
+    order = sorted(layers, key=lambda layer: module_loss(mix(base, high, (layer,))))
+    assert list(in_order(order[:len(promoted)])) == promoted
+    assert module_loss(mix(base, high, tuple(order[:len(promoted) - 1]))) > max_loss
     # the graph: the promoted layers' products are 8-bit, the others 4-bit
     graph = onnx.load(str(tmp_path / "q" / "decoder.onnx"), load_external_data=False)
     bits = {node.name: next(a.i for a in node.attribute if a.name == "bits")
             for node in graph.graph.node if node.op_type == "MatMulNBits"}
     for name, value in bits.items():
-        layer = budget.layer_of(name + ".weight")
+        layer = layer_of(name + ".weight")
         assert value == (8 if layer in promoted else 4), (name, value)
     assert set(bits.values()) == {4, 8}  # here: one layer of two promoted
     with pytest.raises(ValueError, match="promoted='decoder.nope': not a layer of this model"):
@@ -404,18 +405,17 @@ def test_max_loss_promotes_the_sensitive_layers_of_a_layout_over_the_budget(deco
 def test_mixed_codes_are_calibrates_with_those_layers_promoted(decoder):
     """``mix`` (GPTQ codes of two layouts assembled per layer) gives the codes ``calibrate``
     gives with ``promoted``, which ``tfport parity`` recomputes: the same sha256."""
-    from tfport.export import budget
     from tfport.export.calibrate import calibrate, fingerprint
 
     model, tokenizer = decoder
     sequences = [loss_ids(tokenizer, 256)]
     hessians = activations.collect_hessians(model, sequences)
-    four, eight = budget.QuantScheme(4, 32, True), budget.QuantScheme(8, 32, True)
+    four, eight = QuantScheme(4, 32, True), QuantScheme(8, 32, True)
     base = calibrate(model, four, sequences, head_bits=8, hessians=hessians)
     high = calibrate(model, eight, sequences, head_bits=8, hessians=hessians)
     layers = ("decoder.layers.1",)
     direct = calibrate(model, four, sequences, head_bits=8, promoted=layers)
-    assert fingerprint(budget.mix(base, high, layers).index) == fingerprint(direct.index) != fingerprint(base.index)
+    assert fingerprint(mix(base, high, layers).index) == fingerprint(direct.index) != fingerprint(base.index)
     assert direct.record["promoted"] == list(layers)
     with pytest.raises(ValueError, match=r"layers=\['decoder.nope'\]: not layers with weight matrices"):
-        budget.mix(base, high, ("decoder.nope",))
+        mix(base, high, ("decoder.nope",))

@@ -1,7 +1,7 @@
 """Calibrated quantisation (export/calibrate.py): GPTQ with the export's block layout.
 
 Accuracy: a tiny decoder (perturbed random weights) is calibrated on the built-in text and
-measured on held-out activations (export/data/perplexity.txt, which calibration never reads):
+measured on held-out activations (tools/data/perplexity.txt, which calibration never reads):
 every product's output error, the attention context, and the logits, against round-to-nearest.
 Exactness: calibrated exports are validated by ``export_model`` against the fake-quantised module
 (the same dequantised weights, float32 tolerances) and ``tfport parity`` recomputes the
@@ -28,7 +28,7 @@ from tfport.export import ExportOptions, export_model
 from tfport.export import calibrate as C
 from tfport.export import gptq
 from tfport.export import hessians as activations
-from tfport.export.parity.accuracy import PERPLEXITY_TEXT
+from tfport.tools.parity.accuracy import PERPLEXITY_TEXT
 from tfport.export.quant import QuantScheme, fake_quantize
 from tfport.export import rounding
 from tfport.manifest import Manifest
@@ -213,7 +213,7 @@ def test_calibrated_export_is_exact_and_parity_recomputes_it(target, tmp_path):
     """export_model validates against the fake-quantised module; tfport parity recomputes the
     calibration from the manifest (and refuses a manifest whose codes it cannot reproduce)."""
     from tfport.cli import main
-    from tfport.export.parity.cli import reference_scheme
+    from tfport.tools.parity.cli import reference_scheme
     from tfport.models.checkpoint import save_checkpoint
 
     config = matrix_config("decoder", "rope", "gqa").replace(d_model=64, tie_embeddings=True)

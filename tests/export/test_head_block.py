@@ -76,7 +76,7 @@ def test_head_block_size_fixes_it_and_old_manifests_recompute(tmp_path):
     """``head_block_size`` equal to the layers' blocks gives what exports before the rule wrote (a
     padded head); with that field dropped from the manifest, parity still recomputes the codes
     (a manifest without it means the layers' blocks)."""
-    from tfport.export.parity.cli import reference_scheme
+    from tfport.tools.parity.cli import reference_scheme
     from tfport.models.checkpoint import save_checkpoint
 
     model = perturbed(_config(tied=False))

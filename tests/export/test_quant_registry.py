@@ -48,7 +48,7 @@ def _scheme(fmt: QuantFormat, source: str) -> Quantization:
 # ------------------------------------------------------------------------------ choices
 def test_cli_and_benchmark_choices_are_the_registry():
     from tfport.cli import build_parser
-    from tfport.export.bench.compare import QUANTIZED_FORMATS
+    from tfport.tools.bench.compare import QUANTIZED_FORMATS
 
     parser = build_parser(None)
     commands = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction").choices

@@ -25,7 +25,7 @@ pytest.importorskip("gguf")
 
 from tfport.export import ExportOptions, export_checkpoint_or_preset, export_model  # noqa: E402
 from tfport.export import emit  # noqa: E402
-from tfport.export.bench.scale_models import Shape, write_gguf, write_safetensors  # noqa: E402
+from tfport.tools.bench.scale_models import Shape, write_gguf, write_safetensors  # noqa: E402
 from tfport.export.quant import KeptQuantization  # noqa: E402
 from tfport.models.gguf import load_gguf  # noqa: E402
 from tfport.models.hf import load_hf_model  # noqa: E402

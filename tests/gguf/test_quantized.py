@@ -4,7 +4,7 @@ accuracy level 4: int8 activations; w8a8's MatMulInteger on activations rounded 
 torch-free runtime.
 
 Perplexity is read on the fixed text ``tfport parity --accuracy`` uses
-(``export/data/perplexity.txt``, 1,844 SmolLM2 tokens, which calibration never reads), against the
+(``tools/data/perplexity.txt``, 1,844 SmolLM2 tokens, which calibration never reads), against the
 float32 PyTorch module's perplexity on the same ids. The bounds are the targets, not the measured
 values (docs/quantisation.md#the-defaults, docs/benchmarks.md): the int4 default (blocks of 32,
 measured +8.6%), int4 with the head at int8 (+6.7%) and w8a8 (+5.3%) within 10%; int8 (+0.1%)
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from tfport.export import ExportOptions, export_model
-from tfport.export.bench.pareto import KEEPS_ANSWERS
-from tfport.export.parity.accuracy import (PERPLEXITY_TEXT, answer_agreement, chat_prompts, divergence,
+from tfport.tools.bench.pareto import KEEPS_ANSWERS
+from tfport.tools.parity.accuracy import (PERPLEXITY_TEXT, answer_agreement, chat_prompts, divergence,
                                            export_answers, export_chat_format, export_logits, perplexity,
                                            reference_answers, reference_logits)
 

@@ -13,7 +13,7 @@ from tests.export.text_models import perturbed
 from tests.runtime.runtime_cases import write_tokenizer
 from tests.matrix import matrix_config
 from tfport.export import ExportOptions, export_model
-from tfport.export.parity import accuracy
+from tfport.tools.parity import accuracy
 
 TEMPLATE = ("{% for m in messages %}[BOS] {{ m['content'] }} [EOS] {% endfor %}"
             "{% if add_generation_prompt %}[BOS]{% endif %}")

@@ -15,7 +15,7 @@ import pytest
 
 from tests.matrix import ort_config
 from tfport.export import ExportOptions, export_model
-from tfport.export.parity import CASES, Runner, first_divergence
+from tfport.export.parity import CASES, Runner, first_divergence, localize
 from tfport.export.quant import QuantScheme, fake_quantize
 from tfport.export.targets import TARGETS
 from tfport.models import build_model
@@ -30,7 +30,7 @@ def test_taps_of_a_quantised_export_match_the_fake_quantised_reference(target, t
     runner = Runner(fake_quantize(model, SCHEME), tmp_path / "q")
     case = next(c for c in CASES if c.past and c.new == 1)  # a decode step with a past
     assert all(r.ok for r in runner.run(case)), [r.describe() for r in runner.run(case)]
-    diffs = runner.localize(case)
+    diffs = localize(runner, case)
     assert len(diffs) > 4 * model.config.n_decoder_layers  # norms, attention, FFN of every layer
     assert first_divergence(diffs) is None, first_divergence(diffs)
 
@@ -50,4 +50,4 @@ def test_a_quantised_export_with_external_data_is_run_in_place(target, tmp_path)
     runner = Runner(fake_quantize(model, SCHEME), tmp_path / "q")
     case = next(c for c in CASES if c.past and c.new == 1)
     assert all(r.ok for r in runner.run(case))
-    assert first_divergence(runner.localize(case)) is None
+    assert first_divergence(localize(runner, case)) is None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.matrix import target_matrix
-from tfport.export.parity import CASES, TOLERANCES, Runner, first_divergence, reference_module
+from tfport.export.parity import CASES, TOLERANCES, Runner, first_divergence, localize, reference_module
 from tfport.export.targets import TARGETS
 from tfport.models.generate import generate, generate_seq2seq
 from tfport.runtime import load_model
@@ -51,7 +51,7 @@ def check_outputs(model, out, provider: str) -> None:
         results = runner.run(case)
         if not all(r.ok for r in results):
             failures.append(f"{'; '.join(r.describe() for r in results if not r.ok)}\n"
-                            f"    first divergence: {first_divergence(runner.localize(case))}")
+                            f"    first divergence: {first_divergence(localize(runner, case))}")
         for result in results:
             for diff in result.diffs:
                 if diff.token_agreement is not None:

@@ -90,7 +90,7 @@ def test_first_divergence_names_the_piece():
 def test_nothing_checked_is_an_error_and_options_that_would_be_ignored_are_refused(tmp_path, capsys):
     """No provider given, or none that can run (CUDA on a machine without it), checks nothing:
     exit 2, not a pass; --calibration for an export that was not calibrated is refused."""
-    from tfport.export.parity.runner import cuda_available
+    from tfport.export.validate import cuda_available
 
     export_model(build_model(PRESETS["tiny-decoder"], seed=0), tmp_path / "out")
     args = ["parity", str(tmp_path / "out"), "--against", "tiny-decoder"]

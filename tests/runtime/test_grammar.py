@@ -293,7 +293,7 @@ def test_cli_errors_name_the_option(models, tmp_path, capsys):
 
 def test_bench_script_runs(models, tmp_path):
     """export/bench/grammar.py on the tiny export (its numbers mean nothing here): every cell."""
-    from tfport.export.bench.grammar import main, schemas
+    from tfport.tools.bench.grammar import main, schemas
 
     out = tmp_path / "grammar.json"
     assert main([str(models["ort"].directory), "--tokens", "8", "--repeats", "1", "--json", str(out)]) == 0

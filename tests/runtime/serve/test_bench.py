@@ -10,7 +10,7 @@ pytest.importorskip("fastapi", reason="needs the 'serve' extra: pip install -e '
 pytest.importorskip("httpx", reason="needs the 'serve' extra (httpx)")
 
 from tfport.cli import main  # noqa: E402
-from tfport.runtime.serve.bench import check_loopback  # noqa: E402
+from tfport.tools.serve_bench import check_loopback  # noqa: E402
 
 
 def test_bench_serve_checks_every_response(serve_exports, tmp_path, capsys):
@@ -44,7 +44,7 @@ def test_serve_reports_a_bad_export_or_port_before_starting(tmp_path, capsys):
 
 
 def test_prompt_lengths_are_drawn_from_the_range_and_seeded():
-    from tfport.runtime.serve.bench import BenchConfig, parse_prompt_len, random_prompts
+    from tfport.tools.serve_bench import BenchConfig, parse_prompt_len, random_prompts
 
     assert parse_prompt_len("16") == (16, 16) and parse_prompt_len("16-1024") == (16, 1024)
     for bad in ("0", "1024-16", "16-", "a-b", "1-2-3", "-5"):
@@ -65,8 +65,8 @@ def test_a_started_server_gets_the_options(monkeypatch):
     by ``tfport serve``'s own parser, gives the same options (tests/runtime/serve/test_options.py
     checks every option)."""
     from tfport.cli import build_parser
-    from tfport.runtime.serve import bench
-    from tfport.runtime.serve.cli import _options
+    from tfport.tools import serve_bench as bench
+    from tfport.runtime.serve.cli import serve_options
     from tfport.runtime.serve.options import ServeOptions
 
     class Started(Exception):
@@ -85,7 +85,7 @@ def test_a_started_server_gets_the_options(monkeypatch):
     command = started.value.args[0]
     assert command[1:5] == ["-m", "tfport.cli", "serve", "some-export"], command
     args = build_parser("serve").parse_args(command[3:])
-    assert _options(args) == wanted and (args.host, args.names) == ("127.0.0.1", ["m"])
+    assert serve_options(args) == wanted and (args.host, args.names) == ("127.0.0.1", ["m"])
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -94,7 +94,7 @@ def test_tokens_that_differ_between_levels_fail_only_an_exact_run(monkeypatch, e
     server's) may, and are counted instead (``differ``)."""
     import asyncio
 
-    from tfport.runtime.serve import bench
+    from tfport.tools import serve_bench as bench
 
     answers = {1: [5, 6], 4: [5, 7]}  # prompt 0 continues differently at 4 clients
 
@@ -121,7 +121,7 @@ def test_another_server_is_driven_with_plain_openai_fields(serve_exports):
     """``--url``: text prompts, the end ids biased away instead of tfport's ``ignore_eos``, tokens
     counted from a "length" finish; run here against tfport's own server on 127.0.0.1, which
     would refuse an unknown field."""
-    from tfport.runtime.serve.bench import BenchConfig, run_bench_serve
+    from tfport.tools.serve_bench import BenchConfig, run_bench_serve
     from tfport.runtime.serve.options import ServeOptions
 
     from .conftest import running_server

@@ -1,4 +1,4 @@
-"""The hostile client (``tfport.runtime.serve.hostile``, issue 27's proof), bounded: every kind of
+"""The hostile client (``tfport.tools.hostile``, issue 27's proof), bounded: every kind of
 its mix against the session's server on 127.0.0.1 with nothing failing; its abusive connections
 closed by a ``tfport serve`` with short read deadlines; and the script failing where it should
 (a server without read deadlines keeps a silent connection: a hang), refusing a non-loopback URL.
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timing  # latency bounds: make test runs these alone, a
 pytest.importorskip("fastapi", reason="needs the 'serve' extra: pip install -e '.[serve]'")
 pytest.importorskip("httpx", reason="needs the 'serve' extra (httpx)")
 
-from tfport.runtime.serve import hostile  # noqa: E402
+from tfport.tools import hostile  # noqa: E402
 
 from .conftest import running_server  # noqa: E402
 from .processes import serve_process  # noqa: E402

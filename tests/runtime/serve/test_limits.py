@@ -121,13 +121,13 @@ def test_health_answers_while_a_big_request_is_tokenised(server, monkeypatch, pa
 
 def test_serve_options_come_from_the_command_line():
     from tfport.cli import build_parser
-    from tfport.runtime.serve.cli import _options
+    from tfport.runtime.serve.cli import serve_options
 
     args = build_parser("serve").parse_args(["serve", "out/dec", "--max-body-bytes", "1000",
                                              "--max-embedding-inputs", "7", "--max-messages", "9"])
-    options = _options(args)
+    options = serve_options(args)
     assert (options.max_body_bytes, options.max_inputs, options.max_messages) == (1000, 7, 9)
-    defaults = _options(build_parser("serve").parse_args(["serve", "out/dec"]))
+    defaults = serve_options(build_parser("serve").parse_args(["serve", "out/dec"]))
     assert (defaults.max_body_bytes, defaults.max_inputs, defaults.max_messages) == (4 * MiB, 2048, 2048)
 
 

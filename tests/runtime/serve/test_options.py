@@ -62,9 +62,9 @@ def parser(command: str) -> argparse.ArgumentParser:
 
 def options(command: str, *argv: str):
     """The ``ServeOptions`` of ``tfport COMMAND DIR *argv``."""
-    from tfport.runtime.serve.cli import _options
+    from tfport.runtime.serve.cli import serve_options as options_of
 
-    return _options(parser(command).parse_args(["some-export", *argv]))
+    return options_of(parser(command).parse_args(["some-export", *argv]))
 
 
 def serve_options():

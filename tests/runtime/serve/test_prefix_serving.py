@@ -136,17 +136,17 @@ def test_concurrent_clients_sharing_a_prompt_get_the_tokens_of_no_cache(serve_ex
 
 
 def test_the_options_reach_the_scheduler():
-    from tfport.runtime.serve.cli import _add_options, _options
+    from tfport.runtime.serve.cli import add_model_options, serve_options
 
     parser = argparse.ArgumentParser()
-    _add_options(parser)
-    assert _options(parser.parse_args(["d", "--prefix-cache-mb", "0"])).prefix_cache_mb == 0
-    assert _options(parser.parse_args(["d"])).prefix_cache_mb == 256
-    assert _options(parser.parse_args(["d"])).limits.prefill_chunk == 256
-    assert _options(parser.parse_args(["d", "--prefill-chunk", "0"])).limits.prefill_chunk is None
-    assert _options(parser.parse_args(["d", "--prefill-chunk", "64"])).limits.prefill_chunk == 64
+    add_model_options(parser)
+    assert serve_options(parser.parse_args(["d", "--prefix-cache-mb", "0"])).prefix_cache_mb == 0
+    assert serve_options(parser.parse_args(["d"])).prefix_cache_mb == 256
+    assert serve_options(parser.parse_args(["d"])).limits.prefill_chunk == 256
+    assert serve_options(parser.parse_args(["d", "--prefill-chunk", "0"])).limits.prefill_chunk is None
+    assert serve_options(parser.parse_args(["d", "--prefill-chunk", "64"])).limits.prefill_chunk == 64
     with pytest.raises(ValueError, match="prefix_cache_mb=-1"):
-        _options(parser.parse_args(["d", "--prefix-cache-mb", "-1"]))
+        serve_options(parser.parse_args(["d", "--prefix-cache-mb", "-1"]))
 
 
 # ------------------------------------------------------------------------------ chunked prefill

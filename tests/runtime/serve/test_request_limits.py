@@ -186,12 +186,12 @@ def test_request_tokens_of_embeddings_are_their_inputs_tokens(server, limits, se
                                                      ("--max-request-tokens", 300, 262_144)])
 def test_limits_come_from_the_command_line(option, value, default):
     from tfport.cli import build_parser
-    from tfport.runtime.serve.cli import _options
+    from tfport.runtime.serve.cli import serve_options
 
     field = option[2:].replace("-", "_")
     parse = build_parser("serve").parse_args
-    assert getattr(_options(parse(["serve", "out/dec", option, str(value)])), field) == value
-    assert getattr(_options(parse(["serve", "out/dec"])), field) == default
+    assert getattr(serve_options(parse(["serve", "out/dec", option, str(value)])), field) == value
+    assert getattr(serve_options(parse(["serve", "out/dec"])), field) == default
 
 
 @pytest.mark.parametrize("name, value", [("max_prompt_chars", 0), ("max_prompt_tokens", -1),

@@ -18,7 +18,7 @@ from torch import nn
 
 from tfport.presets import get_preset
 
-from ..targets import DEFAULT_TARGET
+from tfport.export.targets import DEFAULT_TARGET
 from .measurement import (BenchSettings, Row, RunTiming, load_average, machine_info, make_row,
                           mark_memory, measure, time_tfport, time_torch)
 from .report import BenchResult, Skipped, fill_comparisons, step_growth
@@ -41,8 +41,8 @@ def export_targets(module: nn.Module, targets: Sequence[str], root: Path, dtype:
     (an unknown name, or a target that refuses this model) makes it a skipped target with the
     reason.
     """
-    from ..exporter import export_model
-    from ..options import ExportOptions
+    from tfport.export.exporter import export_model
+    from tfport.export.options import ExportOptions
 
     exports, skipped = {}, []
     for target in targets:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tfport.export import ExportOptions, export_model
-from tfport.export.bench.embed import EmbedSettings, _embed_all
+from tfport.tools.bench.embed import EmbedSettings, _embed_all
 from tfport.models import build_model
 from tfport.presets import PRESETS
 

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-PERPLEXITY_TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"  # package data, beside calibration.txt
+# package data, held out: calibration never reads it
+PERPLEXITY_TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -27,12 +27,11 @@ benchmark run), ``rows`` (``tfport bench --rows``: which weight product a decode
 rows should run, and each one's memory; ``--rows-exports``: whole exports by rows), ``products``
 (its one-node candidate graphs, their sessions and timed calls), ``pareto`` (``tfport bench
 --pareto``: tokens/s against perplexity for tfport's quantised layouts and the peers), ``cli``
-(``tfport bench``; ``python -m tfport.export.bench``).
+(``tfport bench``; ``python -m tfport.tools.bench``).
 
 Shapes: B batch, C context (prompt length, then cached tokens), V vocabulary.
 """
 
-from .cli import add_parsers, main, settings_from_args
 from .measurement import (DEFAULT, PROVIDERS, QUICK, BenchSettings, MemoryMark, Row, RunTiming,
                           make_row, time_tfport, time_torch)
 from .report import (JSON_FORMAT, BenchResult, Growth, Skipped, fill_comparisons, format_table,
@@ -43,8 +42,8 @@ from .run import run_benchmark
 
 __all__ = [
     "DEFAULT", "JSON_FORMAT", "PROVIDERS", "QUICK", "Bandwidth", "BenchResult", "BenchSettings",
-    "Growth", "MemoryMark", "Row", "RunTiming", "Skipped", "add_parsers", "fill_comparisons",
-    "fill_roofline", "format_table", "kv_cache_bytes", "main", "make_row", "measure_bandwidth",
-    "run_benchmark", "settings_from_args", "step_growth", "time_tfport", "time_torch",
+    "Growth", "MemoryMark", "Row", "RunTiming", "Skipped", "fill_comparisons",
+    "fill_roofline", "format_table", "kv_cache_bytes", "make_row", "measure_bandwidth",
+    "run_benchmark", "step_growth", "time_tfport", "time_torch",
     "weight_bytes_per_token", "write_json", "write_plot",
 ]

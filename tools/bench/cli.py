@@ -1,4 +1,4 @@
-"""``tfport bench`` and ``python -m tfport.export.bench``: options -> settings -> run -> report."""
+"""``tfport bench`` and ``python -m tfport.tools.bench``: options -> settings -> run -> report."""
 
 from __future__ import annotations
 
@@ -144,11 +144,10 @@ def _run_speculative(args: argparse.Namespace, settings) -> int:
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     """Register ``tfport bench``."""
-    from tfport.export import bench  # the package's docstring describes the command
-
     p = subparsers.add_parser(
         "bench", help="decode speed vs PyTorch and the memory-bandwidth roofline",
-        description=bench.__doc__.split("\n\n")[0],
+        description="``tfport bench``: decode speed of an export, against the PyTorch reference "
+                    "and the roofline.",  # the first paragraph of the package's docstring
         epilog=f"defaults: preset {DEFAULT.preset}, batch {DEFAULT.batches}, contexts "
                f"{DEFAULT.contexts}, {DEFAULT.new_tokens} new tokens, {DEFAULT.repeats} repeats, "
                f"{DEFAULT.threads} threads; --quick: preset {QUICK.preset}, batch "
@@ -229,7 +228,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tfport.export.bench [options]``: the same as ``tfport bench [options]``."""
+    """``python -m tfport.tools.bench [options]``: the same as ``tfport bench [options]``."""
     from tfport.cli import main as cli_main
 
     return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])

@@ -15,7 +15,7 @@ import pytest
 from tests.export.text_models import perturbed, word_tokenizer
 from tests.matrix import matrix_config
 from tfport.export import ExportOptions, export_model
-from tfport.export.bench.speculative import _cold, chunk_deviation, format_speculative, run_speculative
+from tfport.tools.bench.speculative import _cold, chunk_deviation, format_speculative, run_speculative
 from tfport.runtime import load_model
 
 TEMPLATE = ("{% for m in messages %}[BOS] {{ m['content'] }} [EOS] {% endfor %}"

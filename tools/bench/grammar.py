@@ -7,7 +7,7 @@
 - per schema: the one-off compile (schema -> grammar -> matcher), on a cache miss and on a hit,
   and the export's llguidance tokenizer (built once per export and process).
 
-    python -m tfport.export.bench.grammar out/smollm2-int4 [--tokens 64] [--json grammar.json]
+    python -m tfport.tools.bench.grammar out/smollm2-int4 [--tokens 64] [--json grammar.json]
 
 Timings are medians over the tokens of one generation (per token) or over ``--repeats`` runs
 (compile); on a shared machine they are noisy: compare ratios measured in one run.
@@ -140,7 +140,7 @@ def format_grammar(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tfport.export.bench.grammar",
+    parser = argparse.ArgumentParser(prog="python -m tfport.tools.bench.grammar",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("export", help="a decoder export with tokenizer.json and a chat template")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per timed generation (default 64)")

@@ -10,7 +10,7 @@ client does. Each turn runs with the cache off, then on, on the same prompt (gre
 next turn's history. TTFT is the time from the request to its first token (the prefill and
 one pick), on one thread of ONNX Runtime's choice.
 
-    python -m tfport.export.bench.prefix out/smollm2-int4 [--turns 8] [--history-tokens 1000]
+    python -m tfport.tools.bench.prefix out/smollm2-int4 [--turns 8] [--history-tokens 1000]
         [--reply-tokens 24] [--json prefix.json]
 
 A single run on a shared machine is noisy: compare the ratio of turns >= 2, not absolute times.
@@ -98,7 +98,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tfport.export.bench.prefix", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tfport.tools.bench.prefix", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", help="a decoder export with a chat template and tokenizer")
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--history-tokens", type=int, default=1000,

@@ -11,14 +11,12 @@ import json
 from pathlib import Path
 
 from tfport.contract import CHAT_TEMPLATE_FILE, TOKENIZER_FILE
+from tfport.export.parity import CASES, Runner, first_divergence, localize
+from tfport.export.quant import fake_quantize, get_format
+from tfport.export.source import load_source
+from tfport.export.validate import cuda_available
 from tfport.files import write_text_atomic
 from tfport.manifest import Manifest
-
-from ..quant import fake_quantize, get_format
-from ..source import load_source
-from .cases import CASES
-from .localize import first_divergence
-from .runner import Runner, cuda_available
 
 
 def reference_scheme(quantization: dict, against: str, model=None, tokenizer=None, calibration=None,
@@ -29,7 +27,7 @@ def reference_scheme(quantization: dict, against: str, model=None, tokenizer=Non
     is its format's (``QuantFormat.from_manifest``; ``against``: the source a GGUF file's kept
     blocks are read from)."""
     if "sha256" in quantization:
-        from ..calibrate import recorded_scheme
+        from tfport.export.calibrate import recorded_scheme
 
         return recorded_scheme(quantization, model, tokenizer, dtype, calibration)
     return get_format(quantization["format"], "quantization['format']").from_manifest(quantization, against)
@@ -141,7 +139,7 @@ def run_parity(args: argparse.Namespace) -> int:
                        "diffs": [d.to_dict() for d in result.diffs]}
                 if not result.ok:
                     failed = True
-                    row["first_divergence"] = first_divergence(runner.localize(case))
+                    row["first_divergence"] = first_divergence(localize(runner, case))
                     status += f": {row['first_divergence']}"
                 rows.append(row)
                 print(f"{result.case.label:<18} {result.graph:<8} {provider:<8} {worst_abs:>10.3g} "

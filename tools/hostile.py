@@ -1,6 +1,6 @@
 """A hostile client for a ``tfport serve`` on this machine (issue 27's proof).
 
-    python -m tfport.runtime.serve.hostile --url http://127.0.0.1:8000 --model dec \\
+    python -m tfport.tools.hostile --url http://127.0.0.1:8000 --model dec \\
         [--embed-model enc] [--requests 11800] [--abusive 63] [--clients 16] [--json out.json]
 
 ``--clients`` threads send the kinds in ``MIX`` in turn (valid requests, checked; streams left
@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from .bench import check_loopback
+from .serve_bench import check_loopback
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.export.text_models import perturbed, word_tokenizer
 from tests.matrix import matrix_config
-from tfport.export.bench.pareto import Point, default_rule, layout_options, mark_front, write_svg
+from tfport.tools.bench.pareto import Point, default_rule, layout_options, mark_front, write_svg
 
 
 def test_layout_names():
@@ -72,7 +72,7 @@ def test_the_front_on_kl_and_the_default_rule():
 
 def test_a_run_on_a_tiny_checkpoint(tmp_path, capsys):
     from tfport.cli import main
-    from tfport.export.parity.accuracy import perplexity, reference_logits
+    from tfport.tools.parity.accuracy import perplexity, reference_logits
     from tfport.models.checkpoint import save_checkpoint
 
     config = matrix_config("decoder", "rope", "gqa").replace(d_model=64, max_positions=512)
@@ -102,7 +102,7 @@ def test_a_run_on_a_tiny_checkpoint(tmp_path, capsys):
     import torch
 
     from tfport.export import ExportOptions, export_model
-    from tfport.export.parity.accuracy import export_logits
+    from tfport.tools.parity.accuracy import export_logits
 
     export_model(model, tmp_path / "rtn", ExportOptions(target="portable", quantize="int4", block_size=32,
                                                         symmetric=True, calibration="none", validate=False))

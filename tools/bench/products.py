@@ -40,8 +40,8 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_errors
 
 from tfport.runtime.session import SessionSettings
 
-from ..blocks import pack_nibbles
-from ..rounding import quantize_rows
+from tfport.export.blocks import pack_nibbles
+from tfport.export.rounding import quantize_rows
 from .measurement import rss_mb
 
 # What ONNX Runtime raises when it cannot open or run a graph (none derives from RuntimeError).
@@ -155,8 +155,8 @@ def rows_int8() -> Callable[[np.ndarray], Product]:
     the input rounded per row to uint8 around 128 (``QuantizeLinear``), int8 weight codes per
     output column (7 bits), standard ``MatMulInteger``, then the column and row scales."""
     def build(weight: np.ndarray) -> Product:
-        from ..graph import GraphBuilder
-        from ..quant import W8A8_FORMAT
+        from tfport.export.graph import GraphBuilder
+        from tfport.export.quant import W8A8_FORMAT
 
         n, k = weight.shape
         g = GraphBuilder("product", "float32")

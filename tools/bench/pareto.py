@@ -33,7 +33,7 @@ import numpy as np
 
 from tfport.files import write_text_atomic
 
-from ..quant import BLOCK_SIZES, INT4, INT8, W8A8_FORMAT
+from tfport.export.quant import BLOCK_SIZES, INT4, INT8, W8A8_FORMAT
 from .measurement import BenchSettings, load_average, machine_info, measure, time_tfport
 
 log = logging.getLogger(__name__)
@@ -143,10 +143,10 @@ def run_pareto(settings: BenchSettings, source_name: str, layouts: tuple[str, ..
     with the front marked on ``metric``."""
     from tokenizers import Tokenizer
 
-    from ..exporter import export_model
-    from ..options import ExportOptions
-    from ..parity import accuracy
-    from ..source import load_source
+    from tfport.export.exporter import export_model
+    from tfport.export.options import ExportOptions
+    from tfport.tools.parity import accuracy
+    from tfport.export.source import load_source
     from .compare import peer_sides
 
     options = {name: layout_options(name) for name in layouts}

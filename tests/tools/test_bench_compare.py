@@ -9,8 +9,8 @@ import pytest
 
 from tests.matrix import matrix_config
 from tfport.export import ExportOptions, export_model
-from tfport.export.bench.compare import format_compare, product_weight_bytes, run_compare
-from tfport.export.bench.measurement import QUICK
+from tfport.tools.bench.compare import format_compare, product_weight_bytes, run_compare
+from tfport.tools.bench.measurement import QUICK
 from tfport.models import build_model
 
 
@@ -62,7 +62,7 @@ def test_half_precision_rows_are_named_by_their_dtype():
 
 
 def test_cuda_is_asked_for_and_never_replaced_by_the_cpu():
-    from tfport.export.parity.runner import cuda_available
+    from tfport.export.validate import cuda_available
 
     if cuda_available()[0]:
         pytest.skip("CUDA is usable here: the refusal is for machines without it")

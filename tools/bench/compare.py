@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from ..quant import FORMATS, get_format
+from tfport.export.quant import FORMATS, get_format
 from .measurement import BenchSettings, RunTiming, load_average, machine_info, measure, time_tfport
 from .roofline import measure_bandwidth
 
@@ -103,8 +103,8 @@ def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tu
     from tfport.runtime.model import Model
     from tfport.runtime.session import SessionSettings
 
-    from ..exporter import export_model
-    from ..options import ExportOptions
+    from tfport.export.exporter import export_model
+    from tfport.export.options import ExportOptions
 
     sides = []
     for target in settings.targets:
@@ -162,7 +162,7 @@ def run_compare(settings: BenchSettings, source_name: str, formats: tuple[str, .
                 genai: tuple[str, ...] = (), gguf: tuple[str, ...] = (),
                 thread_sweep: bool = False, peer_threads: tuple[int, ...] = ()) -> dict[str, Any]:
     """Export, open and time every side (alternating), then rows with rooflines and ratios."""
-    from ..source import load_source
+    from tfport.export.source import load_source
 
     formats = tuple(formats)
     unknown = [f for f in formats if f not in QUANTIZED_FORMATS]

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from tfport.files import write_text_atomic
 
-from ..quant import INT4, KEEP
+from tfport.export.quant import INT4, KEEP
 from .scale_models import FORMATS, SHAPES, Shape, write_gguf, write_safetensors
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tfport.cli import main
-from tfport.export import bench
-from tfport.export.bench import (Bandwidth, BenchResult, BenchSettings, Growth, MemoryMark, Row,
+from tfport.tools import bench
+from tfport.tools.bench import (Bandwidth, BenchResult, BenchSettings, Growth, MemoryMark, Row,
                                  RunTiming, Skipped)
 from tfport.models import build_model
 from tfport.presets import PRESETS
@@ -111,10 +111,10 @@ def test_quick_growth_skips_and_memory(quick_json):
 
 
 def test_module_entry_point_without_torch(tmp_path):
-    """``python -m tfport.export.bench`` runs the bench; --no-torch leaves ratios empty."""
+    """``python -m tfport.tools.bench`` runs the bench; --no-torch leaves ratios empty."""
     path = tmp_path / "out" / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "tfport.export.bench", "--quick", "--no-torch", "--batch", "1",
+        [sys.executable, "-m", "tfport.tools.bench", "--quick", "--no-torch", "--batch", "1",
          "--contexts", "8", "--json", str(path), "--plot", str(tmp_path / "steps.png")],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("gguf")
 
 from tfport.cli import main  # noqa: E402
-from tfport.export.bench.scale_models import SHAPES, write_gguf, write_safetensors  # noqa: E402
+from tfport.tools.bench.scale_models import SHAPES, write_gguf, write_safetensors  # noqa: E402
 from tfport.models.gguf import load_gguf  # noqa: E402
 from tfport.models.gguf.reader import GGUFFile  # noqa: E402
 from tfport.models.hf import load_hf_model  # noqa: E402

@@ -14,8 +14,8 @@ import pytest
 from onnx import numpy_helper
 
 from tfport.cli import main
-from tfport.export.bench import rows
-from tfport.export.bench.products import (CANDIDATES, MIN_SAMPLES, ORT_ERRORS, SESSIONS, bound_call, get_candidate,
+from tfport.tools.bench import rows
+from tfport.tools.bench.products import (CANDIDATES, MIN_SAMPLES, ORT_ERRORS, SESSIONS, bound_call, get_candidate,
                                            open_session)
 
 MIB = 2**20

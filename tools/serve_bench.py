@@ -21,8 +21,10 @@ The server is started in a child process (``tfport serve`` on 127.0.0.1, a free 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -35,8 +37,9 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from tfport.flags import to_args
+from tfport.flags import positive_int, to_args
 from tfport.manifest import Manifest
+from tfport.runtime.serve.cli import add_model_options, serve_options
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
@@ -299,5 +302,56 @@ def format_table(results: list[LevelResult]) -> str:
         if r.differ:
             lines.append(f"  {r.concurrency} clients: {r.differ} of {r.ok} responses' tokens differ from "
                          "the same prompt's at another level (a quantised export or another server: "
-                         "not checked; see tfport.runtime.serve.bench)")
+                         "not checked; see tfport.tools.serve_bench)")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- the command
+def add_parsers(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``bench-serve``."""
+    import fastapi  # noqa: F401  -- a missing 'serve' extra is reported by tfport.cli
+    import uvicorn  # noqa: F401
+
+    bench = subparsers.add_parser(
+        "bench-serve", help="load-test a server: throughput, time to first token, latency",
+        description="Start a server on 127.0.0.1 for DIR (or use --url, loopback only), send "
+                    "--requests requests from N concurrent clients per --concurrency level, check "
+                    "every response and report tokens/s and p50/p99 TTFT and latency.")
+    add_model_options(bench)
+    bench.add_argument("--url", help="an already running server on this machine "
+                                     "(http://127.0.0.1:PORT); default: start one")
+    bench.add_argument("--concurrency", default="1,4,16",
+                       help="comma-separated client counts (default 1,4,16)")
+    bench.add_argument("--requests", type=positive_int, default=32,
+                       help="requests per concurrency level (default 32)")
+    bench.add_argument("--max-new", type=positive_int, default=64, dest="new_tokens",
+                       help="tokens generated per request (default 64; ignore_eos)")
+    bench.add_argument("--prompt-len", default="16", metavar="N|MIN-MAX",
+                       help="prompt tokens per request, or a range whose lengths are drawn "
+                            "log-uniformly per request, e.g. 16-1024 (default 16)")
+    bench.add_argument("--time-limit", type=float, default=600.0,
+                       help="seconds for the whole run; stops sending after (default 600)")
+    bench.add_argument("--json", help="write the results to this file")
+    bench.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per request
+    parts = [c.strip() for c in args.concurrency.split(",") if c.strip()]
+    if not parts or not all(c.isascii() and c.isdigit() for c in parts):
+        raise ValueError(f"--concurrency={args.concurrency!r}: expected positive integers such as 1,4,16")
+    levels = [int(c) for c in parts]
+    if min(levels) < 1:
+        raise ValueError(f"--concurrency={args.concurrency!r}: expected positive integers")
+    config = BenchConfig(concurrency=levels, requests=args.requests, new_tokens=args.new_tokens,
+                         prompt_len=parse_prompt_len(args.prompt_len), time_limit=args.time_limit)
+    results = run_bench_serve(args.model_dirs[0], config, serve_options(args), url=args.url,
+                              name=(args.names or [None])[0])
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump([r.as_dict() for r in results], out, indent=2)
+    failed = sum(r.failed for r in results)
+    if failed:
+        print(f"{failed} responses failed their checks", flush=True)
+    return 1 if failed else 0

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from tfport.dtypes import COMPUTE_DTYPES
+from tfport.export.validate import RunTiming, time_tfport  # noqa: F401 - the tfport side's run, shared with --max-loss
 from tfport.presets import get_preset
 
 log = logging.getLogger(__name__)
@@ -197,36 +198,6 @@ def best_seconds(run: Callable[[], object], repeats: int, warmup: int = 1) -> fl
         run()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-@dataclass
-class RunTiming:
-    """One run: prefill ms, each decode step's ms, and the greedy tokens int64 [B, 1 + steps]."""
-
-    prefill_ms: float
-    step_ms: list[float]
-    tokens: np.ndarray
-
-
-def time_tfport(model: Any, prompts: np.ndarray, steps: int) -> RunTiming:
-    """Prefill ``prompts`` int64 [B, C] and decode ``steps`` greedy steps with ``Model.stream``.
-
-    The prefill time runs from the ``stream`` call to the first token (input checks included);
-    each step's from asking for the next token to getting it.
-    """
-    tokens, times = [], []
-    start = time.perf_counter()
-    stream = model.stream(prompts, max_new_tokens=steps + 1, stop_token_ids=())
-    tokens.append(next(stream))
-    prefill = time.perf_counter() - start
-    while True:
-        start = time.perf_counter()
-        token = next(stream, None)
-        if token is None:
-            break
-        times.append(time.perf_counter() - start)
-        tokens.append(token)
-    return RunTiming(prefill * 1e3, [t * 1e3 for t in times], np.stack(tokens, axis=1))
 
 
 @torch.no_grad()

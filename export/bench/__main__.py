@@ -1,7 +1,0 @@
-"""``python -m tfport.export.bench [options]``: the same as ``tfport bench [options]``."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m tfport.tools.bench [options]``: the same as ``tfport bench [options]``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
