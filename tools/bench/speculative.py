@@ -111,7 +111,7 @@ def run_speculative(export: str | Path, drafters: tuple[str, ...], threads: int,
     model = load_model(export, intra_op_threads=threads, shared_threads=shared)
     fmt = chat_format(model)
     exact = model.manifest.quantization is None  # quantised targets: tokens may differ (reported)
-    drafts = {name: open_drafter(name, model.settings, "--speculative") for name in drafters}
+    drafts = {name: open_drafter(name, model, "--speculative") for name in drafters}
     peers = [(f"{GenaiPeer.name} {Path(d).name}", lambda d=d: GenaiPeer(d, threads), "onnxruntime_genai")
              for d in genai] + [(f"{LlamaCppPeer.name} {Path(g).name}", lambda g=g: LlamaCppPeer(g, threads), "llama_cpp")
                                 for g in gguf]
