@@ -149,8 +149,8 @@ def choose_layout(model: nn.Module, scheme: QuantScheme, max_loss: float | LossB
 
     def quantize(layout: Candidate, bits: int | None = None) -> PrecomputedQuantization:
         layout_scheme = QuantScheme(bits or scheme.bits, layout.block_size, scheme.symmetric, scheme.embeddings)
-        return calibrate(model, layout_scheme, sequences, scale_dtype, layout.head_bits,
-                         record=dict(record), hessians=hessians, threads=search.threads,
+        return calibrate(model, layout_scheme, sequences if hessians is None else hessians, scale_dtype,
+                         layout.head_bits, record=dict(record), threads=search.threads,
                          head_block_size=search.head_block_size)
 
     def quantize_and_measure(layout: Candidate) -> PrecomputedQuantization:

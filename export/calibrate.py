@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Mapping
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Callable
@@ -125,18 +126,18 @@ def in_order(layers) -> tuple[str, ...]:
     return tuple(sorted(layers, key=lambda name: [int(p) if p.isdigit() else p for p in name.split(".")]))
 
 
-def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray] | None,
+def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray] | Mapping[str, np.ndarray] | None,
               scale_dtype: str = "float32", head_bits: int | None = None, progress: bool = False,
-              record: dict | None = None, hessians: dict | None = None, threads: int | None = None,
+              record: dict | None = None, threads: int | None = None,
               promoted: tuple[str, ...] = (), head_block_size: int | None = None) -> PrecomputedQuantization:
     """Quantise every weight matrix of ``model`` with ``scheme``'s block layout: GPTQ on each
-    ``nn.Linear`` with the Hessian of its inputs on ``sequences`` (token id arrays [S]; None:
-    round-to-nearest everywhere), the token tables (when ``scheme.embeddings``) with
+    ``nn.Linear`` with the Hessian of its inputs on ``sequences`` (token id arrays [S], or the
+    Hessians already collected over them, ``collect_hessians``' result, when several layouts are
+    calibrated on the same text; None: round-to-nearest everywhere), the token tables (when ``scheme.embeddings``) with
     round-to-nearest, and the LM head and token table with ``head_bits`` (None: the scheme's bits)
     in blocks of ``head_block(scheme.block_size, E, head_block_size)``; GPTQ damps each Hessian by
     ``DAMP`` (which the manifest records). ``record`` is added to the manifest's quantisation
-    entry. ``hessians`` (``collect_hessians``' result) replaces ``sequences`` when several layouts
-    are calibrated on the same text.
+    entry.
     ``threads`` matrices are quantised at once (None: ``resolve_threads``), each on one thread,
     with at most ``WORK_BUDGET`` bytes of working memory in flight: the codes do not depend on it.
     ``promoted`` names decoder or encoder layers (``layer_of``) whose matrices are quantised
@@ -144,6 +145,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
     if head_bits is not None and head_bits not in HEAD_BITS:
         raise ValueError(f"head_bits={head_bits!r}: expected None or one of {list(HEAD_BITS)}")
     check_head_block_size(head_block_size)
+    hessians = dict(sequences) if isinstance(sequences, Mapping) else None
     threads = resolve_threads(threads)
     tables = [model.get_parameter(path) for path in token_table_paths(model)]
     heads = {id(p) for p in head_weights(model, scheme)}

@@ -25,15 +25,6 @@ MAX_PARAMETERS = 10
 OPERATOR_MIRRORS = {
     "export/targets/ort.py::FusedGroupQueryAttention": "com.microsoft GroupQueryAttention's inputs and attributes",
 }
-# Over the limit while their owners rework them; remove an entry when it is fixed (or moved).
-PENDING = {
-    "export/budget.py::choose_layout": "moving to tools/ with its search settings grouped (issue 42)",
-    # 11: head_bits, head_block_size and promoted (where a layout departs from its scheme) belong in
-    # one frozen value; export/budget.py, which calls it with them, is being moved now.
-    "export/calibrate.py::calibrate": "export/budget.py calls it; group with that move",
-}
-
-
 def parameter_count(args: ast.arguments, method: bool) -> int:
     names = [a.arg for a in args.posonlyargs + args.args]
     bound = method and bool(names) and names[0] in ("self", "cls")
@@ -73,7 +64,7 @@ def signatures() -> dict[str, tuple[int, int]]:
 
 def test_no_public_function_takes_more_than_ten_parameters():
     over = {key: found for key, found in signatures().items()
-            if found[0] > MAX_PARAMETERS and key not in OPERATOR_MIRRORS and key not in PENDING}
+            if found[0] > MAX_PARAMETERS and key not in OPERATOR_MIRRORS}
     assert not over, (f"public functions with more than {MAX_PARAMETERS} parameters (group related ones in a "
                       "small frozen dataclass or keyword options): "
                       + "; ".join(f"{key} (line {line}): {n}" for key, (n, line) in sorted(over.items())))

@@ -411,8 +411,8 @@ def test_mixed_codes_are_calibrates_with_those_layers_promoted(decoder):
     sequences = [loss_ids(tokenizer, 256)]
     hessians = activations.collect_hessians(model, sequences)
     four, eight = QuantScheme(4, 32, True), QuantScheme(8, 32, True)
-    base = calibrate(model, four, sequences, head_bits=8, hessians=hessians)
-    high = calibrate(model, eight, sequences, head_bits=8, hessians=hessians)
+    base = calibrate(model, four, hessians, head_bits=8)
+    high = calibrate(model, eight, hessians, head_bits=8)
     layers = ("decoder.layers.1",)
     direct = calibrate(model, four, sequences, head_bits=8, promoted=layers)
     assert fingerprint(mix(base, high, layers).index) == fingerprint(direct.index) != fingerprint(base.index)

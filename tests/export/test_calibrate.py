@@ -315,12 +315,12 @@ def test_threads_give_the_codes_of_one_thread(decoder, monkeypatch):
     time when the working-memory budget admits only one: the codes of one thread, in order."""
     model, fit, _ = decoder
     hessians = activations.collect_hessians(model, fit)
-    one = C.fingerprint(C.calibrate(model, QuantScheme(4, 16), fit, hessians=hessians, threads=1).index)
-    assert C.fingerprint(C.calibrate(model, QuantScheme(4, 16), fit, hessians=hessians, threads=4).index) == one
+    one = C.fingerprint(C.calibrate(model, QuantScheme(4, 16), hessians, threads=1).index)
+    assert C.fingerprint(C.calibrate(model, QuantScheme(4, 16), hessians, threads=4).index) == one
     monkeypatch.setattr(C, "WORK_BUDGET", 1)
-    assert C.fingerprint(C.calibrate(model, QuantScheme(4, 16), fit, hessians=hessians, threads=4).index) == one
+    assert C.fingerprint(C.calibrate(model, QuantScheme(4, 16), hessians, threads=4).index) == one
     with pytest.raises(ValueError, match=r"calibration_threads=0: expected a positive integer"):
-        C.calibrate(model, QuantScheme(4, 16), fit, hessians=hessians, threads=0)
+        C.calibrate(model, QuantScheme(4, 16), hessians, threads=0)
 
 
 def test_jobs_run_at_once_within_the_memory_budget():
