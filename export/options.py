@@ -15,16 +15,18 @@ from pathlib import Path
 
 from tfport.config import ModelConfig
 from tfport.config.checks import is_int
-from tfport.contract import DTYPES, GraphSpec, graph_specs
+from tfport.contract import DTYPES, KV_DTYPES, LOGITS, GraphSpec, graph_specs
 from tfport.dtypes import cache_dtype
 from tfport.embedding import EmbeddingSettings
 from tfport.files import check_output_dir
+from tfport.flags import option
 from tfport.generation import GenerationDefaults
 
 from .calibrate import check_head_block_size, resolve_threads
-from .hessians import AUTO, Calibration
-from .quant import Quantization, layout_formats, resolve_scheme
-from .targets import DEFAULT_TARGET, Target, get_target
+from .hessians import AUTO, BUILTIN, NONE, Calibration
+from .quant import (BLOCK_SIZES, DEFAULT_BLOCK, FORMATS, GENERATING_INT4_BLOCK, HEAD_BITS, Quantization,
+                    layout_formats, resolve_scheme)
+from .targets import DEFAULT_TARGET, TARGETS, Target, get_target
 
 MIN_OPSET, MAX_OPSET = 18, 23
 # Past this many bytes of weights a graph keeps them in <graph>.onnx.data: ONNX Runtime then reads
@@ -33,9 +35,18 @@ MIN_OPSET, MAX_OPSET = 18, 23
 EXTERNAL_DATA_THRESHOLD = 256 * 2**20
 
 
+def quantize_help() -> str:
+    """``--quantize``'s help: each format's summary, formats with the same one named together."""
+    summaries: dict[str, list[str]] = {}
+    for name, fmt in FORMATS.items():
+        summaries.setdefault(fmt.summary, []).append(name)
+    return "; ".join(f"{'/'.join(names)}: {summary}" for summary, names in summaries.items())
+
+
 @dataclass(frozen=True)
 class ExportOptions:
-    """How to export (every field has the default of ``tfport export`` without the flag).
+    """How to export (every field has the default of ``tfport export`` without the flag; the
+    flags are made from these fields, ``tfport.flags``).
 
     ``dtype``: weights and activations ("bfloat16" stores bfloat16 weights and computes in
     float32). ``opset``: None for the target's default (18; 23 for "onnx23"; 21 for a quantised
@@ -62,28 +73,65 @@ class ExportOptions:
     machine's cores); the codes do not depend on it.
     """
 
-    dtype: str = "float32"
-    opset: int | None = None
-    target: str | Target = DEFAULT_TARGET
-    validate: bool = True
-    tokenizer: str | os.PathLike | None = None
-    chat_template: str | None = None
-    embedding: EmbeddingSettings | None = None
-    generation: GenerationDefaults | None = None
-    overwrite: bool = False
-    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD
-    show_progress: bool | None = None
-    quantize: str | Quantization | None = None
-    block_size: int | None = None
-    symmetric: bool | None = None
-    logits: str = "all"
-    kv_dtype: str | None = None
-    calibration: str | Calibration | None = AUTO
-    head_bits: int | None = None
-    head_block_size: int | None = None
-    max_loss: float | str | None = None
-    loss_text: str | os.PathLike | None = None
-    calibration_threads: int | None = None
+    dtype: str = option("float32", choices=DTYPES,
+                        help="weights and activations (default {default}); bfloat16 stores the weights as "
+                             "bfloat16 and computes in float32 on every provider")
+    opset: int | None = option(None, help=f"ONNX opset, {MIN_OPSET}..{MAX_OPSET} (default 18; 23 for "
+                                          "--target onnx23)")
+    target: str | Target = option(DEFAULT_TARGET, type=str, choices=tuple(TARGETS),
+                                  help="; ".join(f"{name}: {t.summary}" for name, t in TARGETS.items()))
+    validate: bool = option(True, help="skip running ONNX Runtime against PyTorch after export")
+    tokenizer: str | os.PathLike | None = option(None, type=str, help="tokenizer.json to ship with the export")
+    chat_template: str | None = option(None, flag=False)
+    embedding: EmbeddingSettings | None = option(None, flag=False)
+    generation: GenerationDefaults | None = option(None, flag=False)
+    overwrite: bool = option(False, flag="--force", help="replace an existing output directory")
+    external_data_threshold: int = option(EXTERNAL_DATA_THRESHOLD, flag=False)
+    show_progress: bool | None = option(None, flag=False)  # the CLI's --progress: True, else None
+    quantize: str | Quantization | None = option(None, type=str, choices=tuple(FORMATS), help=quantize_help())
+    block_size: int | None = option(
+        None, type=int, choices=BLOCK_SIZES,
+        help=f"values per scale along each weight row of --quantize int4/int8 (default: "
+             f"{GENERATING_INT4_BLOCK} for int4 of a model that generates, else {DEFAULT_BLOCK})")
+    symmetric: bool | None = option(
+        None, negatable=True,
+        help="--quantize int4/int8 without zero points (codes centred on 0) or, with --no-symmetric, "
+             "with a zero point per block; default: symmetric for int4 of a decoder or "
+             "encoder-decoder (zero points cost ~10% of decode speed), zero points otherwise")
+    logits: str = option("all", choices=LOGITS,
+                         help="decoder logits for every position (all, default) or only the one the next "
+                              "token is picked from (last: [B, 1, V]; a prefill skips the head for the rest)")
+    kv_dtype: str | None = option(None, choices=KV_DTYPES,
+                                  help="KV cache dtype of a decoder (default: float16 for --dtype float16, "
+                                       "else float32); float16 halves the bytes per cached token of a "
+                                       "float32 or bfloat16 model")
+    calibration: str | Calibration | None = option(
+        AUTO, type=str, metavar="TEXT",
+        help=f"how int4/int8 codes are chosen: {AUTO} (default): GPTQ on the built-in text for int4 when "
+             f"the source has a tokenizer, else round-to-nearest; {NONE}: round-to-nearest (no "
+             f"calibration pass; less accurate); {BUILTIN} or a UTF-8 text file: GPTQ on the model's "
+             f"activations over that text (needs the tokenizer); same graph layout either way")
+    head_bits: int | None = option(None, type=int, choices=HEAD_BITS,
+                                   help="bits of the LM head and token table (mixed precision: 8 keeps them "
+                                        "int8 while the other products are int4; default: as --quantize)")
+    head_block_size: int | None = option(None, type=int, choices=BLOCK_SIZES,
+                                         help="block size of the LM head and token table (default: the "
+                                              "largest up to --block-size that divides their width, so "
+                                              "that a tied table is stored once)")
+    max_loss: float | str | None = option(
+        None, type=str, metavar="LOSS",
+        help="choose the fastest --quantize layout (block size, head at 8 bits, int4 with its most "
+             "sensitive layers at int8) whose loss stays within LOSS (e.g. 10%: perplexity increase "
+             "of a decoder, 1 - minimum cosine of an encoder; kl=0.05: a decoder's mean KL divergence "
+             "from float32 in nats; top1=10%: its positions whose top token is not float32's), "
+             "measuring each candidate's speed and loss here; --block-size / --head-bits fix those fields")
+    loss_text: str | os.PathLike | None = option(None, type=str, metavar="FILE",
+                                                 help="text the --max-loss loss is measured on (default: "
+                                                      "the calibration text)")
+    calibration_threads: int | None = option(None, metavar="N",
+                                             help="weight matrices GPTQ quantises at once, one thread each "
+                                                  "(default: the machine's cores); the codes are the same "
+                                                  "for any N")
 
     def replace(self, **changes) -> "ExportOptions":
         return dataclasses.replace(self, **changes)
