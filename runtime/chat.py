@@ -37,17 +37,32 @@ import json
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
+from tfport.config import ModelConfig
 from tfport.contract import CHAT_TEMPLATE_FILE
+from tfport.manifest import Manifest
 
 from .request import LIBRARY_CHAT, Request, split_request
 from .tokenizer import TextStream, TextTokenizer
 from .tool_parser import ToolCallParser, parse_reply
 from .tools import CallDelta, ChatReply, ToolFormat, ToolRequest, template_message, tool_request
 
-if TYPE_CHECKING:
-    from .model import Model
+
+
+class Model(Protocol):
+    """What a chat reads of a ``model.Model`` (whose ``chat`` / ``chat_stream`` call in here)."""
+
+    directory: Path
+    manifest: Manifest
+    config: ModelConfig
+    tokenizer: TextTokenizer | None
+
+    def stop_ids(self, stop_token_ids: Sequence[int] | None = None) -> tuple[int, ...]: ...
+
+    def stream(self, input_ids: Any, attention_mask: Any = None, request: Request | None = None,
+               **options: Any) -> Iterator[Any]: ...
 
 Messages = Sequence[Mapping[str, Any]]
 _PROBE = "\u2063tfport-probe\u2063"  # an assistant message's content, to find what follows it

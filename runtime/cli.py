@@ -25,10 +25,9 @@ from tfport.integrity import VERIFY_MODES
 from .decoding.speculative import Speculation, SpeculationStats, names_draft_model, open_drafter
 from .model import Model, load_model
 from .request import LIBRARY, LIBRARY_CHAT
-from .text_methods import cut_at_stop
 from .encoding import POOLINGS
 from .session import PROVIDERS
-from .tokenizer import TextStream
+from .tokenizer import TextStream, cut_at_stop
 
 logger = logging.getLogger(__name__)
 

@@ -1,21 +1,22 @@
-"""Encoder outputs and sentence embeddings (pooling over real tokens, L2 normalisation), and
-``Model``'s encoder methods (``EncoderMethods``): the one path ``tfport embed``, the library and
-the server's ``/v1/embeddings`` share."""
+"""Encoder outputs and sentence embeddings (pooling over real tokens, L2 normalisation), and an
+export's encoder side (``Encoder``, whose methods ``Model``'s are): the one path ``tfport embed``,
+the library and the server's ``/v1/embeddings`` share."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
+from tfport.config import ModelConfig
 from tfport.embedding import POOLINGS, EmbeddingSettings  # cls, mean, max, mean_sqrt_len_tokens, lasttoken
 
-from .classify import classify
+from .binding import GraphRunner
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .texts import (BATCH_SIZE, EncodedTexts, TruncatingTokenizer, batches, check_texts, report_truncation,
                     tokenizer_truncation)
+from .tokenizer import TextTokenizer
 
 
 @dataclass
@@ -86,10 +87,20 @@ def pool(states: np.ndarray, attention_mask: np.ndarray, pooling: str = "mean",
     return l2_normalize(pooled) if normalize else pooled
 
 
-class EncoderMethods:
-    """``Model``'s encoder side: per-token states, sentence embeddings (``embedding.json``'s
-    pipeline) and text encoding with truncation. Uses the model's ``config``, ``runner``,
-    ``directory`` and ``text_tokenizer``."""
+class Encoder:
+    """The encoder side of an export: per-token states, sentence embeddings (``embedding.json``'s
+    pipeline, ``embedding``) and text encoding with truncation. ``runner(method)``: the encoder
+    graph's session (``ValueError`` naming ``method`` for an export without one); ``tokenizer(
+    argument)``: the export's tokenizer (``ValueError`` naming ``argument`` without one).
+    ``Model``'s encoder methods are this object's."""
+
+    def __init__(self, runner: Callable[[str], GraphRunner], config: ModelConfig,
+                 embedding: EmbeddingSettings | None, tokenizer: Callable[[str], TextTokenizer]):
+        self._runner = runner
+        self.config = config
+        self.embedding = embedding
+        self._tokenizer = tokenizer
+        self._truncating_tokenizer: TruncatingTokenizer | None = None
 
     def encode(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
                token_type_ids: Prompts | None = None) -> EncoderOutput:
@@ -98,7 +109,7 @@ class EncoderMethods:
         ``input_ids`` as in ``generate``; ``token_type_ids`` alike (same lengths), only for
         exports whose config has token types (default all 0).
         """
-        runner = self.runner("encoder", "encode")
+        runner = self._runner("encode")
         config = self.config
         rows = split_prompts(input_ids, attention_mask)
         check_vocab(rows, config.vocab_size)
@@ -138,13 +149,6 @@ class EncoderMethods:
         out = self.encode(input_ids, attention_mask, token_type_ids)
         return pool(out.last_hidden_state, out.attention_mask, pooling, normalize)
 
-    @property
-    def embedding(self) -> EmbeddingSettings | None:
-        """The export's sentence-embedding pipeline (``embedding.json``), or None."""
-        if not hasattr(self, "_embedding"):
-            self._embedding = EmbeddingSettings.read(self.directory)
-        return self._embedding
-
     def _pooling(self, pooling: str | None, normalize: bool | None) -> tuple[str, bool]:
         settings = self.embedding or EmbeddingSettings()
         pooling = settings.pooling if pooling is None else pooling
@@ -166,15 +170,15 @@ class EncoderMethods:
                 limit = settings.max_seq_length
                 why = f"max_seq_length={limit} in embedding.json (the checkpoint's sentence-transformers config)"
         else:
-            configured = tokenizer_truncation(self.text_tokenizer("texts").path)
+            configured = tokenizer_truncation(self._tokenizer("texts").path)
             if configured is not None and configured < limit:
                 limit, why = configured, f"truncation max_length={configured} in tokenizer.json"
         return limit, why
 
     def _truncating(self) -> TruncatingTokenizer:
-        if getattr(self, "_truncating_tokenizer", None) is None:
+        if self._truncating_tokenizer is None:
             limit, _ = self.text_limit()
-            self._truncating_tokenizer = TruncatingTokenizer(self.text_tokenizer("texts").path, limit)
+            self._truncating_tokenizer = TruncatingTokenizer(self._tokenizer("texts").path, limit)
         return self._truncating_tokenizer
 
     def encode_texts(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None,
@@ -194,14 +198,6 @@ class EncoderMethods:
         encoded = tokenizer.encode(texts, pairs)
         report_truncation(encoded.truncated, tokenizer.max_length, self.text_limit()[1], method)
         return encoded
-
-    def classify(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None,
-                 **kwargs: Any) -> Any:
-        """Sequence classification of text(s), or of (text, pair) rows for rerankers and
-        cross-encoders -> ``Classification`` (logits [B, n_labels], label names from the
-        checkpoint's id2label, scores). Keyword arguments: ``batch_size``, ``progress``; see
-        ``tfport.runtime.classify``."""
-        return classify(self, texts, pairs, **kwargs)
 
     def embed_text(self, texts: str | Sequence[str], *, pooling: str | None = None,
                    normalize: bool | None = None, batch_size: int = BATCH_SIZE,

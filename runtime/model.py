@@ -11,6 +11,7 @@ each row of a batch gets its unbatched result.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -22,26 +23,29 @@ from tqdm import tqdm
 
 from tfport.config import ModelConfig
 from tfport.contract import TOKENIZER_FILE
+from tfport.embedding import EmbeddingSettings
 from tfport.generation import GenerationDefaults
 from tfport.manifest import Manifest
 
 from .binding import GraphRunner
 from .decoding import LayoutDecoding, decoding_for
 from .decoding.engine import SequenceState
-from .decoding.grammar import compile_constraint
+from .classify import Classification, classify
+from .decoding.grammar import compile_constraint, with_response_format
 from .decoding.prefix import DEFAULT_MB, PrefixCache
 from .decoding.speculative import SpeculationStats, speculate
 from .defaults import RequestDefaults, sequence_states
-from .request import LIBRARY, Request
-from .encoding import EncoderMethods
+from .request import LIBRARY, Request, split_request
+from .encoding import Encoder, EncoderOutput
 from .generation import generate_steps
 from .inputs import Prompts, check_length, check_vocab, pad_batch, split_prompts
 from .sampling import Logprobs
 from .batch_export import AUTO, use_batch_export
 from .opening import open_export
 from .session import SessionSettings
-from .text_methods import TextMethods
-from .tokenizer import TextTokenizer
+from .texts import EncodedTexts
+from .tokenizer import TextTokenizer, cut_at_stop
+from .tools import CallDelta, ChatReply
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ logger = logging.getLogger(__name__)
 StepCallback = Callable[[int, np.ndarray], None]
 
 
-class Model(EncoderMethods, TextMethods):
+class Model:
     """The graphs of one export directory as ONNX Runtime sessions (see ``load_model``).
 
     ``prefix_cache``: a decoder's ``PrefixCache`` (``decoding.prefix``, 256 MiB): a single
@@ -71,6 +75,8 @@ class Model(EncoderMethods, TextMethods):
         self.prefix_cache: PrefixCache | None = (PrefixCache.from_mb(DEFAULT_MB)
                                                  if manifest.config.family == "decoder" else None)
         self.batch_manifest: Manifest | None = None  # the batch export's, when ``load(batch_export=...)`` had one
+        self.encoder = Encoder(functools.partial(self.runner, "encoder"), manifest.config,
+                               EmbeddingSettings.read(directory), self.text_tokenizer)
 
     # ----------------------------------------------------------------------------------- loading
     @classmethod
@@ -93,11 +99,10 @@ class Model(EncoderMethods, TextMethods):
         ``--quantize w8a8`` beside an int4 one) that runs every graph run of at least
         ``batch_rows`` rows (batch x new tokens: batched decode steps, long prefills; "auto":
         measured here for a decoder, ``batch_export.use_batch_export``, about a second for
-        SmolLM2-135M, not used where it is never faster; 8 for other families), opened
-        with the same settings (``tfport serve`` gives both ONNX Runtime's process-wide thread
-        pool, ``SessionSettings.shared_threads``, as for a draft model). int4's ``MatMulNBits`` costs about linearly in rows on CPUs
-        without VNNI, the integer GEMM of w8a8 does not; each row's tokens then depend on how
-        many rows its steps had (docs/serving.md).
+        SmolLM2-135M, not used where it is never faster; 8 for other families), opened with the
+        same settings (``tfport serve``: one thread pool for both). int4's ``MatMulNBits`` costs
+        about linearly in rows on CPUs without VNNI, w8a8's integer GEMM does not; each row's
+        tokens then depend on how many rows its steps had (docs/serving.md).
         """
         if settings is not None and not isinstance(settings, SessionSettings):
             raise TypeError(f"settings: expected a SessionSettings or None, got "
@@ -263,44 +268,22 @@ class Model(EncoderMethods, TextMethods):
         ``attention_mask`` [B, S] (padding on either side). For encoder-decoder models the
         prompts are the encoder input and decoding starts from ``decoder_start_token_id``.
 
-        What to decode is a ``request`` (``tfport.runtime.Request``), its fields given as keyword
-        arguments, or both (the keywords win): ``max_new_tokens`` (default 16),
-        ``stop_token_ids`` (default: the export's generation_config.json eos ids, all of them,
-        else the config's ``eos_token_id``; ``()`` never stops early), ``temperature`` (0 is
-        greedy), ``top_k``, ``top_p``, ``min_p``, ``seed`` (an int or a
-        ``numpy.random.Generator``), ``forced_bos_token_id`` (the first token of a seq2seq model:
-        mBART-50's target language) and ``forced_eos_token_id`` (the only choice at the last
-        step), each left out taking the export's generation_config.json default, else greedy /
-        none, as transformers' generate does. Generation ends when every row has produced a stop
-        id; finished rows continue with ``pad_token_id`` (``config.fill_token_id``: eos where pad
-        is null).
+        What to decode is a ``request`` (``tfport.runtime.Request``: its docstring says each
+        field), its fields given as keyword arguments, or both (the keywords win):
+        ``max_new_tokens`` (default 16), ``stop_token_ids`` (default: every eos id of the export's
+        generation_config.json, else the config's; ``()`` never stops early), ``temperature`` (0
+        greedy), ``top_k``, ``top_p``, ``min_p``, ``seed``, the penalties and ``logit_bias`` (as
+        OpenAI / transformers / vLLM define them, ``tfport.runtime.sampling``), forced tokens,
+        ``json_schema`` / ``regex`` / ``grammar`` (structured output, ``decoding.grammar``) and
+        ``speculative`` / ``draft_tokens`` (``decoding.speculative``; greedy tokens are plain
+        decoding's, sampled ones follow the same distribution). A field left at None takes the
+        export's generation_config.json, else greedy / none. Generation ends when every row has
+        produced a stop id; finished rows continue with ``config.fill_token_id``.
 
-        ``speculative`` decodes speculatively (``decoding.speculative``): ``"lookup"`` proposes
-        from n-gram matches in the prompt and output, a draft export's directory (or ``Model``)
-        from a smaller model with the same vocabulary; up to ``draft_tokens`` (default 8) per
-        step, K adapted to the acceptance rate and the measured cost of verifying (a
-        ``Speculation`` says all three, and can fix K). Greedy tokens are plain greedy
-        decoding's; sampled ones follow the same distribution (not the same draws).
-        Decoder-only exports with every position's logits (``logits="all"``).
-
-        Penalties, as OpenAI / transformers / vLLM define them (``tfport.runtime.sampling``):
-        ``logit_bias`` {token id: bias in [-100, 100]} added to the logits,
-        ``repetition_penalty`` (> 0, 1 off; default: generation_config.json's, else 1) on every
-        token of the prompt and the output, ``presence_penalty`` / ``frequency_penalty`` (in
-        [-2, 2]) on the output's token counts; they change greedy picks too. ``min_p`` (in
-        [0, 1]) drops tokens less likely than ``min_p`` times the most likely one when sampling.
-
-        Structured output (``decoding.grammar``, needs the export's tokenizer.json and
-        llguidance): ``json_schema`` (a dict or its JSON text), ``regex`` or ``grammar`` (Lark
-        text as llguidance takes it) constrain every row: only tokens that keep its output inside
-        are picked, and the row's stop ids end it once the output is complete (a row cut by
-        ``max_new_tokens`` may be incomplete). Works with every option above, speculation included.
-
-        What is collected, besides the tokens: ``logprobs`` (a ``Logprobs``) each generated
-        token's log-probability under the model (the log-softmax of its raw logits, before
-        penalties and temperature) and its ``top`` alternatives'; ``speculation`` (a
-        ``SpeculationStats``) proposed / accepted counts. ``callback(step, tokens [B])`` runs
-        after each step; ``progress`` shows a tqdm bar on stderr.
+        Collected besides the tokens: ``logprobs`` (a ``Logprobs``: each token's log-probability
+        under the model, before penalties and temperature, and its ``top`` alternatives'),
+        ``speculation`` (a ``SpeculationStats``). ``callback(step, tokens [B])`` runs after each
+        step; ``progress`` shows a tqdm bar on stderr.
         """
         if callback is not None and not callable(callback):
             raise TypeError(f"callback={callback!r}: expected a function callback(step, tokens) "
@@ -318,6 +301,79 @@ class Model(EncoderMethods, TextMethods):
                     callback(step, token)
                 bar.update(1)
         return np.stack(tokens, axis=1)
+
+    # ------------------------------------------------------------------------------------ text
+    def generate_text(self, prompts: str | Sequence[str], request: Request | None = None,
+                      **kwargs: Any) -> str | list[str]:
+        """Generate from text prompt(s) -> the continuation text(s) (one per prompt), stopped
+        before the first stop token; ``request`` and keyword arguments as ``generate``'s."""
+        tokenizer = self.text_tokenizer("prompts")
+        options, rest = split_request(kwargs)
+        request = Request.of(request, **options)
+        tokens = self.generate(tokenizer.encode_batch(prompts, "prompts"), None, request, **rest)
+        texts = [tokenizer.decode(cut_at_stop(row, request.stop_ids(self.defaults))) for row in tokens]
+        return texts[0] if isinstance(prompts, str) else texts
+
+    def chat(self, messages: Sequence[dict], **kwargs: Any) -> str | ChatReply:
+        """The assistant's reply to ``messages`` (``[{"role": "user", "content": "..."}, ...]``),
+        rendered with the export's chat template and stopped at its end-of-turn token.
+        Keyword arguments: ``generate``'s (``max_new_tokens`` default 256), OpenAI's
+        ``response_format``, and ``tools``, ``tool_choice``, ``parallel_tool_calls`` (then the
+        reply is a ``ChatReply``: ``content``, ``tool_calls``); see ``tfport.runtime.chat``."""
+        from .chat import chat
+        return chat(self, messages, **with_response_format(kwargs))
+
+    def chat_stream(self, messages: Sequence[dict], **kwargs: Any) -> Iterator[str | CallDelta]:
+        """``chat``, streamed: one text piece per generated token (see ``tfport.runtime.chat``);
+        with ``tools``, calls come as ``tools.CallDelta`` items."""
+        from .chat import chat_stream
+        return chat_stream(self, messages, **with_response_format(kwargs))
+
+    # -------------------------------------------------------------------------------- encoders
+    @property
+    def embedding(self) -> EmbeddingSettings | None:
+        """The export's sentence-embedding pipeline (``embedding.json``), or None."""
+        return self.encoder.embedding
+
+    def encode(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
+               token_type_ids: Prompts | None = None) -> EncoderOutput:
+        """Per-token states of the encoder -> ``EncoderOutput`` (``Encoder.encode``)."""
+        return self.encoder.encode(input_ids, attention_mask, token_type_ids)
+
+    def embed(self, input_ids: Prompts, attention_mask: np.ndarray | None = None,
+              token_type_ids: Prompts | None = None, **options: Any) -> np.ndarray:
+        """Sentence embeddings float32 [B, E] of token ids (``Encoder.embed``: ``pooling``,
+        ``normalize``)."""
+        return self.encoder.embed(input_ids, attention_mask, token_type_ids, **options)
+
+    def embed_text(self, texts: str | Sequence[str], **options: Any) -> np.ndarray:
+        """Sentence embeddings float32 [B, E] of text(s), as ``SentenceTransformer.encode`` gives
+        them (``Encoder.embed_text``: ``pooling``, ``normalize``, ``batch_size``, ``progress``)."""
+        return self.encoder.embed_text(texts, **options)
+
+    def encode_texts(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None,
+                     method: str = "encode_texts") -> EncodedTexts:
+        """Token ids of texts (or text pairs), truncated (``Encoder.encode_texts``)."""
+        return self.encoder.encode_texts(texts, pairs, method)
+
+    def embed_encoded(self, encoded: EncodedTexts, **options: Any) -> np.ndarray:
+        """``embed_text`` of texts ``encode_texts`` encoded (``Encoder.embed_encoded``)."""
+        return self.encoder.embed_encoded(encoded, **options)
+
+    def matryoshka(self, vectors: np.ndarray, dimensions: int) -> np.ndarray:
+        """The first ``dimensions`` of each embedding (``Encoder.matryoshka``)."""
+        return self.encoder.matryoshka(vectors, dimensions)
+
+    def text_limit(self) -> tuple[int, str]:
+        """(tokens, why): the length texts are truncated to (``Encoder.text_limit``)."""
+        return self.encoder.text_limit()
+
+    def classify(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None,
+                 **options: Any) -> Classification:
+        """Sequence classification of text(s), or of (text, pair) rows for rerankers and
+        cross-encoders -> ``Classification`` (``tfport.runtime.classify``: ``batch_size``,
+        ``progress``)."""
+        return classify(self, texts, pairs, **options)
 
     def _cross_attention(self, ids: np.ndarray, mask: np.ndarray) -> dict:
         """Run encoder.onnx once -> the decoder's static inputs: ``encoder_attention_mask``

@@ -102,3 +102,13 @@ class TextStream:
         rest = decoded[len(self.shown):] if decoded.startswith(self.shown) else "\n" + decoded
         self.shown = decoded
         return rest
+
+
+def cut_at_stop(tokens: Sequence[int], stop_token_ids: Sequence[int]) -> list[int]:
+    """Tokens before the first stop id."""
+    out = []
+    for token in tokens:
+        if int(token) in stop_token_ids:
+            break
+        out.append(int(token))
+    return out

@@ -139,6 +139,18 @@ def _grammar_text(argument: str, source: str) -> str:
     return matcher.grammar_from_lark(source)
 
 
+def with_response_format(options: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of a chat with OpenAI's ``response_format`` turned into ``json_schema`` /
+    ``regex`` / ``grammar`` (``constraint_arguments``); ``ValueError`` when a constraint is given
+    twice."""
+    options = dict(options)
+    constraint = constraint_arguments(options.pop("response_format", None))
+    given = [name for name in KINDS if options.get(name) is not None]
+    if constraint and given:
+        raise ValueError(f"response_format, {', '.join(given)}: give the output's constraint once")
+    return {**options, **constraint}
+
+
 def compile_constraint(tokenizer: TextTokenizer, vocab_size: int, *, json_schema: Any = None,
                        regex: str | None = None, grammar: str | None = None) -> "Constraint":
     """Exactly one of ``json_schema`` (a dict or its JSON text), ``regex`` (the whole output

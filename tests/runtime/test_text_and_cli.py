@@ -10,7 +10,7 @@ import pytest
 
 from tfport.cli import build_parser, main
 from tfport.runtime.cli import parse_ids
-from tfport.runtime.text_methods import cut_at_stop
+from tfport.runtime.tokenizer import cut_at_stop
 
 pytest.importorskip("tokenizers", reason="text tests need the 'tokenizers' package (extra 'text')")
 

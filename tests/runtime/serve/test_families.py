@@ -17,7 +17,7 @@ openai = pytest.importorskip("openai", reason="needs the 'dev' extra's openai cl
 httpx = pytest.importorskip("httpx", reason="needs the 'serve' extra (httpx)")
 
 from tfport.runtime import load_model  # noqa: E402
-from tfport.runtime.text_methods import cut_at_stop  # noqa: E402
+from tfport.runtime.tokenizer import cut_at_stop  # noqa: E402
 from tfport.runtime.sampling import Logprobs  # noqa: E402
 from tfport.runtime.serve.batcher import EmbeddingBatcher  # noqa: E402
 from tfport.runtime.texts import EncodedTexts  # noqa: E402
