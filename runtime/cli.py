@@ -20,6 +20,7 @@ import re
 import sys
 from pathlib import Path
 
+from tfport.flags import ascii_int, positive_int
 from tfport.integrity import VERIFY_MODES
 
 from .decoding.speculative import Speculation, SpeculationStats, names_draft_model, open_drafter
@@ -334,22 +335,6 @@ def _conversation(model: Model, messages: list[dict], options: dict) -> None:
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         messages.append({"role": "assistant", "content": _reply(model, messages, options)})
-
-
-def ascii_int(text: str) -> int:
-    """An argparse type: an integer in ASCII digits (Python's ``int`` also reads the full-width
-    ``１６`` and other scripts' digits, which a command line should refuse, not reinterpret)."""
-    if not _ASCII_INT.fullmatch(text.strip()):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer (ASCII digits 0-9)")
-    return int(text)
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1."""
-    value = ascii_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text}: expected a positive integer")
-    return value
 
 
 def run_embed(args: argparse.Namespace) -> int:
