@@ -1,5 +1,5 @@
 """lm-evaluation-harness's ``local-completions`` against ``tfport serve`` equals ``lm_eval --model
-hf`` on the same float32 weights: issue 41's target, within 1e-3 per loglikelihood (5e-6 seen).
+hf`` on the same float32 weights within 1e-4 per loglikelihood (issue 41 asks 1e-3; 5e-6 seen).
 
 A tiny random Llama (``LlamaForCausalLM``, every parameter perturbed, fixed seed) with a
 byte-level BPE ``tokenizer.json`` whose post-processor puts ``[BOS]`` in front, as Llama's does,
@@ -38,7 +38,7 @@ from tests.runtime.serve.conftest import running_server  # noqa: E402
 
 NAME = "tfport_hf_parity_mc"
 SERVED = "llama"  # the export directory's name: the served model id
-ATOL = 1e-3  # issue 41's target; float32 ONNX Runtime against float32 transformers: 5e-6 seen
+ATOL = 1e-4  # the issue asks 1e-3 of the target, 1e-4 of the reference; float32 against float32: 5e-6 seen
 SPECIALS = ["[PAD]", "[BOS]", "[EOS]"]  # ids 0, 1, 2 as in the model's config
 VOCAB = 384  # the model's; the tokenizer has fewer (an unused tail, as padded vocabularies have)
 YES = " yes"
