@@ -40,3 +40,22 @@ def release_memory() -> bool:
     finally:
         _trimming.release()
     return True
+
+
+def peak_resident() -> int:
+    """This process's peak resident memory so far, in bytes: Linux's ``VmHWM``, the high-water
+    mark of its own address space. Not ``getrusage``'s ``ru_maxrss``: on Linux a process started
+    by fork and exec inherits its parent's high-water mark there, so a small child of a large
+    parent reports the parent's peak (a benchmark's or a test's child that measures itself)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere

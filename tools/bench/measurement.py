@@ -15,9 +15,7 @@ import logging
 import math
 import os
 import platform
-import resource
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +28,7 @@ import torch
 from torch import nn
 
 from tfport.dtypes import COMPUTE_DTYPES
+from tfport.heap import peak_resident
 from tfport.export.validate import RunTiming, time_tfport  # noqa: F401 - the tfport side's run, shared with --max-loss
 from tfport.presets import get_preset
 
@@ -133,9 +132,8 @@ QUICK = BenchSettings(preset="tiny-decoder", batches=(1, 2), contexts=(8, 32), n
 
 # ------------------------------------------------------------------------------------ memory
 def peak_rss_mb() -> float:
-    """The process's peak resident set size so far, MiB (``getrusage`` ``ru_maxrss``)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / MIB if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB elsewhere
+    """The process's peak resident set size so far, MiB (``tfport.heap.peak_resident``)."""
+    return peak_resident() / MIB
 
 
 def rss_mb() -> float | None:

@@ -44,20 +44,22 @@ GGUF_KINDS = ("Q4_0", "Q8_0", "F16")
 
 # Run in a child: an export, reporting its wall time and peak resident memory as the last line.
 EXPORT_CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from tfport.cli import main
+from tfport.heap import peak_resident
 start = time.perf_counter()
 code = main(["export", *sys.argv[1:]])
 print(json.dumps({"code": code, "seconds": time.perf_counter() - start,
-                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak": peak_resident()}))
 """
 
 # Run in a child: load an export (tfport) or a GGUF file (llama.cpp), then time a prompt's first
 # token and decoding at 1 and at ROWS rows. argv: engine, path, prompt, new tokens, rows, repeats,
 # threads, vocabulary.
 RUN_CHILD = """
-import json, resource, statistics, sys, time
+import json, statistics, sys, time
 import numpy as np
+from tfport.heap import peak_resident
 engine, path = sys.argv[1], sys.argv[2]
 prompt, new, rows, repeats, threads, vocab = map(int, sys.argv[3:9])
 
@@ -116,7 +118,7 @@ try:
 except NotImplementedError:
     many = None
 print(json.dumps({"load": load, "loaded": loaded, "ttft": ttft, "decode1": one, "decoden": many,
-                  "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+                  "peak": peak_resident()}))
 """
 
 
