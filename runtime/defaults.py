@@ -7,9 +7,11 @@ request into the engine's per-sequence state. ``request.Request`` resolves again
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
 import numpy as np
 
 from tfport.config import ModelConfig
+from tfport.config.checks import is_integer
 from tfport.generation import GenerationDefaults
 
 from .decoding.engine import LogitsProcessor, SequenceState
@@ -68,8 +70,7 @@ def sequence_states(count: int, params: SamplingParams, seed: int | np.random.Ge
     (``Penalties``) over its prompt, ``prompts[b]`` (the repetition penalty counts the prompt's
     tokens), with ``logit_bias`` ids checked against ``vocab_size``. ``logprobs``: each state
     records its tokens' log-probabilities with that many alternatives (None: not recorded)."""
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer))
-                                 or logprobs < 0):
+    if logprobs is not None and (not is_integer(logprobs) or logprobs < 0):
         raise ValueError(f"logprobs={logprobs!r}: expected an integer >= 0 (the alternatives "
                          "reported per token) or None")
     if params.penalised and (len(prompts) != count or vocab_size is None):

@@ -24,9 +24,6 @@ from .decoding.loop import DecodeLoop, decode_rows
 from .decoding.prefix import PrefixCache
 from .decoding.rows import Row
 
-# step -> the token ids allowed at that step (forced bos at 0, forced eos at the last).
-Forced = Mapping[int, tuple[int, ...]]
-
 
 class FixedBatch:
     """A layout strategy's fixed batch (``DecodeStrategy``) as a row batch that admits every row
@@ -61,16 +58,14 @@ class FixedBatch:
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         """Feed one token per live row (int64 [n], ordered as ``rows``) -> logits [n, V]."""
-        every = len(self.rows) == self._size
         live = [row.index for row in self.rows]
-        token = np.asarray(tokens, dtype=np.int64) if every else np.full(self._size, self.pad_token_id, np.int64)
-        if not every:
-            token[live] = tokens
+        token = np.full(self._size, self.pad_token_id, np.int64)
+        token[live] = tokens
         logits = self._advance(token, self._steps)
         self._steps += 1
         for row in self.rows:
             row.length += 1
-        return logits if every else logits[live]
+        return logits if len(live) == self._size else logits[live]  # no copy while every row lives
 
     def remove(self, row: Row) -> None:
         self.rows.remove(row)

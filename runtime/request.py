@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from tfport.config.checks import is_integer
+
 from .defaults import GREEDY, OPENAI, RequestDefaults
 from .sampling import SamplingParams, check_bias_ids
 
@@ -57,17 +59,13 @@ def split_request(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str,
             {k: v for k, v in options.items() if k not in names})
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _token_ids(argument: str, value: Any) -> tuple[int, ...]:
     """A sequence of token ids as a tuple of ints; ``TypeError`` naming ``argument`` otherwise."""
     if isinstance(value, np.ndarray):
         value = value.tolist() if value.ndim == 1 else value
     if isinstance(value, (int, str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"{argument}={value!r}: expected a sequence of token ids")
-    odd = [i for i in value if not _is_int(i)]
+    odd = [i for i in value if not is_integer(i)]
     if odd:
         raise TypeError(f"{argument}: {odd} are not integer token ids")
     return tuple(int(i) for i in value)
@@ -123,7 +121,7 @@ class Request:
     top_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 1):
+        if self.max_new_tokens is not None and (not is_integer(self.max_new_tokens) or self.max_new_tokens < 1):
             raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: expected a positive integer")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
@@ -132,14 +130,14 @@ class Request:
             object.__setattr__(self, "logit_bias", dict(self.logit_bias))
         SamplingParams(**self._sampling_given())  # each value's range, named
         seed = self.seed
-        if not (seed is None or isinstance(seed, np.random.Generator) or (_is_int(seed) and seed >= 0)):
+        if not (seed is None or isinstance(seed, np.random.Generator) or (is_integer(seed) and seed >= 0)):
             raise ValueError(f"seed={seed!r}: expected a non-negative integer, a "
                              "numpy.random.Generator or None")
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
         for argument in ("forced_bos_token_id", "forced_eos_token_id"):
             value = getattr(self, argument)
-            if value is None or _is_int(value):
+            if value is None or is_integer(value):
                 continue
             try:
                 object.__setattr__(self, argument, _token_ids(argument, value))
@@ -154,7 +152,7 @@ class Request:
             raise ValueError(f"{', '.join(given)}: expected exactly one output constraint, got {len(given)}")
         if self.draft_tokens is not None and self.speculative is None:
             raise ValueError(f"draft_tokens={self.draft_tokens!r}: applies with speculative=...")
-        if self.top_logprobs is not None and (not _is_int(self.top_logprobs) or self.top_logprobs < 0):
+        if self.top_logprobs is not None and (not is_integer(self.top_logprobs) or self.top_logprobs < 0):
             raise ValueError(f"top_logprobs={self.top_logprobs!r}: expected an integer >= 0 (the "
                              "alternatives recorded per token) or None")
 
@@ -215,10 +213,10 @@ class Request:
         vocab = defaults.config.vocab_size
         bos, eos = defaults.forced()
         if self.forced_bos_token_id is not None:
-            bos = (int(self.forced_bos_token_id),) if _is_int(self.forced_bos_token_id) else self.forced_bos_token_id
+            bos = (int(self.forced_bos_token_id),) if is_integer(self.forced_bos_token_id) else self.forced_bos_token_id
             _in_vocab("forced_bos_token_id", bos, vocab)
         if self.forced_eos_token_id is not None:
-            eos = (int(self.forced_eos_token_id),) if _is_int(self.forced_eos_token_id) else self.forced_eos_token_id
+            eos = (int(self.forced_eos_token_id),) if is_integer(self.forced_eos_token_id) else self.forced_eos_token_id
             _in_vocab("forced_eos_token_id", eos, vocab)
         forced = {0: bos} if bos and one_token_start else {}
         if eos:

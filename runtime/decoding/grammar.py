@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from tfport.config.checks import is_integer
+
 from ..tokenizer import TextTokenizer
 
 logger = logging.getLogger(__name__)
@@ -159,7 +161,7 @@ def compile_constraint(tokenizer: TextTokenizer, vocab_size: int, *, json_schema
     ``vocab_size`` -> a ``Constraint``, cached by (tokenizer file, ``vocab_size``, kind, sha256 of
     the text). ``ValueError`` naming the argument for a malformed one; ``ImportError`` without
     llguidance."""
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
+    if not is_integer(vocab_size) or vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size!r}: expected a positive integer")
     argument, source = _source(json_schema, regex, grammar)
     tokenizer_key, llg_tokenizer, eos = _grammar_tokenizer(tokenizer, int(vocab_size))

@@ -13,6 +13,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
+from tfport.config.checks import is_int
+
 from .rows import RowBatch
 
 
@@ -68,7 +70,7 @@ class KPolicy:
 
     def __init__(self, k_max: int, cost: Callable[[int], float] | None, prior: float = 0.6,
                  decay: float = 0.9, prior_weight: float = 4.0):
-        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+        if not is_int(k_max) or k_max < 1:
             raise ValueError(f"draft_tokens={k_max!r}: expected a positive integer")
         if not prior_weight > 0:
             raise ValueError(f"prior_weight={prior_weight!r}: expected a positive number of observations")

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tfport.config.checks import is_int
+
 logger = logging.getLogger(__name__)
 
 MiB = 2**20
@@ -61,9 +63,9 @@ class PrefixCache:
     """Blocks of keys and values keyed by a chained hash of their token prefix (module docstring)."""
 
     def __init__(self, max_bytes: int, block_size: int = BLOCK_SIZE):
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        if not is_int(max_bytes) or max_bytes < 1:
             raise ValueError(f"max_bytes={max_bytes!r}: expected a positive integer")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        if not is_int(block_size) or block_size < 1:
             raise ValueError(f"block_size={block_size!r}: expected a positive integer")
         self.max_bytes = max_bytes
         self.block_size = block_size
@@ -77,7 +79,7 @@ class PrefixCache:
     @classmethod
     def from_mb(cls, megabytes: int, block_size: int = BLOCK_SIZE) -> "PrefixCache | None":
         """A cache of ``megabytes`` MiB; None for 0 (no caching)."""
-        if isinstance(megabytes, bool) or not isinstance(megabytes, int) or megabytes < 0:
+        if not is_int(megabytes) or megabytes < 0:
             raise ValueError(f"prefix_cache_mb={megabytes!r}: expected an integer >= 0 (0: off)")
         return cls(megabytes * MiB, block_size) if megabytes else None
 

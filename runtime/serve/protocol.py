@@ -147,6 +147,12 @@ class ApiError(Exception):
         return cls(500, f"internal error (request id {request_id}); the server's log has the details",
                    code="internal_error")
 
+    @classmethod
+    def refusal(cls, message: str) -> "ApiError":
+        """A 400 for the library's refusal ``message``, which names its argument first
+        (``name=value: expected ...`` or ``name: ...``): that argument is the ``param``."""
+        return cls(400, message, message.split("=")[0].split(":")[0])
+
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"),
                           "param": self.param, "code": self.code}}
@@ -245,8 +251,7 @@ class DecodingRequest(BaseModel):
                            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                            logit_bias=bias, seed=self.seed, top_logprobs=self.logprobs_top())
         except (ValueError, TypeError) as err:
-            message = str(err).replace("max_new_tokens", param)
-            raise ApiError(400, message, message.split("=")[0].split(":")[0]) from None
+            raise ApiError.refusal(str(err).replace("max_new_tokens", param)) from None
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

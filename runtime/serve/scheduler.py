@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tfport.config.checks import is_int
+
 from ..decoding.loop import Advanced, DecodeLoop, LiveRow
 from ..decoding.prefix import PrefixCache
 from ..decoding.rows import RowBatch
@@ -61,12 +63,12 @@ class SchedulerLimits:
     def __post_init__(self) -> None:
         for name in ("max_rows", "max_queue"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r}: expected a positive integer")
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 2):
             raise ValueError(f"max_length={self.max_length!r}: expected an integer >= 2 or None")
         chunk = self.prefill_chunk
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        if chunk is not None and (not is_int(chunk) or chunk < 1):
             raise ValueError(f"prefill_chunk={chunk!r}: expected a positive integer or None")
 
 

@@ -237,7 +237,7 @@ class ServedModel(RequestLimits):
             return request.replace(max_new_tokens=tokens, stop_token_ids=stop_ids,
                                    **request.sampling(self.model.defaults, api))
         except ValueError as err:
-            raise ApiError(400, str(err), str(err).split("=")[0].split(":")[0]) from None
+            raise ApiError.refusal(str(err)) from None
 
     def prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob | None]:
         """Each prompt token's log-probability after the tokens before it and its ``top``
@@ -295,7 +295,7 @@ class ServedModel(RequestLimits):
         try:
             params = request.params(self.model.defaults)
         except ValueError as err:
-            raise ApiError(400, str(err), str(err).split("=")[0].split(":")[0]) from None
+            raise ApiError.refusal(str(err)) from None
         count = len(prompts) * body.n
         if count > self.options.max_queue:
             raise ApiError(400, f"n: {len(prompts)} prompt(s) x n={body.n} = {count} sequences, more "
