@@ -2,12 +2,13 @@
 when that is more than the machine has: better a clear message in a second than the kernel's
 out-of-memory killer after minutes.
 
-A streamed export (``tfport.models.lazy``) holds at once: the interpreter with torch, onnx and
-onnxruntime; the largest tensor being read, quantised and written (float32, with the copies a
-quantiser makes); the whole model in float32 only when it is not lazy (a module built in memory)
-or when a step needs it all (``max_loss``); for validation, an ONNX Runtime session of the
-written graphs beside the reference's largest module; for GPTQ, the Hessians of one group of
-layers. The figures are sized from measurements of Llama-shaped exports (docs/scale.md) with a
+A streamed export (``tfport.models.lazy``) holds throughout the interpreter with torch, onnx and
+onnxruntime, and the whole model in float32 only when it is not lazy (a module built in memory)
+or when a step needs it all (``max_loss``). Then, one after the other: writing the graphs holds
+the largest tensor being read, quantised and written (float32, with the copies a quantiser
+makes) and, for GPTQ, the Hessians of one group of layers; validating holds an ONNX Runtime
+session of the written graphs (the reference's outputs are computed before it opens, reading
+less than the writing did). The figures are sized from measurements of Llama-shaped exports (docs/scale.md) with a
 margin, not from first principles: an estimate that errs high refuses a little early.
 """
 
@@ -22,7 +23,7 @@ from torch import nn
 
 GiB = 2**30
 BASE_BYTES = int(0.8 * GiB)  # python with torch, onnx, onnxscript and onnxruntime imported
-TENSOR_COPIES = 4  # the largest tensor: read in float32, quantised, its bytes once more on the way out
+TENSOR_COPIES = 3  # the largest tensor: read in float32, its quantised bytes and row keys (measured 2.6 at 8B)
 SESSION_OVERHEAD = 1.3  # an ONNX Runtime session over its weights' bytes (prepacked products, arena)
 HESSIAN_GROUP_BYTES = int(1.5 * GiB)  # calibration: one group of layers' Hessians (hessians.hessian_groups)
 
@@ -31,16 +32,34 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """An export's estimated peak: named parts, in bytes."""
+    """An export's estimated peak, in bytes: ``parts`` held throughout, and ``phases`` (name ->
+    parts) that follow one another, so only the largest of them adds to ``parts``."""
 
     parts: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
-        return sum(self.parts.values())
+        return sum(self.parts.values()) + max((sum(p.values()) for p in self.phases.values()), default=0)
+
+    def part(self, name: str) -> int | None:
+        """Part ``name``'s bytes, throughout or in a phase (None if there is none)."""
+        for parts in (self.parts, *self.phases.values()):
+            if name in parts:
+                return parts[name]
+        return None
 
     def describe(self) -> str:
-        return ", ".join(f"{name} {size / GiB:.1f} GiB" for name, size in self.parts.items())
+        def listed(parts: dict[str, int]) -> str:
+            return ", ".join(f"{name} {size / GiB:.1f} GiB" for name, size in parts.items())
+
+        text = listed(self.parts)
+        phases = {name: parts for name, parts in self.phases.items() if parts}
+        if len(phases) == 1:
+            return ", ".join(filter(None, [text, listed(next(iter(phases.values())))]))
+        if phases:
+            text += "; then the larger of " + " and ".join(f"{name} ({listed(parts)})" for name, parts in phases.items())
+        return text
 
 
 def available_bytes() -> int | None:
@@ -79,15 +98,17 @@ def estimate_export(model: nn.Module, options, scheme, calibrating: bool) -> Mem
     params = parameter_names(model)
     values = sum(p.numel() for p in params.values())
     largest = max((p.numel() for p in params.values()), default=0)
-    parts = {"libraries": BASE_BYTES,
-             "largest tensor in flight": TENSOR_COPIES * 4 * largest}
+    parts = {"libraries": BASE_BYTES}
     if not is_lazy(model) or options.max_loss is not None:
         parts["whole model in float32"] = 4 * values
+    writing = {"largest tensor in flight": TENSOR_COPIES * 4 * largest}
     if calibrating or options.max_loss is not None:
-        parts["calibration Hessians"] = HESSIAN_GROUP_BYTES
-    if options.validate:
-        parts["validation session"] = int(SESSION_OVERHEAD * values * stored_bytes_per_value(scheme, options.dtype))
-    return MemoryEstimate(parts)
+        writing["calibration Hessians"] = HESSIAN_GROUP_BYTES
+    phases = {"writing": writing}
+    if options.validate:  # after the writing, with its references computed before the session opens
+        phases["validating"] = {"validation session": int(SESSION_OVERHEAD * values
+                                                          * stored_bytes_per_value(scheme, options.dtype))}
+    return MemoryEstimate(parts, phases)
 
 
 def check_memory(model: nn.Module, options, scheme, calibrating: bool) -> MemoryEstimate:
@@ -100,13 +121,14 @@ def check_memory(model: nn.Module, options, scheme, calibrating: bool) -> Memory
     if os.environ.get("TFPORT_MEMORY_CHECK", "1") == "0" or available is None or estimate.total <= available:
         return estimate
     advice = []
-    if "validation session" in estimate.parts:
-        advice.append("validate=False (--no-validate) saves the validation session's "
-                      f"{estimate.parts['validation session'] / GiB:.1f} GiB")
+    if "validating" in estimate.phases:
+        unvalidated = MemoryEstimate(estimate.parts, {k: v for k, v in estimate.phases.items() if k != "validating"})
+        if unvalidated.total < estimate.total:
+            advice.append(f"validate=False (--no-validate) needs about {unvalidated.total / GiB:.1f} GiB")
     if "whole model in float32" in estimate.parts:
         advice.append("export from the checkpoint or GGUF file (streamed) instead of a module in memory, "
                       "and without max_loss")
-    if "calibration Hessians" in estimate.parts:
+    if estimate.part("calibration Hessians") is not None:
         advice.append("calibration='none' (round-to-nearest) needs no Hessians")
     advice.append("or free memory / use a larger machine (TFPORT_MEMORY_CHECK=0 skips this check)")
     raise MemoryError(f"this export needs about {estimate.total / GiB:.1f} GiB at its peak "

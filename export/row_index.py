@@ -47,7 +47,7 @@ class RowIndex:
         parts = self.find_parts(rows)
         return parts[0] if parts is not None and len(parts) == 1 else None
 
-    def find_parts(self, rows: np.ndarray) -> list[BlockQuantized] | None:
+    def find_parts(self, rows: np.ndarray, keys: list[bytes] | None = None) -> list[BlockQuantized] | None:
         """The blocks of ``rows`` [N, K] as consecutive groups of rows of one format each (one
         group when all share it), or None if a row was not indexed.
 
@@ -55,8 +55,8 @@ class RowIndex:
         taken from the run of consecutive rows it continues, else from the indexed matrix whose
         rows match the longest stretch from here (on a tie, the previous row's matrix): a whole
         matrix, or one of several concatenated, is found as itself however many of its rows occur
-        elsewhere."""
-        keys = row_keys(rows)
+        elsewhere. ``keys``: ``row_keys(rows)`` where the caller has them already."""
+        keys = row_keys(rows) if keys is None else keys
         found: list[tuple[int, int]] = []
         for i, key in enumerate(keys):
             if found and self._continues(found[-1], key):

@@ -61,7 +61,7 @@ class Runner:
         # opened from bytes read their external data from the export's directory.
         self._session_config = {**(EXACT_SESSION_CONFIG if self.manifest.quantization else {}),
                                 EXTERNAL_DATA_FOLDER: str(self.export_dir.resolve())}
-        self.sessions = {name: self._session(self.export_dir / g.file) for name, g in self.manifest.graphs.items()}
+        self._sessions: dict[str, ort.InferenceSession] | None = None
         self._device = "cuda" if provider == "cuda" else "cpu"
         self.torch_dtype = TORCH_DTYPES[self.dtype]
         # A converted copy where the dtype or the cache rounding differ: never the caller's weights.
@@ -69,6 +69,16 @@ class Runner:
         self._float64: nn.Module | None = None  # the reference in float64 (float64_outputs)
         self.inputs = CaseInputs(self.model, self.config, self.kv_dtype, self.manifest.layout,
                                  self.run_onnx)
+
+    @property
+    def sessions(self) -> dict[str, ort.InferenceSession]:
+        """Every graph's session by name, opened on first use: a validation computes its
+        references first, so a large model's session and the reference's reads (a token table
+        in float32) are never in memory at once."""
+        if self._sessions is None:
+            self._sessions = {name: self._session(self.export_dir / g.file)
+                              for name, g in self.manifest.graphs.items()}
+        return self._sessions
 
     def _session(self, path: Path) -> ort.InferenceSession:
         """A graph's session, run as parity runs it (see ``__init__``)."""
@@ -131,12 +141,14 @@ class Runner:
         return prepared.query_mask[:, :, None]  # [B, S, ...]
 
     @torch.no_grad()
-    def check(self, prepared: Prepared, case: Case) -> CaseResult:
-        """Run ``prepared`` on both sides and compare every output. The float64 reference (the
-        rounding floor) is only run for a case the table's tolerance alone fails: a floor can only
-        let more through, and its float64 copy of the module doubles the reference's memory."""
+    def check(self, prepared: Prepared, case: Case,
+              reference: dict[str, torch.Tensor] | None = None) -> CaseResult:
+        """Run ``prepared`` on both sides (``reference``: the reference's outputs, computed
+        earlier) and compare every output. The float64 reference (the rounding floor) is only run
+        for a case the table's tolerance alone fails: a floor can only let more through, and its
+        float64 copy of the module doubles the reference's memory."""
         actual = self.run_onnx(prepared)
-        reference = prepared.reference()
+        reference = prepared.reference() if reference is None else reference
         result = self._compare_outputs(prepared, case, actual, reference, {})
         if not result.ok and self.float64_reference() is not None:
             result = self._compare_outputs(prepared, case, actual, reference, self.float64_outputs(prepared))
@@ -192,12 +204,19 @@ class Runner:
 
 def validate_export(model: nn.Module, export_dir: str | Path, provider: str = "cpu",
                     log=None) -> list[CaseResult]:
-    """Prefill (left padding) and a decode step with past on fresh random inputs; raise on mismatch."""
+    """Prefill (left padding) and a decode step with past on fresh random inputs; raise on mismatch.
+
+    Every reference output is computed before ONNX Runtime opens the export (a decoder's runs
+    need no session to be prepared), so validating a model larger than memory holds either the
+    reference's reads (one layer, or the token table in float32) or the session, never both."""
     log = log or logging.getLogger("tfport.export")
     runner = Runner(model, export_dir, provider)
     cases = [Case(batch=3, past=0, new=7, padding="left", seed=11),
              Case(batch=3, past=6, new=1, padding="left", seed=12)]
-    results = [r for case in cases for r in runner.run(case)]
+    runs = [(case, prepared) for case in cases for prepared in runner.prepare(case)]
+    with torch.no_grad():
+        references = [prepared.reference() for _, prepared in runs]
+    results = [runner.check(prepared, case, reference) for (case, prepared), reference in zip(runs, references)]
     for result in results:
         log.info("validation %s", result.describe())
     failed = [r for r in results if not r.ok]

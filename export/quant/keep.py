@@ -56,9 +56,9 @@ def check_keep_dtype(dtype: str) -> None:
                          "with dtype='float32', or re-quantise with quantize='int4' or 'int8'")
 
 
-def _key(rows: np.ndarray) -> str:
-    """A weight product's identity: the sha1 of its float32 bytes."""
-    return hashlib.sha1(np.ascontiguousarray(rows, dtype=np.float32).tobytes()).hexdigest()
+def _key(keys: list[bytes]) -> str:
+    """A weight product's identity from its rows' keys (``row_keys``): equal rows, equal keys."""
+    return hashlib.sha1(b"".join(keys)).hexdigest()
 
 
 class KeptQuantization(Blockwise):
@@ -97,24 +97,30 @@ class KeptQuantization(Blockwise):
         if stop is not None:
             stop()
 
-    def _read(self, name: str) -> None:
-        """A tensor of the file was dequantised: index it, in a new index if its group is new."""
+    def _read(self, name: str, values: np.ndarray | None) -> None:
+        """A tensor of the file was dequantised (to ``values``, or None when only part of it
+        was): index it, in a new index if its group is new."""
         if name not in self.kinds or self._whole:
             return
         group = ".".join(name.split(".")[:2]) if name.startswith("blk.") else ""
         if group != self._group:
             self.index, self._indexed, self._group = RowIndex(), set(), group
-        self._add(name)
+        self._add(name, values)
 
-    def _add(self, name: str) -> None:
+    def _add(self, name: str, values: np.ndarray | None = None) -> None:
+        """Index tensor ``name``'s blocks under its rows' float32 values: ``values`` (the whole
+        tensor, as just read) or computed from the blocks."""
         if name in self._indexed:
             return
         rows = int(np.prod(self.file.shape(name)[:-1]))
         blocks = decode_blocks(self.kinds[name], self.file.blocks(name).reshape(rows, -1))
         self.file.release(name)
-        keys = []  # in chunks of rows: a large table's float values are never all held
-        for start in range(0, rows, KEY_ROWS):
-            keys += row_keys(gguf_values(blocks.rows(start, start + KEY_ROWS)))
+        if values is not None:
+            keys = row_keys(values.reshape(rows, -1))
+        else:  # in chunks of rows: a large table's float values are never all held
+            keys = []
+            for start in range(0, rows, KEY_ROWS):
+                keys += row_keys(gguf_values(blocks.rows(start, start + KEY_ROWS)))
         self.index.add_keys(keys, blocks)
         self._indexed.add(name)
 
@@ -147,14 +153,14 @@ class KeptQuantization(Blockwise):
         ``BlockQuantized``, or ``RowParts`` where consecutive rows come from tensors of different
         types (each part lowered as its own product); otherwise ``rows`` re-quantised with
         ``fallback``."""
-        parts = None
+        parts, keys = None, row_keys(rows)
         if scale_dtype == "float32":
-            parts = self.index.find_parts(rows)
+            parts = self.index.find_parts(rows, keys)
             if parts is None and not self._whole:
                 self._index_whole_file()
-                parts = self.index.find_parts(rows)
+                parts = self.index.find_parts(rows, keys)
         found = None if parts is None else parts[0] if len(parts) == 1 else RowParts(parts)
-        key = _key(rows)
+        key = _key(keys)
         if found is None:
             if key not in self._seen:
                 log.info("keep: a [%d, %d] weight is not stored in one of %s: re-quantised as %s",
@@ -172,10 +178,20 @@ class KeptQuantization(Blockwise):
         super().check_dtype(dtype)
         check_keep_dtype(dtype)
 
+    def reference(self, model, dtype: str = "float32"):
+        """``model`` itself once every weight product the export lowered kept the file's own
+        blocks: each was found by its rows' exact float32 values, so the graphs compute with the
+        values the module reads (checking each weight again as the reference reads it would hash
+        every weight once per forward). Otherwise, or before an export, the blockwise reference
+        (kept weights as read, re-quantised ones dequantised)."""
+        if self._seen and all(self._seen.values()) and dtype == "float32":
+            return model
+        return super().reference(model, dtype)
+
     def holds(self, rows: np.ndarray) -> bool:
         """Whether ``quantize(rows)`` gave the file's own blocks, whose dequantised values are
         ``rows`` exactly (their keys are those values): a reference needs no dequantised copy."""
-        return self._seen.get(_key(rows), False)
+        return self._seen.get(_key(row_keys(rows)), False)
 
     def to_dict(self) -> dict:
         types = sorted(set(self.kinds.values()))

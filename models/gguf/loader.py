@@ -23,7 +23,7 @@ from torch import nn
 
 from .architectures import (LLAMA3_TENSOR, LONGROPE_TENSORS, ROPE_TENSORS, GGUFArchitecture,
                             architecture, unpermute_rows)
-from .reader import GGUFFile, Shape
+from .reader import GGUFFile, Shape, own_float32
 
 log = logging.getLogger(__name__)
 
@@ -272,7 +272,7 @@ def dequantize_expert(file: GGUFFile, name: str, expert: int) -> np.ndarray:
 
     values = gguf.quants.dequantize(expert_blocks(file, name, expert),
                                     gguf.GGMLQuantizationType[file.tensor_type(name)])
-    values = np.array(values, dtype=np.float32, order="C").reshape(file.shape(name)[1:])
+    values = own_float32(values).reshape(file.shape(name)[1:])
     file.release(name)
     file.notify(name)
     return values

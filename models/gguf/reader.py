@@ -42,11 +42,12 @@ def _gguf():
 
 # Resolved file path -> functions called with a tensor's name each time one is dequantised from
 # it, by any GGUFFile of that path (``on_tensor_read``).
-_READ_LISTENERS: dict[Path, list[Callable[[str], None]]] = {}
+_READ_LISTENERS: dict[Path, list[Callable[[str, np.ndarray | None], None]]] = {}
 
 
-def on_tensor_read(path: str | os.PathLike, listener: Callable[[str], None]) -> Callable[[], None]:
-    """Call ``listener(name)`` whenever a tensor of the GGUF file ``path`` is dequantised (an
+def on_tensor_read(path: str | os.PathLike,
+                   listener: Callable[[str, np.ndarray | None], None]) -> Callable[[], None]:
+    """Call ``listener(name, values)`` whenever a tensor of the GGUF file ``path`` is dequantised (an
     export keeping the file's own blocks looks up just the tensors a weight was read from);
     returns the function that stops it."""
     key = Path(path).resolve()
@@ -60,6 +61,19 @@ def on_tensor_read(path: str | os.PathLike, listener: Callable[[str], None]) -> 
             _READ_LISTENERS.pop(key, None)
 
     return stop
+
+
+def own_float32(values: np.ndarray) -> np.ndarray:
+    """``values`` as a float32 C-order array of this process's own: gguf-py's dequantisation as
+    it is (a new array) or, for an F32 / F16 tensor (a view of the memory-mapped file, read-only),
+    a copy. A 1B model's token table is 1 GiB of float32: copying it again would double the peak."""
+    base, mapped = values, False
+    while base is not None and not mapped:
+        mapped = isinstance(base, (np.memmap, mmap.mmap))
+        base = getattr(base, "base", None)
+    if values.dtype == np.float32 and values.flags.c_contiguous and values.flags.writeable and not mapped:
+        return values
+    return np.array(values, dtype=np.float32, order="C")
 
 
 def is_gguf_file(path: str | os.PathLike) -> bool:
@@ -153,14 +167,13 @@ class GGUFFile:
         if kind not in SUPPORTED_TYPES:
             raise ValueError(f"{self.path.name}: tensor {name!r} has type {kind}, which tfport does "
                              f"not dequantise; supported: {list(SUPPORTED_TYPES)}")
-        values = _gguf().quants.dequantize(tensor.data, tensor.tensor_type)
-        # A copy: F32 tensors come back as read-only views of the memory-mapped file.
-        values = np.array(values, dtype=np.float32, order="C").reshape(self.shape(name))
+        values = own_float32(_gguf().quants.dequantize(tensor.data, tensor.tensor_type)).reshape(self.shape(name))
         self.release(name)
-        self.notify(name)
+        self.notify(name, values)
         return values
 
-    def notify(self, name: str) -> None:
-        """Tell the ``on_tensor_read`` listeners of this file that tensor ``name`` was read."""
+    def notify(self, name: str, values: np.ndarray | None = None) -> None:
+        """Tell the ``on_tensor_read`` listeners of this file that tensor ``name`` was read (as
+        ``values``, float32 in numpy order; None: only part of it)."""
         for listener in list(_READ_LISTENERS.get(self.path.resolve(), ())):
-            listener(name)
+            listener(name, values)

@@ -91,17 +91,32 @@ def test_bf16_safetensors_stream_as_loaded(tmp_path):
     assert _files(tmp_path / "streamed")["decoder.onnx.data"] == _files(tmp_path / "whole")["decoder.onnx.data"]
 
 
-@pytest.mark.parametrize("fault", ["transposed", "swapped"])
+FAULTS = {"transposed": lambda w: w.T, "swapped": lambda w: w[::-1],
+          # outputs permuted: every output's row is still one of the file's, so keep finds them all
+          # and validates against the module itself (``KeptQuantization.reference``)
+          "outputs permuted": lambda w: w[:, ::-1]}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
 def test_validation_catches_one_broken_middle_layer(q4_file, tmp_path, monkeypatch, fault):
     """A weight mis-placed in the graph of one middle layer (layer 3 of 6) while the reference
     reads it right: the streamed validation (reference run module by module, every parameter
     counted large) refuses the export, and nothing is left behind."""
     monkeypatch.setattr(lazy_weights, "SMALL_PARAMETER_BYTES", 0)
     project = emit.project
+    references = []  # per validation: whether the reference was the module itself
+    reference = KeptQuantization.reference
+
+    def recorded(self, model, dtype="float32"):
+        module = reference(self, model, dtype)
+        references.append(module is model)
+        return module
+
+    monkeypatch.setattr(KeptQuantization, "reference", recorded)
 
     def broken(g, x, weight, name, **kwargs):
         if isinstance(weight, np.ndarray) and name == "decoder.layers.3.attn.out":
-            weight = weight.T if fault == "transposed" else weight[::-1]  # square [E, E]: same shape
+            weight = FAULTS[fault](weight)  # square [E, E] ([in, out] here): same shape
         return project(g, x, weight, name, **kwargs)
 
     monkeypatch.setattr(emit, "project", broken)
@@ -109,8 +124,27 @@ def test_validation_catches_one_broken_middle_layer(q4_file, tmp_path, monkeypat
     with pytest.raises(RuntimeError, match="export validation failed"):
         export_checkpoint_or_preset(str(q4_file), out, ExportOptions(quantize="keep"))
     assert not out.exists()
+    # every weight kept: the reference is the module itself (only the permuted outputs were found
+    # in the file; the other faults' rows were not, so they were re-quantised and dequantised)
+    assert references == [fault == "outputs permuted"]
     monkeypatch.setattr(emit, "project", project)
     export_checkpoint_or_preset(str(q4_file), out, ExportOptions(quantize="keep"))  # unbroken: passes
+    assert references[-1] is True
+
+
+def test_validation_reads_the_reference_before_opening_the_session(q4_file, tmp_path, monkeypatch):
+    """A streamed validation computes every reference output before ONNX Runtime opens the export,
+    so a model larger than memory never holds the session and the reference's reads at once."""
+    from tfport.export.parity.runner import Runner
+
+    events = []
+    load, session = lazy_weights._load, Runner._session
+    monkeypatch.setattr(lazy_weights, "_load", lambda param: events.append("read") or load(param))
+    monkeypatch.setattr(Runner, "_session", lambda self, path: events.append("session") or session(self, path))
+    export_checkpoint_or_preset(str(q4_file), tmp_path / "out", ExportOptions(quantize="keep"))
+    first_session = events.index("session")
+    assert "read" in events[first_session - 5:first_session]  # the references were read just before
+    assert "read" not in events[first_session:]
 
 
 PEAK_SCRIPT = textwrap.dedent("""
@@ -153,6 +187,21 @@ def test_an_export_that_cannot_fit_is_refused_before_it_starts(q4_file, tmp_path
 
     monkeypatch.setattr(memory, "available_bytes", lambda: 2**20)
     out = tmp_path / "out"
-    with pytest.raises(MemoryError, match=r"needs about .* GiB at its peak .* GiB is available: validate=False"):
+    with pytest.raises(MemoryError, match=r"needs about .* GiB at its peak .* GiB is available: ") as refused:
         export_checkpoint_or_preset(str(q4_file), out, ExportOptions(quantize="keep"))
     assert not out.exists()
+    # this small model's session is its largest phase: skipping validation is advised, with its estimate
+    assert "validate=False (--no-validate) needs about" in str(refused.value)
+
+
+def test_the_estimate_adds_only_the_larger_phase():
+    """Writing and validating follow one another: the peak is what both hold (the libraries) plus
+    the larger phase, and --no-validate is advised only when validating is that phase."""
+    from tfport.export.memory import GiB, MemoryEstimate
+
+    writing, validating = {"largest tensor in flight": 6 * GiB}, {"validation session": 4 * GiB}
+    estimate = MemoryEstimate({"libraries": GiB}, {"writing": writing, "validating": validating})
+    assert estimate.total == 7 * GiB
+    assert estimate.part("validation session") == 4 * GiB and estimate.part("none") is None
+    assert "then the larger of writing (largest tensor in flight 6.0 GiB) and validating" in estimate.describe()
+    assert MemoryEstimate({"libraries": GiB}, {"writing": writing}).total == 7 * GiB
