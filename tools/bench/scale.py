@@ -167,18 +167,31 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
 
 
-def export_args(source: Path, fmt: str, out: Path, validate: bool) -> list[str]:
-    """``tfport export`` arguments of the benchmark's export of ``fmt``."""
-    quantize = ["--quantize", KEEP.name] if fmt in GGUF_KINDS else ["--quantize", INT4.name, "--calibration", "none"]
-    return [str(source), "--out", str(out), "--target", "ort", *quantize, *([] if validate else ["--no-validate"])]
+QUANTIZE = {  # --quantize: how each format is exported
+    "source": "a GGUF file's own blocks (keep), safetensors as int4 round-to-nearest (--calibration none)",
+    "int4": "tfport's default int4 (GPTQ on the built-in text where the source ships a tokenizer: GGUF)",
+}
+
+
+def export_args(source: Path, fmt: str, out: Path, validate: bool, quantize: str = "source") -> list[str]:
+    """``tfport export`` arguments of the benchmark's export of ``fmt`` (``quantize``: ``QUANTIZE``)."""
+    if quantize == "int4":
+        how = ["--quantize", INT4.name]
+    elif fmt in GGUF_KINDS:
+        how = ["--quantize", KEEP.name]
+    else:
+        how = ["--quantize", INT4.name, "--calibration", "none"]
+    return [str(source), "--out", str(out), "--target", "ort", *how, *([] if validate else ["--no-validate"])]
 
 
 def measure(shape: Shape, fmt: str, settings: argparse.Namespace) -> ScaleRow:
     """The figures of one shape and format (see the module doc)."""
     work = Path(settings.work)
     source = source_path(shape, fmt, work)
-    row = ScaleRow(shape.name, fmt, shape.parameters(), _size(source))
-    out = work / f"{source.name}.export"
+    quantize = getattr(settings, "quantize", "source")
+    label = fmt if quantize == "source" else f"{fmt} -> {quantize}"
+    row = ScaleRow(shape.name, label, shape.parameters(), _size(source))
+    out = work / (f"{source.name}.export" if quantize == "source" else f"{source.name}.{quantize}.export")
     if out.exists() and settings.reuse_exports:
         row.notes.append("export reused (--reuse-exports): no export figures")
     else:
@@ -186,7 +199,7 @@ def measure(shape: Shape, fmt: str, settings: argparse.Namespace) -> ScaleRow:
             import shutil
 
             shutil.rmtree(out)
-        figures = _child(EXPORT_CHILD, export_args(source, fmt, out, settings.validate), settings.timeout)
+        figures = _child(EXPORT_CHILD, export_args(source, fmt, out, settings.validate, quantize), settings.timeout)
         if figures["code"] != 0:
             row.notes.append(f"export failed (exit {figures['code']})")
             return row
@@ -261,6 +274,8 @@ def add_parsers(subparsers) -> None:
                    help=f"comma-separated, from {', '.join(SHAPES)} (default llama-3.2-1b)")
     p.add_argument("--formats", type=_choices(FORMATS, "formats"), default=("Q4_0",),
                    help=f"comma-separated, from {', '.join(FORMATS)} (default Q4_0)")
+    p.add_argument("--quantize", choices=list(QUANTIZE), default="source",
+                   help="; ".join(f"{k}: {v}" for k, v in QUANTIZE.items()) + " (default source)")
     p.add_argument("--work", default="out/scale", help="where models and exports are kept (default out/scale)")
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens for time to first token (default 512)")
     p.add_argument("--new-tokens", type=int, default=33, help="tokens generated per decode run (default 33)")
