@@ -35,7 +35,7 @@ from .hessians import (AUTO, BUILTIN, NONE, Calibration, RowHessians, collect_he
                        token_sequences)
 from .quant import (BLOCK_SIZES, HEAD_BITS, PROMOTED_BITS, Blockwise, QuantScheme, layout_formats,
                     token_table_paths)
-from .row_index import RowIndex
+from .row_index import RowIndex, row_keys
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                 group_hessians = hessians
                 if group_hessians is None:  # one forward pass per group of layers: bounded memory
                     group_hessians = collect_hessians(model, sequences, progress, set(group)) if sequences else {}
-                jobs, names = [], []  # (rows [N, K], their Hessians or None, bits, block); their names
+                jobs, names = [], []  # (weight, its Hessians or None, bits, block); their names
                 for name in group:
                     weight = matrices[name]
                     if id(weight) in done:  # a tied table is quantised once, with the head's Hessian
@@ -184,16 +184,17 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                     if id(weight) in heads:
                         block = head_block(block, weight.shape[1], head_block_size)
                         head_blocks.add(block)
-                    jobs.append((read_weight(weight), group_hessians.get(name), bits, block))
+                    jobs.append((weight, group_hessians.get(name), bits, block))
                     names.append(name)
-                quantized = _run_bounded(pool, [
-                    (_work_bytes(rows, row_hessians), _quantise_matrix,
-                     (rows, row_hessians, QuantScheme(bits, block, scheme.symmetric), scale_dtype, DAMP))
-                    for rows, row_hessians, bits, block in jobs], bar.update)
-                for (rows, *_), matrix, name in zip(jobs, quantized, names):
-                    index.add(rows, matrix)
+                work = [(_work_bytes(weight.shape, row_hessians), _quantise_matrix,
+                         (weight, row_hessians, QuantScheme(bits, block, scheme.symmetric), scale_dtype, DAMP))
+                        for weight, row_hessians, bits, block in jobs]
+                del group_hessians, jobs  # each job holds its own Hessians: freed when it is done
+                # each job reads its weight when it starts
+                quantized = _run_bounded(pool, work, bar.update)
+                for (keys, matrix), name in zip(quantized, names):
+                    index.add_keys(keys, matrix)
                     added.append(name)
-                del group_hessians, jobs
     finally:
         torch.set_num_threads(torch_threads)
     record = dict(record or {})
@@ -217,20 +218,25 @@ def resolve_threads(threads: int | None) -> int:
     return threads
 
 
-def _quantise_matrix(rows: np.ndarray, hessians: RowHessians | None, scheme: QuantScheme, scale_dtype: str,
-                     damp: float) -> BlockQuantized:
-    """``rows`` [N, K] with GPTQ on each row range's Hessian, or round-to-nearest without one (a
-    token table, or no calibration). Runs on a worker thread with one torch thread."""
+def _quantise_matrix(weight: torch.Tensor, hessians: RowHessians | None, scheme: QuantScheme, scale_dtype: str,
+                     damp: float) -> tuple[list[bytes], BlockQuantized]:
+    """``weight`` [N, K] (read now: only the running jobs' weights are in memory) with GPTQ on
+    each row range's Hessian, or round-to-nearest without one (a token table, or no calibration);
+    returns its rows' keys (``row_keys``, how the exporter finds it again) and its blocks. Runs
+    on a worker thread with one torch thread."""
+    rows = read_weight(weight)
+    keys = row_keys(rows)
     if hessians is None:
-        return scheme.quantize(rows, scale_dtype)
-    return concat_rows([gptq_rows(rows[start:end], hessian, scheme.bits, scheme.block_size, scheme.symmetric,
-                                  scale_dtype, damp) for start, end, hessian in hessians])
+        return keys, scheme.quantize(rows, scale_dtype)
+    return keys, concat_rows([gptq_rows(rows[start:end], hessian, scheme.bits, scheme.block_size,
+                                        scheme.symmetric, scale_dtype, damp) for start, end, hessian in hessians])
 
 
-def _work_bytes(rows: np.ndarray, hessians: RowHessians | None) -> int:
-    """The working memory ``_quantise_matrix`` needs for ``rows`` (the largest of its GPTQ calls)."""
+def _work_bytes(shape: tuple[int, ...], hessians: RowHessians | None) -> int:
+    """The working memory ``_quantise_matrix`` needs for a weight of ``shape`` [N, K] (the
+    largest of its GPTQ calls, which count the rows read)."""
     if hessians is None:
-        return 4 * rows.size
+        return 4 * shape[0] * shape[1]
     return max(gptq_bytes(end - start, hessian.shape[0]) for start, end, hessian in hessians)
 
 
@@ -239,10 +245,12 @@ def _run_bounded(pool: ThreadPoolExecutor, jobs: list[tuple[int, Callable, tuple
     """``fn(*args)`` of every job ``(bytes, fn, args)`` on ``pool``, starting each once the bytes
     of the jobs running with it fit in ``budget`` (default ``WORK_BUDGET``; one job always runs);
     ``on_done()`` after each job. The results, in the jobs' order; a job's error is raised as soon
-    as it is seen, and the jobs not started yet are cancelled."""
+    as it is seen, and the jobs not started yet are cancelled. ``jobs`` is emptied as they start,
+    so a finished job's arguments (a matrix's Hessians) are freed while later ones run."""
     budget = WORK_BUDGET if budget is None else budget
     running: dict[Future, int] = {}
     futures = []
+    jobs.reverse()  # popped from the end: in order
 
     def finish(return_when: str) -> None:
         finished, _ = wait(running, return_when=return_when)
@@ -252,10 +260,12 @@ def _run_bounded(pool: ThreadPoolExecutor, jobs: list[tuple[int, Callable, tuple
             on_done()
 
     try:
-        for size, fn, args in jobs:
+        while jobs:
+            size, fn, args = jobs.pop()
             while running and sum(running.values()) + size > budget:
                 finish(FIRST_COMPLETED)
             future = pool.submit(fn, *args)
+            del args
             running[future] = size
             futures.append(future)
         finish(ALL_COMPLETED)

@@ -347,6 +347,30 @@ def test_jobs_run_at_once_within_the_memory_budget():
         C._run_bounded(pool, [(1, lambda: 1, ()), (1, lambda: 1 / 0, ())], lambda: None)
 
 
+
+def test_a_finished_job_frees_its_arguments():
+    """A matrix's Hessians go with its job: when a job starts, the jobs finished before it no
+    longer hold their arguments (one worker: each job starts after the last one was let go)."""
+    import weakref
+
+    class Hessians:  # stands for a matrix's Hessians
+        pass
+
+    arguments = [Hessians() for _ in range(4)]
+    refs = [weakref.ref(a) for a in arguments]
+    seen = []
+
+    def job(index, hessians):
+        seen.append([ref() is None for ref in refs[:index]])
+        return index
+
+    jobs = [(1, job, (i, arguments[i])) for i in range(4)]
+    del arguments
+    with ThreadPoolExecutor(1) as pool:
+        assert C._run_bounded(pool, jobs, lambda: None) == [0, 1, 2, 3]
+    assert seen == [[], [True], [True, True], [True, True, True]] and jobs == []
+
+
 HESSIAN_MODELS = {  # family, position, attention; a mixture of experts on top of the decoder
     "decoder": ("decoder", "rope", "gqa", None),
     "mixture": ("decoder", "rope", "gqa", dict(n_experts=4, top_k=2, d_expert=32, layers=(1,))),
