@@ -6,7 +6,8 @@ A streamed export (``tfport.models.lazy``) holds throughout the interpreter with
 onnxruntime, and the whole model in float32 only when it is not lazy (a module built in memory)
 or when a step needs it all (``max_loss``). Then, one after the other: writing the graphs holds
 the largest tensor being read, quantised and written (float32, with the copies a quantiser
-makes) and, for GPTQ, the Hessians of one group of layers; validating holds an ONNX Runtime
+makes); GPTQ calibration before it holds one group of layers' Hessians and the matrices being
+quantised, and its codes (a byte per weight) stay to the end; validating holds an ONNX Runtime
 session of the written graphs (the reference's outputs are computed before it opens, reading
 less than the writing did). The figures are sized from measurements of Llama-shaped exports (docs/scale.md) with a
 margin, not from first principles: an estimate that errs high refuses a little early.
@@ -25,7 +26,7 @@ GiB = 2**30
 BASE_BYTES = int(0.8 * GiB)  # python with torch, onnx, onnxscript and onnxruntime imported
 TENSOR_COPIES = 3  # the largest tensor: read in float32, its quantised bytes and row keys (measured 2.6 at 8B)
 SESSION_OVERHEAD = 1.3  # an ONNX Runtime session over its weights' bytes (prepacked products, arena)
-HESSIAN_GROUP_BYTES = int(1.5 * GiB)  # calibration: one group of layers' Hessians (hessians.hessian_groups)
+CODE_BYTES = 1.2  # calibration: a code per byte and a float32 scale per block of 32, per weight value
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,9 @@ class MemoryEstimate:
         if len(phases) == 1:
             return ", ".join(filter(None, [text, listed(next(iter(phases.values())))]))
         if phases:
-            text += "; then the larger of " + " and ".join(f"{name} ({listed(parts)})" for name, parts in phases.items())
+            named = [f"{name} ({listed(parts)})" for name, parts in phases.items()]
+            which = "larger" if len(named) == 2 else "largest"
+            text += f"; then the {which} of " + ", ".join(named[:-1]) + " and " + named[-1]
         return text
 
 
@@ -95,16 +98,21 @@ def estimate_export(model: nn.Module, options, scheme, calibrating: bool) -> Mem
     resolved quantisation or None) and GPTQ calibration or not."""
     from tfport.models.lazy import is_lazy, parameter_names
 
+    from .calibrate import HESSIAN_BUDGET, WORK_BUDGET
+    from .gptq import gptq_bytes
+
     params = parameter_names(model)
     values = sum(p.numel() for p in params.values())
-    largest = max((p.numel() for p in params.values()), default=0)
+    largest = max(params.values(), key=lambda p: p.numel(), default=None)
     parts = {"libraries": BASE_BYTES}
     if not is_lazy(model) or options.max_loss is not None:
         parts["whole model in float32"] = 4 * values
-    writing = {"largest tensor in flight": TENSOR_COPIES * 4 * largest}
-    if calibrating or options.max_loss is not None:
-        writing["calibration Hessians"] = HESSIAN_GROUP_BYTES
-    phases = {"writing": writing}
+    phases = {}
+    if calibrating or options.max_loss is not None:  # GPTQ: one group's Hessians, the matrices in work
+        parts["calibrated codes"] = int(CODE_BYTES * values)  # held from calibration to the end
+        work = gptq_bytes(*largest.shape) if largest is not None and largest.dim() == 2 else 0
+        phases["calibrating"] = {"calibration Hessians": HESSIAN_BUDGET, "GPTQ work": max(WORK_BUDGET, work)}
+    phases["writing"] = {"largest tensor in flight": TENSOR_COPIES * 4 * (0 if largest is None else largest.numel())}
     if options.validate:  # after the writing, with its references computed before the session opens
         phases["validating"] = {"validation session": int(SESSION_OVERHEAD * values
                                                           * stored_bytes_per_value(scheme, options.dtype))}
