@@ -63,8 +63,9 @@ from .guards import AllowedHosts, ApiKey, BodyLimit
 from .memory import TrimMemory
 from .metrics import CONTENT_TYPE_LATEST, MetricsMiddleware, ServeMetrics
 from .page import mount_page
-from .protocol import (ApiError, ChatRequest, ClassifyRequest, CompletionRequest, EmbeddingRequest, RerankRequest,
-                       ResponsesRequest, ScoreRequest, check_text, quote)
+from .errors import ApiError, check_text, quote
+from .protocol import (ChatRequest, ClassifyRequest, CompletionRequest, EmbeddingRequest, RerankRequest,
+                       ResponsesRequest, ScoreRequest)
 from .responses import Completion, embedding_response
 from .responses_api import ResponseStore, ResponseTurn, stored_response
 from .scoring import classify_response, require_head, rerank_response, score_response

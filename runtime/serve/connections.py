@@ -33,7 +33,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import RETRY_AFTER_S
 from .options import ServeOptions
-from .protocol import ApiError
+from .errors import ApiError
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from starlette.middleware.cors import CORSMiddleware
 
 from .guards import refuse
-from .protocol import ApiError, quote
+from .errors import ApiError, quote
 
 DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 METRICS_PATHS = ("/metrics",)

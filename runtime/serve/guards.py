@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from fastapi.responses import JSONResponse
 
-from .protocol import ApiError, quote
+from .errors import ApiError, quote
 
 OPEN_PATHS = ("/health", "/")  # answered without the key: a load balancer's probe has none;
 OPEN_PREFIXES = ("/static/",)  # nor has a browser opening the chat page (its requests carry it)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Union
 
 from .options import ServeOptions
-from .protocol import ApiError
+from .errors import ApiError
 
 # A completion prompt or an embedding input: a text, texts, token ids or token id lists.
 Inputs = Union[str, list[str], list[int], list[list[int]]]

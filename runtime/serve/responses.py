@@ -36,7 +36,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..chat import chat_format
 from ..tool_parser import ToolCallParser, parse_reply
-from .protocol import ApiError, DecodingRequest, EmbeddingRequest
+from .errors import ApiError
+from .protocol import DecodingRequest, EmbeddingRequest
 from .handles import Failed, Finished, Handle, Token
 from .logprobs import Scored, chat_logprobs, completion_logprobs
 from .served import ServedModel

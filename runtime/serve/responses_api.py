@@ -38,7 +38,8 @@ from ..chat import chat_format
 from ..tool_parser import ToolCallParser, parse_reply
 from ..tools import CallDelta
 from .handles import Handle
-from .protocol import ApiError, ChatRequest, ResponsesRequest, quote
+from .errors import ApiError, quote
+from .protocol import ChatRequest, ResponsesRequest
 from .responses import ABORT, SHUTTING_DOWN, cancel_when_gone, choice_pieces
 from .responses_input import chat_tool_choice, chat_tools, input_messages, rename, renamed, response_format
 from .served import ServedModel

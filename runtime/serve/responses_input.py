@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .protocol import ROLES, ApiError, quote
+from .errors import ApiError, quote
+from .protocol import ROLES
 
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 TEXT_PARTS = ("input_text", "output_text", "text")

@@ -27,7 +27,8 @@ import numpy as np
 from fastapi.responses import JSONResponse
 
 from ..classify import Classification, classify_encoded
-from .protocol import ApiError, ClassifyRequest, RerankRequest, ScoreRequest, check_text
+from .errors import ApiError, check_text
+from .protocol import ClassifyRequest, RerankRequest, ScoreRequest
 from .request_limits import text_lengths
 from .served import ServedModel
 

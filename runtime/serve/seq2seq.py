@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 from ..sampling import Logprobs
 from .handles import Failed, Finished, GenerationRequest, Handle, NullObserver, Observer, Token
-from .protocol import ApiError, CompletionRequest
+from .errors import ApiError
+from .protocol import CompletionRequest
 from .request_queue import RequestQueue, stop_reason
 from .scheduler import SchedulerLimits
 

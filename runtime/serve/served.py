@@ -34,7 +34,8 @@ from ..tools import ToolRequest
 from .batcher import EmbeddingBatcher
 from .options import ServeOptions
 from .request_limits import Inputs, RequestLimits, text_lengths
-from .protocol import ApiError, ChatRequest, CompletionRequest, DecodingRequest, check_text, quote
+from .errors import ApiError, check_text, quote
+from .protocol import ChatRequest, CompletionRequest, DecodingRequest
 from .handles import GenerationRequest, Handle, QueueFull, finished
 from .request_queue import Stopped
 from .scheduler import Scheduler
