@@ -190,8 +190,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                          (weight, row_hessians, QuantScheme(bits, block, scheme.symmetric), scale_dtype, DAMP))
                         for weight, row_hessians, bits, block in jobs]
                 del group_hessians, jobs  # each job holds its own Hessians: freed when it is done
-                # each job reads its weight when it starts
-                quantized = _run_bounded(pool, work, bar.update)
+                quantized = _run_bounded(pool, work, bar.update)  # each job reads its weight as it starts
                 for (keys, matrix), name in zip(quantized, names):
                     index.add_keys(keys, matrix)
                     added.append(name)

@@ -184,7 +184,7 @@ class KeptQuantization(Blockwise):
         values the module reads (checking each weight again as the reference reads it would hash
         every weight once per forward). Otherwise, or before an export, the blockwise reference
         (kept weights as read, re-quantised ones dequantised)."""
-        if self._seen and all(self._seen.values()) and dtype == "float32":
+        if self.kept and not self.requantized and dtype == "float32":
             return model
         return super().reference(model, dtype)
 
