@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from tfport.contract import ACTIVATION_KEY
 from tfport.flags import add_flags, from_args
 
 from .hessians import AUTO, BUILTIN, DEFAULT_TOKENS, NONE, Calibration
@@ -35,8 +36,11 @@ def run_export(args: argparse.Namespace) -> int:
 
 def describe_quantization(quantization: dict) -> str:
     """One phrase for a manifest's quantisation entry, e.g. "int4 in blocks of 32 (GPTQ)" or
-    "keep Q4_K, Q6_K: 120 weight products kept, 1 re-quantised as int8" (its format's ``describe``)."""
-    return get_format(quantization["format"], "quantization['format']").describe(quantization)
+    "keep Q4_K, Q6_K: 120 weight products kept, 1 re-quantised as int8" (its format's ``describe``),
+    then "float activations" when they are not int8."""
+    text = get_format(quantization["format"], "quantization['format']").describe(quantization)
+    activations = quantization.get(ACTIVATION_KEY)
+    return text if activations is None else f"{text}; {activations} activations"
 
 
 def add_parsers(subparsers: argparse._SubParsersAction) -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tfport.config import ModelConfig
-from tfport.contract import CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE
+from tfport.contract import ACTIVATION_KEY, ACTIVATIONS, CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE
 from tfport.files import atomic_directory
 from tfport.integrity import graph_metadata, record_files
 from tfport.manifest import Manifest
@@ -97,13 +97,13 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
                         kv_dtype=plan.kv_dtype,
                         tokenizer=TOKENIZER_FILE if options.tokenizer is not None else None,
                         chat_template=CHAT_TEMPLATE_FILE if options.chat_template is not None else None,
-                        graphs=plan.specs, quantization=None if scheme is None else scheme.to_dict(),
+                        graphs=plan.specs, quantization=_quantization_entry(scheme, options),
                         logits=options.logits)
     model = model.eval()
     with atomic_directory(plan.out_dir) as tmp:
         _write_graphs(model, plan, scheme, manifest, tmp)
         if scheme is not None:  # what the graphs were built with (keep: matrices kept and re-quantised)
-            manifest = dataclasses.replace(manifest, quantization=scheme.to_dict())
+            manifest = dataclasses.replace(manifest, quantization=_quantization_entry(scheme, options))
             scheme.report()
         _write_files(config, options, tmp)
         # Every file but the manifest itself, external data included, with its size and sha256.
@@ -121,6 +121,17 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
                 validate_export(reference, tmp)
     log.info("exported %s model to %s (%s, opset %d)", config.family, plan.out_dir, options.dtype, plan.opset)
     return manifest
+
+
+def _quantization_entry(scheme, options: ExportOptions) -> dict | None:
+    """The manifest's ``quantization``: the scheme's entry, with ``ACTIVATION_KEY`` when its products' activations are
+    not the default int8 (an export of the default is unchanged by the option's existence)."""
+    if scheme is None:
+        return None
+    entry = scheme.to_dict()
+    if options.activations != ACTIVATIONS[0]:
+        entry[ACTIVATION_KEY] = options.activations
+    return entry
 
 
 def _calibrated(model: nn.Module, plan: ExportPlan, options: ExportOptions, scheme, calibration):

@@ -71,6 +71,9 @@ class Target(Protocol):
     default_opset: int
     summary: str
     bodies: Mapping[str, OnnxFunction]  # function name -> body replacing or adding to the library
+    activations: str  # tfport.contract.ACTIVATIONS: what quantised products compute activations in
+
+    def with_activations(self, activations: str) -> "Target": ...
 
     # ------------------------------------------------------------------ what it refuses
     def check(self, config: ModelConfig, dtype: str, opset: int) -> None: ...

@@ -15,7 +15,7 @@ from tfport.integrity import VERIFY_MODES, check_graph_metadata, verify_files
 from tfport.manifest import Manifest
 
 from .binding import GraphRunner
-from .session import SessionSettings, graph_metadata, open_session
+from .session import SessionSettings, export_config, graph_metadata, open_session
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +47,9 @@ def open_export(model_dir: str | os.PathLike, settings: SessionSettings, verify:
                        "re-export to get the checks", str(directory))
     else:
         verify_files(directory, manifest.files, verify)
-    runners = {}
+    runners, config = {}, export_config(manifest.quantization)
     for name, spec in manifest.graphs.items():
-        session = open_session(directory / spec.file, spec, settings)
+        session = open_session(directory / spec.file, spec, settings, config=config)
         if manifest.files is not None:
             check_graph_metadata(graph_metadata(session, spec.file), manifest.settings,
                                  spec.file, f"model_dir={str(directory)!r}")

@@ -11,13 +11,15 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import onnxruntime as ort
 
 from tfport.config.checks import is_int
-from tfport.contract import GraphSpec
+from tfport.contract import ACTIVATION_KEY, ACTIVATIONS, MATMULNBITS_ACCURACY, QDQ_ACCURACY_CONFIG, GraphSpec
 
 from .threads import share_pool, shared_pool, thread_policy
 
@@ -163,8 +165,9 @@ def _load_error(path: Path, argument: str, err: Exception) -> ValueError:
 
 
 def open_session(path: str | Path, spec: GraphSpec, settings: SessionSettings,
-                 argument: str = "model_dir") -> ort.InferenceSession:
-    """An ``InferenceSession`` of ``path`` on the providers ``settings`` asks for.
+                 argument: str = "model_dir", config: Mapping[str, str] | None = None) -> ort.InferenceSession:
+    """An ``InferenceSession`` of ``path`` on the providers ``settings`` asks for, with the
+    session config entries ``config`` (what the export's manifest asks, ``export_config``).
 
     Raises ``ValueError`` (naming ``argument``) if the file cannot be loaded or does not match
     ``spec``, and ``RuntimeError`` if ``cuda`` was asked for but the session did not get it.
@@ -181,6 +184,8 @@ def open_session(path: str | Path, spec: GraphSpec, settings: SessionSettings,
     if settings.provider == "auto" and CUDA not in available:
         providers = [CPU]
     options = settings.session_options()  # outside the try: a bad setting is not the file's fault
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=providers)
     except Exception as err:  # onnxruntime raises its own pybind exception types
@@ -199,6 +204,20 @@ def open_session(path: str | Path, spec: GraphSpec, settings: SessionSettings,
                     path.name, chosen, reason, got)
     check_session(session, spec, path, argument)
     return session
+
+
+def export_config(quantization: Mapping[str, Any] | None) -> dict[str, str]:
+    """The session config entries an export's manifest ``quantization`` entry asks for: float
+    activations (``tfport.contract.ACTIVATIONS``) set the accuracy level ONNX Runtime fuses a
+    quantised DequantizeLinear + MatMul into MatMulNBits with (target "portable"; a MatMulNBits
+    the export wrote carries its own)."""
+    activations = (quantization or {}).get(ACTIVATION_KEY, ACTIVATIONS[0])
+    if activations not in MATMULNBITS_ACCURACY:
+        raise ValueError(f"manifest quantization {ACTIVATION_KEY}={activations!r}: expected one of "
+                         f"{list(ACTIVATIONS)}; re-export it")
+    if activations == ACTIVATIONS[0]:
+        return {}
+    return {QDQ_ACCURACY_CONFIG: str(MATMULNBITS_ACCURACY[activations])}
 
 
 def _unreadable(path: Path, argument: str, what: str, err: Exception) -> ValueError:

@@ -201,6 +201,18 @@ INPLACE = register_layout(CacheLayout("inplace", _inplace_decoder, padding="righ
 # inplace: each row's last new token). "last" skips the head for the rest of a prompt.
 LOGITS = ("all", "last")
 
+# What a quantised weight product computes its activations in (``tfport export --activations``;
+# the manifest's ``quantization[ACTIVATION_KEY]``, absent for the default "int8"): "int8" rounds
+# them per block (ONNX Runtime's MatMulNBits at accuracy level 4, its fast kernel, which repacks
+# 4-bit weights at 1.2x their bytes), "float" keeps them float32 (level 1: only the weights' own
+# error; the weights stay the size they are stored at).
+ACTIVATIONS = ("int8", "float")
+MATMULNBITS_ACCURACY = {"int8": 4, "float": 1}
+ACTIVATION_KEY = "activation_type"  # (w8a8's entry describes its own under "activations")
+# The ONNX Runtime session config entry that sets the accuracy level ONNX Runtime fuses a
+# DequantizeLinear + MatMul pair (target "portable") into MatMulNBits with (default 4).
+QDQ_ACCURACY_CONFIG = "session.qdq_matmulnbits_accuracy_level"
+
 
 def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "concat",
                 logits: str = "all", kv_dtype: str | None = None) -> dict[str, GraphSpec]:

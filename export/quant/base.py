@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-
 class Quantization:
     """The quantisation of one export (subclasses: ``blockwise.Blockwise`` for blocks of codes
     with scales, ``w8a8.W8A8``). ``name`` is its format's name, the manifest's ``"format"``;
@@ -58,6 +57,10 @@ class Quantization:
     def check(self, dtype: str, target, opset: int) -> None:
         """``ValueError`` naming the option unless an export in ``dtype`` to ``target`` at
         ``opset`` can use this scheme (``options.plan_export``)."""
+
+    def check_activations(self, activations: str) -> None:
+        """``ValueError`` naming ``activations`` unless this scheme's products can compute with
+        them (``ACTIVATIONS``): the blockwise formats take both."""
 
     def graph_quantizer(self, target):
         """What one graph's weight products and token gathers go through (``g.quantizer``:

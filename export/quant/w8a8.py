@@ -112,6 +112,11 @@ class W8A8(Quantization):
             raise ValueError(f"quantize='w8a8' with dtype={dtype!r}: its integer products dequantise to float32; "
                              "export with dtype='float32'")
 
+    def check_activations(self, activations: str) -> None:
+        raise ValueError(f"activations={activations!r} with quantize='w8a8': its products round the "
+                         "activations to int8 per token by design; --quantize int8 --activations float "
+                         "keeps int8 weights with float activations")
+
     def graph_quantizer(self, target) -> "RowQuantizer":
         """Standard operators only: any target."""
         return RowQuantizer(self, target)

@@ -9,6 +9,7 @@ and what it refuses. ``PortableTarget`` is the reference lowering; the others ov
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 
 import numpy as np
@@ -17,6 +18,7 @@ from onnxscript.values import OnnxFunction
 from torch import nn
 
 from tfport.config import ModelConfig
+from tfport.contract import ACTIVATIONS
 from tfport.dtypes import ONNX_DTYPES
 
 from ..graph import GraphBuilder, to_numpy
@@ -38,6 +40,17 @@ class PortableTarget:
     default_opset = 18
     summary = "standard ONNX ops and the ai.tfport functions; any ONNX runtime"
     bodies: Mapping[str, OnnxFunction] = {}  # function name -> body replacing or adding to the library
+    # What quantised products compute their activations in (tfport.contract.ACTIVATIONS): a
+    # lowering to MatMulNBits sets its accuracy level from it (``with_activations``).
+    activations = ACTIVATIONS[0]
+
+    def with_activations(self, activations: str) -> "PortableTarget":
+        """This target lowering quantised products with ``activations`` (itself when unchanged)."""
+        if activations == self.activations:
+            return self
+        target = copy.copy(self)
+        target.activations = activations
+        return target
 
     def check(self, config: ModelConfig, dtype: str, opset: int) -> None:
         """Raise ``ValueError`` naming the option and the reason if this target cannot export it."""

@@ -31,6 +31,7 @@ CASES = [
     (("--no-symmetric",), {"symmetric": False}),
     (("--logits", "last"), {"logits": "last"}),
     (("--kv-dtype", "float16"), {"kv_dtype": "float16"}),
+    (("--quantize", "keep", "--activations", "float"), {"quantize": "keep", "activations": "float"}),
     (("--calibration", "none"), {"calibration": "none"}),
     (("--head-bits", "8"), {"head_bits": 8}),
     (("--head-block-size", "16"), {"head_block_size": 16}),

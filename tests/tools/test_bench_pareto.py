@@ -25,7 +25,11 @@ def test_layout_names():
     assert layout_options("gptq128-sym-h8-hb64") == {"quantize": "int4", "block_size": 128, "symmetric": True,
                                                      "calibration": "builtin", "head_bits": 8, "head_block_size": 64}
     assert layout_options("rtn128-sym-hb32")["head_block_size"] == 32
-    for bad in ("gptq33-sym", "gptq32", "awq32-sym", "int2", "gptq128-sym-hb48", "gptq128-sym-hb"):
+    assert layout_options("keep") == {"quantize": "keep"}
+    assert layout_options("keep-float") == {"quantize": "keep", "activations": "float"}
+    assert layout_options("gptq32-sym-float") == {**layout_options("gptq32-sym"), "activations": "float"}
+    for bad in ("gptq33-sym", "gptq32", "awq32-sym", "int2", "gptq128-sym-hb48", "gptq128-sym-hb", "-float",
+                "float", "keep-float-float"):
         with pytest.raises(ValueError, match=f"--layouts {bad!r}: expected"):
             layout_options(bad)
 

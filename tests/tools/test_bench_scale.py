@@ -35,18 +35,25 @@ def test_written_models_load_with_the_shape_they_say(tmp_path):
 
 
 def test_bench_scale_reports_export_and_decode(tmp_path, capsys):
-    out = tmp_path / "scale.json"
-    code = main(["bench-scale", "--shapes", "test-tiny", "--formats", "Q4_0", "--work", str(tmp_path / "work"),
+    """One row per export: the default's and, with ``--activations int8,float``, one on float
+    activations (an export directory of its own)."""
+    from tfport.manifest import Manifest
+
+    out, work = tmp_path / "scale.json", tmp_path / "work"
+    code = main(["bench-scale", "--shapes", "test-tiny", "--formats", "Q4_0", "--work", str(work),
                  "--prompt", "16", "--new-tokens", "3", "--rows", "2", "--repeats", "1", "--no-llama-cpp",
-                 "--json", str(out)])
+                 "--activations", "int8,float", "--json", str(out)])
     assert code == 0
     table = capsys.readouterr().out
-    assert "| test-tiny | Q4_0 | tfport |" in table
-    row = json.loads(out.read_text())["rows"][0]
-    assert row["export_seconds"] > 0 and row["export_peak"] > row["weight_bytes"] > 0
-    run = row["engines"]["tfport"]
-    assert run["decode1"] > 0 and run["decoden"] > 0 and run["peak"] >= run["loaded"] > 0
-    assert (tmp_path / "work" / "test-tiny.Q4_0.gguf.export" / "manifest.json").is_file()
+    assert "| test-tiny | Q4_0 | tfport |" in table and "| test-tiny | Q4_0, float activations | tfport |" in table
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["format"] for r in rows] == ["Q4_0", "Q4_0, float activations"]
+    for row in rows:
+        assert row["export_seconds"] > 0 and row["export_peak"] > row["weight_bytes"] > 0
+        run = row["engines"]["tfport"]
+        assert run["decode1"] > 0 and run["decoden"] > 0 and run["peak"] >= run["loaded"] > 0
+    assert "activation_type" not in Manifest.read(work / "test-tiny.Q4_0.gguf.export").quantization
+    assert Manifest.read(work / "test-tiny.Q4_0.gguf.export.float").quantization["activation_type"] == "float"
 
 
 def test_bench_scale_refuses_unknown_shapes(capsys):

@@ -33,32 +33,40 @@ import numpy as np
 
 from tfport.files import write_text_atomic
 
-from tfport.export.quant import BLOCK_SIZES, INT4, INT8, W8A8_FORMAT
+from tfport.contract import ACTIVATIONS
+from tfport.export.quant import BLOCK_SIZES, INT4, INT8, KEEP, W8A8_FORMAT
 from .measurement import BenchSettings, load_average, machine_info, measure, time_tfport
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LAYOUTS = ("default", "gptq32-sym-h8", "gptq64-sym-h8", "gptq128-sym", "rtn32-sym", "int8")
 _LAYOUT = re.compile(r"(rtn|gptq)(\d+)-(sym|zp)(-h8)?(?:-hb(\d+))?")
-# Layouts named alone -> their options: int4 as --quantize alone has it, the other formats round-to-nearest.
-NAMED_LAYOUTS = {"default": {"quantize": INT4.name},
+# Layouts named alone -> their options: int4 as --quantize alone has it, the other formats
+# round-to-nearest, keep a GGUF source's own blocks.
+NAMED_LAYOUTS = {"default": {"quantize": INT4.name}, KEEP.name: {"quantize": KEEP.name},
                  **{fmt.name: {"quantize": fmt.name, "calibration": "none"} for fmt in (INT8, W8A8_FORMAT)}}
+FLOAT_SUFFIX = "-float"  # a layout on float activations (tfport export --activations float)
 
 
 def layout_options(name: str) -> dict[str, Any]:
     """``ExportOptions`` fields of a layout name: "default" (``--quantize int4`` alone), "int8"
     (the int8 default: round-to-nearest, blocks of 32), "w8a8" (int8 weights and per-row
-    activations, export/quant/w8a8.py), or ``{rtn|gptq}{block}-{sym|zp}[-h8][-hb{block}]``:
-    int4, round-to-nearest or GPTQ on the built-in text, that block size, symmetric or with zero
-    points, the head and token table at 8 bits with ``-h8``, in blocks of ``-hb`` (default:
-    ``calibrate.head_block``)."""
+    activations, export/quant/w8a8.py), "keep" (a GGUF source's own blocks), or
+    ``{rtn|gptq}{block}-{sym|zp}[-h8][-hb{block}]``: int4, round-to-nearest or GPTQ on the
+    built-in text, that block size, symmetric or with zero points, the head and token table at 8
+    bits with ``-h8``, in blocks of ``-hb`` (default: ``calibrate.head_block``); any of them
+    ending in ``-float`` on float activations (``--activations float``)."""
+    base = name.removesuffix(FLOAT_SUFFIX)
+    if base != name and base and not base.endswith(FLOAT_SUFFIX):
+        return {**layout_options(base), "activations": ACTIVATIONS[1]}
     if name in NAMED_LAYOUTS:
         return dict(NAMED_LAYOUTS[name])
     match = _LAYOUT.fullmatch(name)
     if match is None or not {int(b) for b in (match[2], match[5]) if b} <= set(BLOCK_SIZES):
         raise ValueError(f"--layouts {name!r}: expected {', '.join(NAMED_LAYOUTS)} or rtn|gptq, a block size "
                          f"({', '.join(map(str, BLOCK_SIZES))}), -sym or -zp, optionally -h8 and -hb with "
-                         "a block size, e.g. gptq32-sym-h8 or gptq128-sym-hb32")
+                         f"a block size, e.g. gptq32-sym-h8 or gptq128-sym-hb32; any of them may end in "
+                         f"{FLOAT_SUFFIX} (float activations)")
     options = {"quantize": INT4.name, "block_size": int(match[2]), "symmetric": match[3] == "sym",
                "calibration": "none" if match[1] == "rtn" else "builtin"}
     if match[4]:
@@ -181,8 +189,11 @@ def run_pareto(settings: BenchSettings, source_name: str, layouts: tuple[str, ..
         names = (["float32"] if include_float else []) + list(layouts)
         for name in names:
             out = Path(tmp) / name
+            layout = dict(options.get(name, {}))
+            if layout.get("quantize") == KEEP.name:  # the source file's own blocks
+                layout["quantize"] = KEEP.for_source(source_name, "float32")
             export_model(source.model, out, ExportOptions(
-                target=settings.targets[0], tokenizer=source.tokenizer, validate=False, **options.get(name, {})))
+                target=settings.targets[0], tokenizer=source.tokenizer, validate=False, **layout))
             measures.append(measured(accuracy.export_logits(out, ids),
                                      lambda prompts, stops, out=out: accuracy.export_answers(out, prompts, stops)))
             model = load_model(out, settings.provider, intra_op_threads=settings.threads)

@@ -3,7 +3,8 @@ llama.cpp on the same file.
 
 For each shape (``scale_models.SHAPES``: Llama-3.2-1B / 3B, Llama-3.1-8B, Qwen2.5-7B) and format
 (a GGUF file in Q4_0 or Q8_0, exported with ``--quantize keep``; a bf16 safetensors directory,
-exported with ``--quantize int4 --calibration none``), it writes the random-weight model once
+exported with ``--quantize int4 --calibration none``; ``--quantize int4``: tfport's default int4;
+``--activations int8,float``: an export on each), it writes the random-weight model once
 (kept in ``--work``), then measures, each step in a child process of its own so that one step's
 memory does not count in the next:
 
@@ -33,6 +34,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tfport.contract import ACTIVATIONS
 from tfport.files import write_text_atomic
 
 from tfport.export.quant import INT4, KEEP
@@ -173,25 +175,34 @@ QUANTIZE = {  # --quantize: how each format is exported
 }
 
 
-def export_args(source: Path, fmt: str, out: Path, validate: bool, quantize: str = "source") -> list[str]:
-    """``tfport export`` arguments of the benchmark's export of ``fmt`` (``quantize``: ``QUANTIZE``)."""
+def export_args(source: Path, fmt: str, out: Path, validate: bool, quantize: str = "source",
+                activations: str = ACTIVATIONS[0]) -> list[str]:
+    """``tfport export`` arguments of the benchmark's export of ``fmt`` (``quantize``: ``QUANTIZE``;
+    ``activations``: ``tfport.contract.ACTIVATIONS``)."""
     if quantize == "int4":
         how = ["--quantize", INT4.name]
     elif fmt in GGUF_KINDS:
         how = ["--quantize", KEEP.name]
     else:
         how = ["--quantize", INT4.name, "--calibration", "none"]
+    if activations != ACTIVATIONS[0]:
+        how += ["--activations", activations]
     return [str(source), "--out", str(out), "--target", "ort", *how, *([] if validate else ["--no-validate"])]
 
 
-def measure(shape: Shape, fmt: str, settings: argparse.Namespace) -> ScaleRow:
-    """The figures of one shape and format (see the module doc)."""
+def measure(shape: Shape, fmt: str, settings: argparse.Namespace, activations: str = ACTIVATIONS[0],
+            peers: bool = True) -> ScaleRow:
+    """The figures of one shape and format with quantised products on ``activations`` (see the
+    module doc); llama.cpp's too when ``peers``."""
     work = Path(settings.work)
     source = source_path(shape, fmt, work)
     quantize = getattr(settings, "quantize", "source")
     label = fmt if quantize == "source" else f"{fmt} -> {quantize}"
+    name = f"{source.name}.export" if quantize == "source" else f"{source.name}.{quantize}.export"
+    if activations != ACTIVATIONS[0]:
+        label, name = f"{label}, {activations} activations", f"{name}.{activations}"
     row = ScaleRow(shape.name, label, shape.parameters(), _size(source))
-    out = work / (f"{source.name}.export" if quantize == "source" else f"{source.name}.{quantize}.export")
+    out = work / name
     if out.exists() and settings.reuse_exports:
         row.notes.append("export reused (--reuse-exports): no export figures")
     else:
@@ -199,7 +210,8 @@ def measure(shape: Shape, fmt: str, settings: argparse.Namespace) -> ScaleRow:
             import shutil
 
             shutil.rmtree(out)
-        figures = _child(EXPORT_CHILD, export_args(source, fmt, out, settings.validate, quantize), settings.timeout)
+        figures = _child(EXPORT_CHILD, export_args(source, fmt, out, settings.validate, quantize, activations),
+                         settings.timeout)
         if figures["code"] != 0:
             row.notes.append(f"export failed (exit {figures['code']})")
             return row
@@ -210,7 +222,7 @@ def measure(shape: Shape, fmt: str, settings: argparse.Namespace) -> ScaleRow:
     args = [str(settings.prompt), str(settings.new_tokens), str(settings.rows), str(settings.repeats),
             str(settings.threads), str(shape.vocab)]
     row.engines["tfport"] = _child(RUN_CHILD, ["tfport", str(out), *args], settings.timeout)
-    if fmt in GGUF_KINDS and settings.llama_cpp:
+    if fmt in GGUF_KINDS and settings.llama_cpp and peers:
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
@@ -252,8 +264,9 @@ def run_scale(settings: argparse.Namespace) -> list[ScaleRow]:
     rows = []
     for name in settings.shapes:
         for fmt in settings.formats:
-            rows.append(measure(SHAPES[name], fmt, settings))
-            print(format_rows(rows[-1:], settings), flush=True)
+            for i, activations in enumerate(getattr(settings, "activations", ACTIVATIONS[:1])):
+                rows.append(measure(SHAPES[name], fmt, settings, activations, peers=i == 0))
+                print(format_rows(rows[-1:], settings), flush=True)
     return rows
 
 
@@ -276,6 +289,9 @@ def add_parsers(subparsers) -> None:
                    help=f"comma-separated, from {', '.join(FORMATS)} (default Q4_0)")
     p.add_argument("--quantize", choices=list(QUANTIZE), default="source",
                    help="; ".join(f"{k}: {v}" for k, v in QUANTIZE.items()) + " (default source)")
+    p.add_argument("--activations", type=_choices(ACTIVATIONS, "activations"), default=ACTIVATIONS[:1],
+                   help=f"comma-separated, from {', '.join(ACTIVATIONS)}: an export each, with its quantised "
+                        f"products on int8 (default) or float activations (tfport export --activations)")
     p.add_argument("--work", default="out/scale", help="where models and exports are kept (default out/scale)")
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens for time to first token (default 512)")
     p.add_argument("--new-tokens", type=int, default=33, help="tokens generated per decode run (default 33)")
