@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from tfport.config.checks import is_int
 from tfport.models.lazy import read_weight
 
-from .blocks import BlockQuantized, concat_rows
+from .blocks import BlockQuantized, compact, concat_rows
 from .gptq import DAMP, gptq_bytes, gptq_rows
 from .hessians import (AUTO, BUILTIN, NONE, Calibration, RowHessians, collect_hessians, hessian_bytes,
                        token_sequences)
@@ -192,7 +192,7 @@ def calibrate(model: nn.Module, scheme: QuantScheme, sequences: list[np.ndarray]
                 del group_hessians, jobs  # each job holds its own Hessians: freed when it is done
                 quantized = _run_bounded(pool, work, bar.update)  # each job reads its weight as it starts
                 for (keys, matrix), name in zip(quantized, names):
-                    index.add_keys(keys, matrix)
+                    index.add_keys(keys, compact(matrix))  # held until the graphs are written
                     added.append(name)
     finally:
         torch.set_num_threads(torch_threads)

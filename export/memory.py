@@ -7,7 +7,7 @@ onnxruntime, and the whole model in float32 only when it is not lazy (a module b
 or when a step needs it all (``max_loss``). Then, one after the other: writing the graphs holds
 the largest tensor being read, quantised and written (float32, with the copies a quantiser
 makes); GPTQ calibration before it holds one group of layers' Hessians and the matrices being
-quantised, and its codes (a byte per weight) stay to the end; validating holds an ONNX Runtime
+quantised, and its codes (half a byte per 4-bit weight) stay to the end; validating holds an ONNX Runtime
 session of the written graphs (the reference's outputs are computed before it opens, reading
 less than the writing did). The figures are sized from measurements of Llama-shaped exports (docs/scale.md) with a
 margin, not from first principles: an estimate that errs high refuses a little early.
@@ -26,7 +26,7 @@ GiB = 2**30
 BASE_BYTES = int(0.8 * GiB)  # python with torch, onnx, onnxscript and onnxruntime imported
 TENSOR_COPIES = 3  # the largest tensor: read in float32, its quantised bytes and row keys (measured 2.6 at 8B)
 SESSION_OVERHEAD = 1.3  # an ONNX Runtime session over its weights' bytes (prepacked products, arena)
-CODE_BYTES = 1.2  # calibration: a code per byte and a float32 scale per block of 32, per weight value
+CODE_MARGIN = 1.1  # calibration's codes and scales, plus their row keys and zero points
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,14 @@ def stored_bytes_per_value(scheme, dtype: str) -> float:
     return scheme.bytes_per_value()
 
 
+def code_bytes(scheme) -> float:
+    """Bytes GPTQ keeps per weight value from calibration until the graphs are written: its codes
+    (4-bit ones two per byte, ``blocks.NibbleBlocks``) and a float32 scale per block, with a
+    margin (``CODE_MARGIN``)."""
+    bits, block = getattr(scheme, "bits", 8), getattr(scheme, "block_size", 32)
+    return CODE_MARGIN * (bits / 8 + 4 / block)
+
+
 def estimate_export(model: nn.Module, options, scheme, calibrating: bool) -> MemoryEstimate:
     """The peak of exporting ``model`` with ``options`` (``ExportOptions``), ``scheme`` (the
     resolved quantisation or None) and GPTQ calibration or not."""
@@ -109,7 +117,7 @@ def estimate_export(model: nn.Module, options, scheme, calibrating: bool) -> Mem
         parts["whole model in float32"] = 4 * values
     phases = {}
     if calibrating or options.max_loss is not None:  # GPTQ: one group's Hessians, the matrices in work
-        parts["calibrated codes"] = int(CODE_BYTES * values)  # held from calibration to the end
+        parts["calibrated codes"] = int(code_bytes(scheme) * values)  # held from calibration to the end
         work = gptq_bytes(*largest.shape) if largest is not None and largest.dim() == 2 else 0
         phases["calibrating"] = {"calibration Hessians": HESSIAN_BUDGET, "GPTQ work": max(WORK_BUDGET, work)}
     phases["writing"] = {"largest tensor in flight": TENSOR_COPIES * 4 * (0 if largest is None else largest.numel())}

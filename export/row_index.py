@@ -7,7 +7,7 @@ import hashlib
 
 import numpy as np
 
-from .blocks import BlockQuantized
+from .blocks import BlockQuantized, concat_rows
 
 
 def row_keys(values: np.ndarray) -> list[bytes]:
@@ -93,14 +93,13 @@ class RowIndex:
         return p.bits, p.block_size, p.scales.dtype, p.zero_points is None, p.offsets is None
 
     def _gather(self, found: list[tuple[int, int]]) -> BlockQuantized:
-        """Rows ``found`` ((matrix, row) pairs, all of one format) as one ``BlockQuantized``."""
-        parts = [self.matrices[m] for m, _ in found]
-        first = parts[0]
-
-        def gather(attr: str):
-            if getattr(first, attr) is None:
-                return None
-            return np.stack([getattr(part, attr)[i] for part, (_, i) in zip(parts, found)])
-
-        return BlockQuantized(gather("codes"), gather("scales"), gather("zero_points"), first.bits,
-                              first.block_size, gather("offsets"))
+        """Rows ``found`` ((matrix, row) pairs, all of one format) as one ``BlockQuantized``: each
+        run of consecutive rows of one matrix taken whole (``BlockQuantized.rows``), the runs
+        stacked."""
+        runs: list[list[int]] = []  # [matrix, first row, stop]
+        for matrix, row in found:
+            if runs and runs[-1][0] == matrix and runs[-1][2] == row:
+                runs[-1][2] += 1
+            else:
+                runs.append([matrix, row, row + 1])
+        return concat_rows([self.matrices[m].rows(start, stop) for m, start, stop in runs])

@@ -31,6 +31,7 @@ from tfport.export import hessians as activations
 from tfport.tools.parity.accuracy import PERPLEXITY_TEXT
 from tfport.export.quant import QuantScheme, fake_quantize
 from tfport.export import rounding
+from tfport.export.blocks import BlockQuantized
 from tfport.manifest import Manifest
 from tfport.models import build_model
 
@@ -196,6 +197,8 @@ def test_head_bits_hold_when_a_head_row_also_occurs_in_a_layer():
     head = quantization.quantize(model.lm_head.weight.detach().numpy())
     layer = quantization.quantize(model.decoder.layers[0].attn.out.weight.detach().numpy())
     assert (head.bits, layer.bits, quantization.requantized) == (8, 4, 0)
+    held = {type(m).__name__ for m in quantization.index.matrices}  # 4-bit codes two per byte
+    assert held == {"NibbleBlocks", "BlockQuantized"} and isinstance(layer, BlockQuantized)
 
 
 def test_sentences_and_sequences():

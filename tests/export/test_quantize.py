@@ -16,7 +16,7 @@ import pytest
 
 from tests.matrix import matrix_config
 from tfport.export import ExportOptions, export_model
-from tfport.export.blocks import pack_nibbles
+from tfport.export.blocks import BlockQuantized, NibbleBlocks, compact, pack_nibbles
 from tfport.export.quant import QuantScheme, fake_quantize, get_format
 from tfport.export.rounding import quantize_rows
 from tfport.export.row_index import RowIndex
@@ -102,6 +102,24 @@ def test_row_index_finds_each_matrix_whole_when_rows_repeat():
 
 def test_pack_nibbles_puts_the_first_code_low():
     np.testing.assert_array_equal(pack_nibbles(np.array([1, 2, 15, 0, 7], np.uint8)), [0x21, 0x0F, 0x07])
+
+
+@pytest.mark.parametrize("width", [32, 33])
+def test_nibble_blocks_hold_4_bit_codes_in_half_the_bytes(width):
+    """What GPTQ keeps until the graphs are written: the same blocks (codes, rows, storage
+    layouts, dequantised values) at half a byte per code; 8-bit blocks are kept as they are."""
+    codes = np.random.default_rng(0).integers(0, 16, (6, width)).astype(np.uint8)
+    scales = np.linspace(0.01, 0.02, 6 * 3, dtype=np.float32).reshape(6, 3)
+    plain = BlockQuantized(codes, scales, None, 4, 16)
+    packed = compact(plain)
+    assert isinstance(packed, NibbleBlocks) and packed._packed.nbytes == 6 * ((width + 1) // 2)
+    assert packed.shape == (6, width) and packed.nbytes == plain.nbytes
+    np.testing.assert_array_equal(packed.codes, codes)
+    np.testing.assert_array_equal(packed.rows(2, 5).codes, codes[2:5])
+    np.testing.assert_array_equal(packed.padded_codes(), plain.padded_codes())
+    np.testing.assert_array_equal(packed.dequantize(), plain.dequantize())
+    eight = BlockQuantized(codes, scales, None, 8, 16)
+    assert compact(eight) is eight
 
 
 def test_fp16_scales_are_rounded_before_the_codes():
