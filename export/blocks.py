@@ -68,8 +68,12 @@ class BlockQuantized:
         def part(values):
             return None if values is None else values[start:stop]
 
-        return BlockQuantized(self.codes[start:stop], self.scales[start:stop], part(self.zero_points), self.bits,
-                              self.block_size, part(self.offsets))
+        return BlockQuantized(self.row_codes(start, stop), self.scales[start:stop], part(self.zero_points),
+                              self.bits, self.block_size, part(self.offsets))
+
+    def row_codes(self, start: int, stop: int) -> np.ndarray:
+        """uint8 [stop - start, K]: the codes of rows ``start:stop``."""
+        return self.codes[start:stop]
 
     def dequantize(self) -> np.ndarray:
         """[N, K] in the scales' dtype: (code - zero point) * scale (+ offset), as the graph
@@ -140,14 +144,10 @@ class NibbleBlocks(BlockQuantized):
     def shape(self) -> tuple[int, int]:
         return self._packed.shape[0], self._width
 
-    def rows(self, start: int, stop: int) -> BlockQuantized:
-        """Rows ``start:stop`` with only their codes unpacked (a view of all of them would keep
-        every code unpacked for as long as the rows live)."""
-        def part(values):
-            return None if values is None else values[start:stop]
-
-        return BlockQuantized(unpack_nibbles(self._packed[start:stop], self._width), self.scales[start:stop],
-                              part(self.zero_points), self.bits, self.block_size, part(self.offsets))
+    def row_codes(self, start: int, stop: int) -> np.ndarray:
+        """Only these rows unpacked (a view of all of them would keep every code unpacked for as
+        long as the rows live)."""
+        return unpack_nibbles(self._packed[start:stop], self._width)
 
 
 def compact(quantized: BlockQuantized) -> BlockQuantized:

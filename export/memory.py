@@ -93,14 +93,6 @@ def stored_bytes_per_value(scheme, dtype: str) -> float:
     return scheme.bytes_per_value()
 
 
-def code_bytes(scheme) -> float:
-    """Bytes GPTQ keeps per weight value from calibration until the graphs are written: its codes
-    (4-bit ones two per byte, ``blocks.NibbleBlocks``) and a float32 scale per block, with a
-    margin (``CODE_MARGIN``)."""
-    bits, block = getattr(scheme, "bits", 8), getattr(scheme, "block_size", 32)
-    return CODE_MARGIN * (bits / 8 + 4 / block)
-
-
 def estimate_export(model: nn.Module, options, scheme, calibrating: bool) -> MemoryEstimate:
     """The peak of exporting ``model`` with ``options`` (``ExportOptions``), ``scheme`` (the
     resolved quantisation or None) and GPTQ calibration or not."""
@@ -117,7 +109,9 @@ def estimate_export(model: nn.Module, options, scheme, calibrating: bool) -> Mem
         parts["whole model in float32"] = 4 * values
     phases = {}
     if calibrating or options.max_loss is not None:  # GPTQ: one group's Hessians, the matrices in work
-        parts["calibrated codes"] = int(code_bytes(scheme) * values)  # held from calibration to the end
+        # held from calibration to the end as the export stores them (4-bit codes two per byte:
+        # blocks.NibbleBlocks), with a margin
+        parts["calibrated codes"] = int(CODE_MARGIN * stored_bytes_per_value(scheme, options.dtype) * values)
         work = gptq_bytes(*largest.shape) if largest is not None and largest.dim() == 2 else 0
         phases["calibrating"] = {"calibration Hessians": HESSIAN_BUDGET, "GPTQ work": max(WORK_BUDGET, work)}
     phases["writing"] = {"largest tensor in flight": TENSOR_COPIES * 4 * (0 if largest is None else largest.numel())}

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+
 class Quantization:
     """The quantisation of one export (subclasses: ``blockwise.Blockwise`` for blocks of codes
     with scales, ``w8a8.W8A8``). ``name`` is its format's name, the manifest's ``"format"``;
