@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from tfport.contract import ACTIVATION_KEY
+from tfport.contract import ACTIVATION_KEY, FLOAT_PRODUCTS
 from tfport.flags import add_flags, from_args
 
 from .hessians import AUTO, BUILTIN, DEFAULT_TOKENS, NONE, Calibration
@@ -37,9 +37,11 @@ def run_export(args: argparse.Namespace) -> int:
 def describe_quantization(quantization: dict) -> str:
     """One phrase for a manifest's quantisation entry, e.g. "int4 in blocks of 32 (GPTQ)" or
     "keep Q4_K, Q6_K: 120 weight products kept, 1 re-quantised as int8" (its format's ``describe``),
-    then "float activations" when they are not int8."""
+    then what its activations compute in when they are not int8."""
     text = get_format(quantization["format"], "quantization['format']").describe(quantization)
     activations = quantization.get(ACTIVATION_KEY)
+    if activations == "mixed":
+        return f"{text}; float activations for the {'/'.join(FLOAT_PRODUCTS)} products, int8 for the rest"
     return text if activations is None else f"{text}; {activations} activations"
 
 

@@ -72,7 +72,8 @@ class ExportOptions:
     ``calibration_threads``: weight matrices GPTQ quantises at once, one thread each (None: the
     machine's cores); the codes do not depend on it. ``activations``: what a quantised product
     computes its activations in (``tfport.contract.ACTIVATIONS``): "int8" (ONNX Runtime's fast
-    kernel) or "float" (float32: only the weights' error; slower, and less memory).
+    kernel), "float" (float32: only the weights' error; slower, and less memory) or "mixed" (float32
+    for the query / key / value and down projections, int8 for the rest; target "ort").
     """
 
     dtype: str = option("float32", choices=DTYPES,
@@ -140,7 +141,8 @@ class ExportOptions:
              "per block by ONNX Runtime's fast kernel; float: float32, so only the weights' rounding "
              "differs from the float model (a GGUF file kept with --quantize keep then answers as "
              "its float32 export), at about 0.7x the decode speed (1B shape) and without the int8 "
-             "kernel's 1.2x copy of 4-bit weights")
+             "kernel's 1.2x copy of 4-bit weights; mixed (--target ort): float32 for the query/key/value "
+             "and down projections, whose inputs carry the outlier channels, int8 for the rest")
 
     def replace(self, **changes) -> "ExportOptions":
         return dataclasses.replace(self, **changes)
@@ -230,7 +232,8 @@ def _check_budget(options: ExportOptions, scheme: Quantization | None) -> None:
 
 
 def _check_activations(activations: str, scheme: Quantization | None) -> None:
-    """``activations``: one of ``ACTIVATIONS``; "float" applies to a quantisation that takes it."""
+    """``activations``: one of ``ACTIVATIONS``; "float" and "mixed" apply to a quantisation that
+    takes them."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r}: expected one of {list(ACTIVATIONS)}")
     if activations != ACTIVATIONS[0]:

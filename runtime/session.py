@@ -210,12 +210,12 @@ def export_config(quantization: Mapping[str, Any] | None) -> dict[str, str]:
     """The session config entries an export's manifest ``quantization`` entry asks for: float
     activations (``tfport.contract.ACTIVATIONS``) set the accuracy level ONNX Runtime fuses a
     quantised DequantizeLinear + MatMul into MatMulNBits with (target "portable"; a MatMulNBits
-    the export wrote carries its own)."""
+    the export wrote carries its own, as every product of a "mixed" export does)."""
     activations = (quantization or {}).get(ACTIVATION_KEY, ACTIVATIONS[0])
-    if activations not in MATMULNBITS_ACCURACY:
+    if activations not in ACTIVATIONS:
         raise ValueError(f"manifest quantization {ACTIVATION_KEY}={activations!r}: expected one of "
                          f"{list(ACTIVATIONS)}; re-export it")
-    if activations == ACTIVATIONS[0]:
+    if activations != "float":
         return {}
     return {QDQ_ACCURACY_CONFIG: str(MATMULNBITS_ACCURACY[activations])}
 

@@ -205,9 +205,23 @@ LOGITS = ("all", "last")
 # the manifest's ``quantization[ACTIVATION_KEY]``, absent for the default "int8"): "int8" rounds
 # them per block (ONNX Runtime's MatMulNBits at accuracy level 4, its fast kernel, which repacks
 # 4-bit weights at 1.2x their bytes), "float" keeps them float32 (level 1: only the weights' own
-# error; the weights stay the size they are stored at).
-ACTIVATIONS = ("int8", "float")
+# error; the weights stay the size they are stored at), "mixed" keeps them float32 for the
+# products named in FLOAT_PRODUCTS (those whose inputs carry a transformer's outlier channels:
+# the attention's query / key / value projections and the feed-forward's down projection) and
+# int8 for the rest.
+ACTIVATIONS = ("int8", "float", "mixed")
 MATMULNBITS_ACCURACY = {"int8": 4, "float": 1}
+FLOAT_PRODUCTS = ("qkv", "q", "kv", "down")  # the last part of a product's graph name
+
+
+def accuracy_level(activations: str, product: str) -> int:
+    """MatMulNBits ``accuracy_level`` of the product named ``product`` in the graph (e.g.
+    "decoder.layers.3.ffn.down") in an export whose ``activations`` is one of ACTIVATIONS."""
+    if activations == "mixed":
+        activations = "float" if product.rsplit(".", 1)[-1] in FLOAT_PRODUCTS else "int8"
+    return MATMULNBITS_ACCURACY[activations]
+
+
 ACTIVATION_KEY = "activation_type"  # (w8a8's entry describes its own under "activations")
 # The ONNX Runtime session config entry that sets the accuracy level ONNX Runtime fuses a
 # DequantizeLinear + MatMul pair (target "portable") into MatMulNBits with (default 4).

@@ -43,11 +43,18 @@ class PortableTarget:
     # What quantised products compute their activations in (tfport.contract.ACTIVATIONS): a
     # lowering to MatMulNBits sets its accuracy level from it (``with_activations``).
     activations = ACTIVATIONS[0]
+    # Whether each product carries its own accuracy level (MatMulNBits written by the target);
+    # a DequantizeLinear + MatMul pair takes the one level ONNX Runtime fuses a session's with.
+    per_product_activations = False
 
     def with_activations(self, activations: str) -> "PortableTarget":
         """This target lowering quantised products with ``activations`` (itself when unchanged)."""
         if activations == self.activations:
             return self
+        if activations == "mixed" and not self.per_product_activations:
+            raise ValueError(f"activations='mixed' with target={self.name!r}: its quantised products are "
+                             "DequantizeLinear + MatMul, which ONNX Runtime fuses at one accuracy level per "
+                             "session; --target ort writes a level per product")
         target = copy.copy(self)
         target.activations = activations
         return target

@@ -12,7 +12,7 @@ from onnxscript import script, values
 from onnxscript import opset18 as op
 
 from tfport.config import ModelConfig
-from tfport.contract import ACTIVATIONS, MATMULNBITS_ACCURACY
+from tfport.contract import MATMULNBITS_ACCURACY, accuracy_level
 from tfport.dtypes import COMPUTE_DTYPES, ONNX_DTYPES
 
 from ..functions import tfport
@@ -58,6 +58,7 @@ class OrtTarget(PortableTarget):
     layout = "inplace"
     summary = "RoPE attention as ONNX Runtime's fused GroupQueryAttention, in-place KV buffer"
     bodies = {"FusedGroupQueryAttention": FusedGroupQueryAttention}
+    per_product_activations = True  # MatMulNBits carries its accuracy level
 
     def check(self, config: ModelConfig, dtype: str, opset: int) -> None:
         if config.family != "decoder":
@@ -182,19 +183,19 @@ class OrtTarget(PortableTarget):
     def project_quantized(self, g, x, weight, name, bias=None):
         """``com.microsoft.MatMulNBits``: codes packed per row [N, Kb, block_size * bits / 8]
         uint8, scales [N * Kb], zero points packed like the codes (absent when symmetric: the
-        kernel's default 2^(bits-1)). ``accuracy_level`` from the target's ``activations``: 4 lets
-        the CPU kernel quantise them to int8 per block (its fast path), 1 keeps them float32
-        (parity checks the graph at level 0)."""
+        kernel's default 2^(bits-1)). ``accuracy_level`` from the target's ``activations`` and the
+        product's name (``tfport.contract.accuracy_level``): 4 lets the CPU kernel quantise them to
+        int8 per block (its fast path), 1 keeps them float32 (parity checks the graph at level 0)."""
         n, k = weight.shape
-        if self.activations != ACTIVATIONS[0] and weight.bits == 8 and not getattr(self, "warned", False):
+        level = accuracy_level(self.activations, name)
+        if level != MATMULNBITS_ACCURACY["int8"] and weight.bits == 8 and not getattr(self, "warned", False):
             self.warned = True  # this target object is this export's own (``with_activations``)
-            log.warning("%s [%d, %d] and any other 8-bit product: ONNX Runtime has no %s-activation "
-                        "kernel for 8-bit blocks and dequantises the whole weight on every call "
-                        "(50-160x the int8-activation time measured at SmolLM2's shapes); 4-bit "
-                        "products keep a fast one", name, n, k, self.activations)
+            log.warning("%s [%d, %d] and any other 8-bit product on float activations: ONNX Runtime "
+                        "has no float-activation kernel for 8-bit blocks and dequantises the whole "
+                        "weight on every call (50-160x the int8-activation time measured at SmolLM2's "
+                        "shapes); 4-bit products keep a fast one", name, n, k)
         y = g.op("MatMulNBits", x, *_nbits_storage(g, weight, name), domain="com.microsoft", K=k,
-                 N=n, bits=weight.bits, block_size=weight.block_size,
-                 accuracy_level=MATMULNBITS_ACCURACY[self.activations], name=name)
+                 N=n, bits=weight.bits, block_size=weight.block_size, accuracy_level=level, name=name)
         if weight.offsets is not None:  # GGUF Q4_1 (zero points 0): + (x summed per block) @ m
             y = g.op("Add", y, offset_product(g, x, weight, name), name=f"{name}.offset_add")
         if bias is not None:

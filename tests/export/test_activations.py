@@ -3,7 +3,8 @@
 "int8" (the default) lets ONNX Runtime's MatMulNBits round them per block (accuracy level 4);
 "float" keeps them float32 (level 1 in the ``ort`` target's MatMulNBits, the session's fusion
 level for the ``portable`` target's DequantizeLinear + MatMul, set by the runtime from the
-manifest). The reference is the fake-quantised PyTorch module (the same dequantised weights, float
+manifest); "mixed" keeps them float32 for the products in FLOAT_PRODUCTS alone (target ``ort``,
+whose MatMulNBits carries a level per product). The reference is the fake-quantised PyTorch module (the same dequantised weights, float
 activations): a float-activation export must match it to float32 rounding through the runtime,
 while the int8 default differs from it by its activations' rounding.
 """
@@ -18,7 +19,7 @@ import pytest
 
 from tests.matrix import matrix_config
 from tfport.cli import main
-from tfport.contract import QDQ_ACCURACY_CONFIG
+from tfport.contract import FLOAT_PRODUCTS, QDQ_ACCURACY_CONFIG
 from tfport.export import ExportOptions, export_model
 from tfport.export.quant import QuantScheme, fake_quantize
 from tfport.manifest import Manifest
@@ -30,10 +31,15 @@ SCHEME = QuantScheme(4, 16, symmetric=True)
 IDS = np.array([3, 17, 42, 9, 88, 20, 5, 61, 33, 7, 95, 14], dtype=np.int64)  # < the vocabulary (96)
 
 
-def _levels(path) -> set[int]:
+def _product_levels(path) -> dict[str, int]:
+    """MatMulNBits node name -> its accuracy level."""
     graph = onnx.load(str(path), load_external_data=False)
-    return {a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+    return {n.name: a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
             if a.name == "accuracy_level"}
+
+
+def _levels(path) -> set[int]:
+    return set(_product_levels(path).values())
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +58,9 @@ def exports(decoder, tmp_path_factory):
             export_model(decoder, path / "q", ExportOptions(target=target, quantize=SCHEME, activations=activations,
                                                             overwrite=True))
             out[target, activations] = path / "q"
+    path = tmp_path_factory.mktemp("ort-mixed")
+    export_model(decoder, path / "q", ExportOptions(target="ort", quantize=SCHEME, activations="mixed", overwrite=True))
+    out["ort", "mixed"] = path / "q"
     return out
 
 
@@ -63,6 +72,23 @@ def test_the_manifest_and_the_graph_say_what_the_products_compute_in(exports):
         assert Manifest.read(exports[target, "float"]).quantization["activation_type"] == "float"
     assert export_config(Manifest.read(exports["portable", "float"]).quantization) == {QDQ_ACCURACY_CONFIG: "1"}
     assert export_config(Manifest.read(exports["portable", "int8"]).quantization) == {}
+
+
+def test_mixed_activations_are_float_for_the_outlier_products_alone(decoder, exports):
+    """Level 1 for the query/key/value and down projections, 4 for the others (attention output,
+    up projection, head), by the products' graph names; through the runtime the logits sit
+    between the float and the int8 exports'."""
+    levels = _product_levels(exports["ort", "mixed"] / "decoder.onnx")
+    kinds = {name.rsplit(".", 1)[-1] for name in levels}
+    assert {"qkv", "down"} <= kinds and kinds - set(FLOAT_PRODUCTS), kinds  # both sorts present
+    for name, level in levels.items():
+        assert level == (1 if name.rsplit(".", 1)[-1] in FLOAT_PRODUCTS else 4), (name, level)
+    quantization = Manifest.read(exports["ort", "mixed"]).quantization
+    assert quantization["activation_type"] == "mixed" and export_config(quantization) == {}
+    reference = reference_logits(fake_quantize(decoder, SCHEME), IDS)
+    error = {a: np.abs(export_logits(exports["ort", a], IDS) - reference).max() for a in ("float", "mixed", "int8")}
+    assert error["mixed"] > 20 * max(error["float"], 1e-7 * np.abs(reference).max()), error
+    assert error["mixed"] < 2 * error["int8"], error
 
 
 @pytest.mark.parametrize("target", ["ort", "portable"])
@@ -83,9 +109,11 @@ def test_refusals_name_the_option(decoder, tmp_path):
         export_model(decoder, tmp_path / "a", ExportOptions(activations="float"))
     with pytest.raises(ValueError, match="activations='float' with quantize='w8a8'"):
         export_model(decoder, tmp_path / "b", ExportOptions(quantize="w8a8", activations="float"))
-    with pytest.raises(ValueError, match=r"activations='fp16': expected one of \['int8', 'float'\]"):
+    with pytest.raises(ValueError, match=r"activations='mixed' with target='portable': .* --target ort"):
+        export_model(decoder, tmp_path / "d", ExportOptions(quantize="int4", activations="mixed"))
+    with pytest.raises(ValueError, match=r"activations='fp16': expected one of \['int8', 'float', 'mixed'\]"):
         export_model(decoder, tmp_path / "c", ExportOptions(quantize="int4", activations="fp16"))
-    assert not any(p.exists() for p in (tmp_path / "a", tmp_path / "b", tmp_path / "c"))
+    assert not any(p.exists() for p in (tmp_path / "a", tmp_path / "b", tmp_path / "c", tmp_path / "d"))
     with pytest.raises(ValueError, match="activation_type='fp16'"):
         export_config({"format": "int4", "activation_type": "fp16"})
 
@@ -105,5 +133,8 @@ def test_the_cli_flag(tmp_path, capsys):
                  "--activations", "float", "--no-validate"]) == 0
     assert "float activations" in capsys.readouterr().out
     assert Manifest.read(tmp_path / "q").quantization["activation_type"] == "float"
+    assert main(["export", "llama-55m", "--out", str(tmp_path / "m"), "--quantize", "int4", "--target", "ort",
+                 "--activations", "mixed", "--no-validate"]) == 0
+    assert "float activations for the qkv/q/kv/down products, int8 for the rest" in capsys.readouterr().out
     assert main(["export", "tiny-decoder", "--out", str(tmp_path / "f"), "--activations", "float"]) == 2
     assert "activations='float': applies to a quantised export" in capsys.readouterr().err

@@ -27,9 +27,10 @@ def test_layout_names():
     assert layout_options("rtn128-sym-hb32")["head_block_size"] == 32
     assert layout_options("keep") == {"quantize": "keep"}
     assert layout_options("keep-float") == {"quantize": "keep", "activations": "float"}
+    assert layout_options("default-mixed") == {"quantize": "int4", "activations": "mixed"}
     assert layout_options("gptq32-sym-float") == {**layout_options("gptq32-sym"), "activations": "float"}
     for bad in ("gptq33-sym", "gptq32", "awq32-sym", "int2", "gptq128-sym-hb48", "gptq128-sym-hb", "-float",
-                "float", "keep-float-float"):
+                "float", "keep-float-float", "keep-mixed-float", "-mixed"):
         with pytest.raises(ValueError, match=f"--layouts {bad!r}: expected"):
             layout_options(bad)
 

@@ -217,7 +217,7 @@ def add_parsers(subparsers: argparse._SubParsersAction) -> None:
     pareto.add_argument("--layouts", type=_name_list,
                         help="tfport layouts: default, int8, w8a8, keep (a .gguf source's own blocks), "
                              "{rtn|gptq}{block}-{sym|zp}[-h8][-hb{block}], each optionally ending in -float "
-                             "(float activations) (default default,gptq32-sym-h8,gptq64-sym-h8,gptq128-sym,rtn32-sym,int8)")
+                             "or -mixed (those activations, as tfport export --activations) (default default,gptq32-sym-h8,gptq64-sym-h8,gptq128-sym,rtn32-sym,int8)")
     pareto.add_argument("--text", help="held-out text for perplexity, KL and top-1 (default "
                                        "export/data/perplexity.txt)")
     pareto.add_argument("--metric", choices=("kl", "perplexity", "top1"),

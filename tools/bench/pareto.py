@@ -45,7 +45,8 @@ _LAYOUT = re.compile(r"(rtn|gptq)(\d+)-(sym|zp)(-h8)?(?:-hb(\d+))?")
 # round-to-nearest, keep a GGUF source's own blocks.
 NAMED_LAYOUTS = {"default": {"quantize": INT4.name}, KEEP.name: {"quantize": KEEP.name},
                  **{fmt.name: {"quantize": fmt.name, "calibration": "none"} for fmt in (INT8, W8A8_FORMAT)}}
-FLOAT_SUFFIX = "-float"  # a layout on float activations (tfport export --activations float)
+# A layout name's ending -> its activations (tfport export --activations float / mixed)
+ACTIVATION_SUFFIXES = {f"-{activations}": activations for activations in ACTIVATIONS[1:]}
 
 
 def layout_options(name: str) -> dict[str, Any]:
@@ -55,10 +56,11 @@ def layout_options(name: str) -> dict[str, Any]:
     ``{rtn|gptq}{block}-{sym|zp}[-h8][-hb{block}]``: int4, round-to-nearest or GPTQ on the
     built-in text, that block size, symmetric or with zero points, the head and token table at 8
     bits with ``-h8``, in blocks of ``-hb`` (default: ``calibrate.head_block``); any of them
-    ending in ``-float`` on float activations (``--activations float``)."""
-    base = name.removesuffix(FLOAT_SUFFIX)
-    if base != name and base and not base.endswith(FLOAT_SUFFIX):
-        return {**layout_options(base), "activations": ACTIVATIONS[1]}
+    ending in ``-float`` or ``-mixed`` on those activations (``--activations``)."""
+    for suffix, activations in ACTIVATION_SUFFIXES.items():
+        base = name.removesuffix(suffix)
+        if base != name and base and not base.endswith(tuple(ACTIVATION_SUFFIXES)):
+            return {**layout_options(base), "activations": activations}
     if name in NAMED_LAYOUTS:
         return dict(NAMED_LAYOUTS[name])
     match = _LAYOUT.fullmatch(name)
@@ -66,7 +68,7 @@ def layout_options(name: str) -> dict[str, Any]:
         raise ValueError(f"--layouts {name!r}: expected {', '.join(NAMED_LAYOUTS)} or rtn|gptq, a block size "
                          f"({', '.join(map(str, BLOCK_SIZES))}), -sym or -zp, optionally -h8 and -hb with "
                          f"a block size, e.g. gptq32-sym-h8 or gptq128-sym-hb32; any of them may end in "
-                         f"{FLOAT_SUFFIX} (float activations)")
+                         f"{' or '.join(ACTIVATION_SUFFIXES)} (their activations)")
     options = {"quantize": INT4.name, "block_size": int(match[2]), "symmetric": match[3] == "sym",
                "calibration": "none" if match[1] == "rtn" else "builtin"}
     if match[4]:
