@@ -22,7 +22,7 @@ from tfport.dtypes import NUMPY_DTYPES
 
 from ..binding import PRESENT, Feed, GraphRunner, KVCache, empty_cache, past_name, self_cache_inputs
 from ..inputs import pad_batch, positions_from_mask
-from .layout import LayoutDecoding, register_decoding
+from .layout import LayoutDecoding, prefill_pieces, register_decoding
 from .prefix import NO_PREFIX, Prefix, PrefixCache, cache_chunk, cached_start
 from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
 from .inplace_binding import logits_layout
@@ -91,7 +91,10 @@ class ConcatCache:
         start = cached_start(prefix, rows[0]) if cached else NO_PREFIX
         past = past_from(runner, start) if cached else empty_cache(runner.spec, ids.shape[0])
         state = DecodeState(mask, past)
-        logits, state.cache = decoder_forward(runner, ids[:, start.length:], mask, state.cache, static)
+        # one row in pieces on top of its cache (a piece of a left-padded batch could be all padding)
+        pieces = prefill_pieces(start.length, ids.shape[1]) if len(rows) == 1 else [(start.length, ids.shape[1])]
+        for first, stop in pieces:
+            logits, state.cache = decoder_forward(runner, ids[:, first:stop], mask[:, :stop], state.cache, static)
         fed = [int(t) for t in rows[0]] if cached else None  # the tokens in the cache
 
         def advance(token: np.ndarray, step: int) -> np.ndarray:
@@ -152,9 +155,10 @@ class ConcatRows:
     def _prefill(self, prompt: np.ndarray, start: Prefix, stop: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """``prompt[start.length:stop]`` on top of ``start``, batch 1 -> (logits [1, V], the
         cache name -> [1, Hkv, stop, D] on the host)."""
-        mask = np.ones((1, stop), dtype=np.int64)
-        logits, cache = decoder_forward(self.runner, prompt[None, start.length:stop], mask,
-                                        past_from(self.runner, start), {})
+        cache = past_from(self.runner, start)
+        for first, last in prefill_pieces(start.length, stop):
+            logits, cache = decoder_forward(self.runner, prompt[None, first:last], np.ones((1, last), dtype=np.int64),
+                                            cache, {})
         return logits, host_cache(cache)
 
     def prefill_chunk(self, prompt: np.ndarray, budget: int) -> int:

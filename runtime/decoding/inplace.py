@@ -33,7 +33,7 @@ from tfport.dtypes import NUMPY_DTYPES
 from ..binding import PAST, PRESENT, Feed, GraphRunner
 from ..inputs import pad_batch
 from .inplace_binding import InplaceDecoder, StepFeeds, fill_prefix, keep, lease, logits_layout, require_finite
-from .layout import LayoutDecoding, register_decoding
+from .layout import LayoutDecoding, prefill_pieces, register_decoding
 from .prefix import NO_PREFIX, Prefix, PrefixCache, cache_chunk, cached_start
 from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
 
@@ -57,8 +57,13 @@ class InplaceBuffer:
         start = cached_start(prefix, rows[0]) if cached else NO_PREFIX
         if start.length:
             fill_prefix({name: value[0] for name, value in decoder.host.items()}, start)
-        logits = decoder(ids[:, start.length:], lengths - 1)  # [B, S, V], or [B, 1, V]: each row's last token
-        last = lengths - 1 - start.length  # each row's last token among those fed
+        if batch == 1:  # in pieces on top of its cache (the kernel takes several new tokens so at batch 1)
+            for first, stop in prefill_pieces(start.length, int(lengths[0])):
+                logits = decoder(ids[:, first:stop], np.array([stop - 1]))  # [1, S, V], or [1, 1, V]
+        else:
+            first = start.length
+            logits = decoder(ids[:, first:], lengths - 1)  # [B, S, V], or [B, 1, V]: each row's last token
+        last = lengths - 1 - first  # each row's last token among those of the last run
         logits = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(batch), last]  # [B, V]
 
         top = int(lengths.max())
@@ -183,7 +188,9 @@ class InplaceRows:
         """``prompt[start.length:stop]`` on top of ``start`` in row ``index``'s buffers -> logits
         [1, S, V] (or [1, 1, V])."""
         fill_prefix(self._row_cache(index), start)
-        return self._run(index, index + 1, prompt[None, start.length:stop], np.array([stop - 1]))
+        for first, last in prefill_pieces(start.length, stop):
+            logits = self._run(index, index + 1, prompt[None, first:last], np.array([last - 1]))
+        return logits  # the last piece's
 
     def prefill_chunk(self, prompt: np.ndarray, budget: int) -> int:
         """On the first free row (``check_prompt``: there is one), left free."""

@@ -32,6 +32,8 @@ CASES = {
     "decoder-learned": ExportCase("tiny-decoder-gpt2", {"tie_embeddings": False}),
     "decoder-alibi": ExportCase("tiny-decoder-alibi", {"tie_embeddings": False}),
     "encoder-decoder": ExportCase("tiny-encoder-decoder", {"tie_embeddings": False}),
+    # target ort (the inplace cache layout): its attention kernel needs heads of 16
+    "decoder-ort": ExportCase("tiny-decoder", {"tie_embeddings": False, "d_model": 64}, options={"target": "ort"}),
     "encoder": ExportCase("tiny-encoder"),
     "decoder-fp16": ExportCase("tiny-decoder", dtype="float16"),
     # every weight in <graph>.onnx.data, to test a missing external-data file

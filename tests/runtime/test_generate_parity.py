@@ -12,6 +12,7 @@ import torch
 
 from tfport.models.generate import generate, generate_seq2seq
 from tfport.runtime.binding import GraphRunner, empty_cache
+from tfport.runtime.decoding import layout
 from tfport.runtime.decoding.concat import decoder_forward
 from tfport.runtime.inputs import pad_batch
 
@@ -54,6 +55,28 @@ def test_greedy_batched_with_eos(key, loaded):
     got = model.generate(PROMPTS, max_new_tokens=STEPS, stop_token_ids=[eos])
     np.testing.assert_array_equal(got, expected)
     assert (got[0, list(first).index(eos) + 1:] == exported.case.config.pad_token_id).all()
+
+
+@pytest.mark.parametrize("key", ["decoder-rope", "decoder-ort"])  # the concat and inplace layouts
+def test_a_prompt_longer_than_a_prefill_piece_runs_in_pieces(key, loaded, monkeypatch):
+    """A prompt of one row longer than ``PREFILL_PIECE`` is prefilled in runs of that many tokens
+    on top of its cache (bounded activations and logits): the same greedy tokens as PyTorch's,
+    through ``generate`` (the library) and the row batch (the server)."""
+    exported, model = loaded(key)
+    monkeypatch.setattr(layout, "PREFILL_PIECE", 2)
+    runner = model.runners["decoder"]
+    for prompt in PROMPTS[:2]:  # 5 and 4 tokens: 3 and 2 pieces
+        expected = reference(exported, [prompt])
+        before = runner.runs["own"]
+        got = model.generate([prompt], max_new_tokens=STEPS, stop_token_ids=())
+        np.testing.assert_array_equal(got, expected)
+        assert runner.runs["own"] - before == -(-len(prompt) // 2) + STEPS - 1  # pieces, then the steps
+        rows = model.decoding.rows(runner, 2, 64)
+        row, logits = rows.add(np.array(prompt))
+        tokens = [int(logits.argmax())]
+        for _ in range(STEPS - 1):
+            tokens.append(int(rows.step(np.array([tokens[-1]]))[0].argmax()))
+        np.testing.assert_array_equal(tokens, expected[0])
 
 
 @pytest.mark.parametrize("key", DECODER_CASES)
