@@ -57,14 +57,18 @@ class InplaceBuffer:
         start = cached_start(prefix, rows[0]) if cached else NO_PREFIX
         if start.length:
             fill_prefix({name: value[0] for name, value in decoder.host.items()}, start)
-        if batch == 1:  # in pieces on top of its cache (the kernel takes several new tokens so at batch 1)
-            for first, stop in prefill_pieces(start.length, int(lengths[0])):
-                logits = decoder(ids[:, first:stop], np.array([stop - 1]))  # [1, S, V], or [1, 1, V]
+        if batch == 1 or (decoder.host is not None and len(prefill_pieces(0, int(lengths.max()))) > 1):
+            # each row alone, in pieces on top of its cache (the CPU kernel takes several new
+            # tokens over a cache at batch 1 only): each piece's last token is a real one
+            last_logits = []
+            for b in range(batch):
+                for first, stop in prefill_pieces(start.length, int(lengths[b])):
+                    piece = decoder(ids[b:b + 1, first:stop], np.array([stop - 1]), None if batch == 1 else b)
+                last_logits.append(piece[0, -1])
+            logits = np.stack(last_logits)  # [B, V]
         else:
-            first = start.length
-            logits = decoder(ids[:, first:], lengths - 1)  # [B, S, V], or [B, 1, V]: each row's last token
-        last = lengths - 1 - first  # each row's last token among those of the last run
-        logits = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(batch), last]  # [B, V]
+            logits = decoder(ids, lengths - 1)  # [B, S, V], or [B, 1, V]: each row's last token
+            logits = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(batch), lengths - 1]  # [B, V]
 
         top = int(lengths.max())
         fed = [int(t) for t in rows[0]] if cached else None  # the tokens in the cache

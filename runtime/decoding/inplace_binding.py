@@ -82,19 +82,30 @@ class InplaceDecoder:
             self._bindings[id(session)] = (binding, False)
         return session, self._bindings[id(session)][0]
 
-    def __call__(self, input_ids: np.ndarray, seqlens_k: np.ndarray) -> np.ndarray:
+    def __call__(self, input_ids: np.ndarray, seqlens_k: np.ndarray, row: int | None = None) -> np.ndarray:
         """input_ids [B, S] (right-padded), seqlens_k [B] -> logits float32 [B, S, V], or [B, 1, V]
         (each row's last new token) from an export with ``logits="last"``; the array is the
-        caller's (a new one each call).
+        caller's (a new one each call). ``row``: run that row alone (input_ids [1, S]) on its
+        slice of the buffers (the CPU's host arrays), the others untouched.
 
         ``seqlens_k[b]`` is the index of row b's last real token counting its cache: a prefill passes
         each prompt's length - 1 (its padded slots are ignored), a decode step the cached length.
         The new keys/values are written in place into the row's slots after its cache.
         """
         batch, length = input_ids.shape
-        assert batch == self.batch and seqlens_k.max() < self.slots, (input_ids.shape, seqlens_k, self.slots)
-        session, binding = self._binding(input_ids.size)
-        self._bindings[id(session)] = (binding, False)
+        assert seqlens_k.max() < self.slots, (seqlens_k, self.slots)
+        if row is None:
+            assert batch == self.batch, (input_ids.shape, self.batch)
+            session, binding = self._binding(input_ids.size)
+            self._bindings[id(session)] = (binding, False)
+        else:
+            assert batch == 1 and self.host is not None and 0 <= row < self.batch, (input_ids.shape, row)
+            session = choose_session(self.session, self.batch_session, self.batch_rows, input_ids.size, self.runs)
+            binding = session.io_binding()
+            views = [ort.OrtValue.ortvalue_from_numpy(host[row:row + 1]) for host in self.host.values()]
+            for name, view in zip(self.host, views):  # views: alive until the run is over
+                binding.bind_ortvalue_input(name, view)
+                binding.bind_ortvalue_output(PRESENT + name[len(PAST):], view)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(seqlens_k.max() + 1, dtype=np.int32))
