@@ -32,7 +32,8 @@ from tfport.dtypes import NUMPY_DTYPES
 
 from ..binding import PAST, PRESENT, Feed, GraphRunner
 from ..inputs import pad_batch
-from .inplace_binding import InplaceDecoder, StepFeeds, fill_prefix, keep, lease, logits_layout, require_finite
+from .inplace_binding import (InplaceDecoder, StepFeeds, bind_cache, fill_prefix, keep, lease, logits_layout,
+                              require_finite, row_views)
 from .layout import LayoutDecoding, prefill_pieces, register_decoding
 from .prefix import NO_PREFIX, Prefix, PrefixCache, cache_chunk, cached_start
 from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
@@ -123,7 +124,7 @@ class InplaceRows:
                 _, heads, _, dim = spec.shape
                 self.buffers[spec.name] = np.zeros((self.capacity, heads, self.slots, dim),
                                                    dtype=NUMPY_DTYPES[spec.dtype])
-        self._bindings: dict[tuple[int, int, bool], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
+        self._bindings: dict[tuple[int, int, bool], tuple[ort.IOBinding, dict[str, ort.OrtValue]]] = {}
         self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
         self.all_logits = self.rows_out is None  # every position's (extend needs it)
         # A step's host feeds per row count, bound once (InplaceDecoder.step's fast path); the
@@ -152,12 +153,8 @@ class InplaceRows:
         key = (start, stop, session is self.runner.session)
         if key not in self._bindings:
             binding = session.io_binding()
-            values = []
-            for name, buffer in self.buffers.items():
-                value = ort.OrtValue.ortvalue_from_numpy(buffer[start:stop])  # a view, no copy
-                values.append(value)
-                binding.bind_ortvalue_input(name, value)
-                binding.bind_ortvalue_output(PRESENT + name[len(PAST):], value)
+            values = row_views(self.buffers, start, stop)
+            bind_cache(binding, values)
             self._bindings[key] = (binding, values)  # values: keep the views alive
         return session, self._bindings[key][0], key
 

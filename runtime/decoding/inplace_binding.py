@@ -76,9 +76,7 @@ class InplaceDecoder:
         session = choose_session(self.session, self.batch_session, self.batch_rows, rows, self.runs)
         if id(session) not in self._bindings:
             binding = session.io_binding()
-            for name, buffer in self.cache.items():
-                binding.bind_ortvalue_input(name, buffer)
-                binding.bind_ortvalue_output(PRESENT + name[len(PAST):], buffer)
+            bind_cache(binding, self.cache)
             self._bindings[id(session)] = (binding, False)
         return session, self._bindings[id(session)][0]
 
@@ -102,10 +100,8 @@ class InplaceDecoder:
             assert batch == 1 and self.host is not None and 0 <= row < self.batch, (input_ids.shape, row)
             session = choose_session(self.session, self.batch_session, self.batch_rows, input_ids.size, self.runs)
             binding = session.io_binding()
-            views = [ort.OrtValue.ortvalue_from_numpy(host[row:row + 1]) for host in self.host.values()]
-            for name, view in zip(self.host, views):  # views: alive until the run is over
-                binding.bind_ortvalue_input(name, view)
-                binding.bind_ortvalue_output(PRESENT + name[len(PAST):], view)
+            views = row_views(self.host, row, row + 1)  # alive until the run is over
+            bind_cache(binding, views)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(seqlens_k.max() + 1, dtype=np.int32))
@@ -158,6 +154,20 @@ class StepFeeds:
                 binding.bind_ortvalue_output(name, value)
             else:
                 binding.bind_ortvalue_input(name, value)
+
+
+def row_views(buffers: Mapping[str, np.ndarray], start: int, stop: int) -> dict[str, ort.OrtValue]:
+    """OrtValues over rows [start:stop] of each host KV buffer [B, Hkv, slots, D] (views: on the
+    CPU a run writes the buffers themselves)."""
+    return {name: ort.OrtValue.ortvalue_from_numpy(buffer[start:stop]) for name, buffer in buffers.items()}
+
+
+def bind_cache(binding: ort.IOBinding, buffers: Mapping[str, ort.OrtValue]) -> None:
+    """Bind each KV buffer (name: its ``past_key_values.*`` input) as its layer's past and as
+    its present, so the run writes the new keys and values in place."""
+    for name, value in buffers.items():
+        binding.bind_ortvalue_input(name, value)
+        binding.bind_ortvalue_output(PRESENT + name[len(PAST):], value)
 
 
 def lease(runner: GraphRunner, batch: int, slots: int) -> InplaceDecoder:
