@@ -25,15 +25,18 @@ from tfport.contract import ACTIVATION_KEY, ACTIVATIONS, CHAT_TEMPLATE_FILE, CON
 from tfport.files import atomic_directory
 from tfport.integrity import graph_metadata, record_files
 from tfport.manifest import Manifest
+from tfport.models.gguf.reader import is_gguf_file
 from tfport.models.lazy import is_lazy, materialize_all, streamed
 
 from .calibrate import calibrated_scheme, own_head_block, resolve_calibration
 from .graph import Initializers
 from .graphs import BUILDERS
-from .hessians import Calibration
+from .hessians import AUTO, Calibration
 from .memory import check_memory
 from .options import ExportOptions, ExportPlan, plan_export
-from .quant import get_format
+from .quant import INT4, KEEP, get_format
+from .quant.keep import FOUR_BIT_SHARE, four_bit_share
+from .targets import get_target
 
 log = logging.getLogger(__name__)
 EXTERNAL_SUFFIX = ".data"  # <graph>.onnx.data: a graph's external weights
@@ -129,7 +132,7 @@ def _quantization_entry(scheme, options: ExportOptions) -> dict | None:
     if scheme is None:
         return None
     entry = scheme.to_dict()
-    if options.activations != ACTIVATIONS[0]:
+    if options.activations not in (None, ACTIVATIONS[0]):
         entry[ACTIVATION_KEY] = options.activations
     return entry
 
@@ -233,14 +236,39 @@ def export_checkpoint_or_preset(source: str, out_dir: str | os.PathLike, options
     if not isinstance(options, ExportOptions):
         raise TypeError(f"options={options!r}: expected an ExportOptions or None")
     loaded = load_source(source, seed, lazy=True)  # each weight read from the file as it is emitted
-    if isinstance(options.quantize, str):  # a format read from the source file (keep: its own blocks)
-        bound = get_format(options.quantize).for_source(source, options.dtype)
-        if bound is not None:
-            options = options.replace(quantize=bound)
+    options = source_options(options, source)
     filled = {"tokenizer": loaded.tokenizer, "chat_template": loaded.chat_template,
               "embedding": loaded.embedding, "generation": loaded.generation}
     options = options.replace(**{name: value for name, value in filled.items() if getattr(options, name) is None})
     return export_model(loaded.model, out_dir, options)
 
 
-__all__ = ["ExportOptions", "export_model", "export_checkpoint_or_preset", "MANIFEST_FILE"]
+def source_options(options: ExportOptions, source: str) -> ExportOptions:
+    """``options`` as an export of the file ``source`` takes them: ``--quantize int4`` alone (no
+    calibration, block, zero point, head or loss option given) of a GGUF file stored mostly in 4-bit
+    blocks (``FOUR_BIT_SHARE``) keeps those blocks (``keep``), with mixed activations where the
+    target takes them: re-quantising 4-bit weights to 4 bits loses answers the file's own blocks
+    keep (docs/quantisation.md#the-defaults); then a format read from the file (``keep``) is bound
+    to it."""
+    if options.quantize == INT4.name and options.dtype == "float32" and _int4_alone(options) \
+            and is_gguf_file(source) and four_bit_share(source) >= FOUR_BIT_SHARE:
+        activations = options.activations
+        if activations is None and get_target(options.target).per_product_activations:
+            activations = "mixed"
+        log.info("quantize='int4' of %s, a file of 4-bit blocks: its own blocks are kept (quantize='keep', "
+                 "activations=%r); calibration='builtin' re-quantises them with GPTQ instead", source, activations)
+        options = options.replace(quantize=KEEP.name, activations=activations)
+    if isinstance(options.quantize, str):  # a format read from the source file (keep: its own blocks)
+        bound = get_format(options.quantize).for_source(source, options.dtype)
+        if bound is not None:
+            options = options.replace(quantize=bound)
+    return options
+
+
+def _int4_alone(options: ExportOptions) -> bool:
+    """Whether ``options`` ask for int4 without choosing how its codes are made."""
+    return options.calibration == AUTO and options.max_loss is None and all(
+        value is None for value in (options.block_size, options.symmetric, options.head_bits, options.head_block_size))
+
+
+__all__ = ["ExportOptions", "export_model", "export_checkpoint_or_preset", "source_options", "MANIFEST_FILE"]

@@ -73,7 +73,9 @@ class ExportOptions:
     machine's cores); the codes do not depend on it. ``activations``: what a quantised product
     computes its activations in (``tfport.contract.ACTIVATIONS``): "int8" (ONNX Runtime's fast
     kernel), "float" (float32: only the weights' error; slower, and less memory) or "mixed" (float32
-    for the query / key / value and down projections, int8 for the rest; target "ort").
+    for the query / key / value and down projections, int8 for the rest; target "ort"); None:
+    "int8", except that ``export_checkpoint_or_preset`` makes ``quantize="int4"`` alone of a
+    4-bit GGUF file its own blocks on "mixed" (``exporter.source_options``).
     """
 
     dtype: str = option("float32", choices=DTYPES,
@@ -135,9 +137,10 @@ class ExportOptions:
                                              help="weight matrices GPTQ quantises at once, one thread each "
                                                   "(default: the machine's cores); the codes are the same "
                                                   "for any N")
-    activations: str = option(
-        ACTIVATIONS[0], choices=ACTIVATIONS,
-        help="what --quantize's weight products compute their activations in: int8 (default): rounded "
+    activations: str | None = option(
+        None, choices=ACTIVATIONS,
+        help="what --quantize's weight products compute their activations in: int8 (default, but mixed "
+             "where --quantize int4 keeps a 4-bit GGUF file's own blocks): rounded "
              "per block by ONNX Runtime's fast kernel; float: float32, so only the weights' rounding "
              "differs from the float model (a GGUF file kept with --quantize keep then answers as "
              "its float32 export), at about 0.7x the decode speed (1B shape) and without the int8 "
@@ -174,8 +177,9 @@ def plan_export(options: ExportOptions, config: ModelConfig, out_dir: str | os.P
     dtype, kv_dtype = options.dtype, options.kv_dtype
     target = get_target(options.target)
     scheme = resolve_scheme(options.quantize, options.block_size, options.symmetric, config.has_decoder)
-    _check_activations(options.activations, scheme)
-    target = target.with_activations(options.activations)
+    activations = options.activations or ACTIVATIONS[0]
+    _check_activations(activations, scheme)
+    target = target.with_activations(activations)
     opset = options.opset
     if opset is None:
         opset = target.default_opset if scheme is None else scheme.default_opset(target)

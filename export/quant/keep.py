@@ -56,6 +56,25 @@ def check_keep_dtype(dtype: str) -> None:
                          "with dtype='float32', or re-quantise with quantize='int4' or 'int8'")
 
 
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # GGUF block types of 4-bit codes
+# ``--quantize int4`` alone keeps a GGUF file's own blocks when at least this share of its layer
+# weights is in 4-bit blocks (a Q4_K_M file's, ~0.8, is; a Q5_K_M or Q8_0 file's is not)
+FOUR_BIT_SHARE = 0.75
+
+
+def four_bit_share(source: str | Path) -> float:
+    """The share of a GGUF file's layer weights (the values of its ``blk.*`` matrices) stored in
+    4-bit blocks (``FOUR_BIT_TYPES``): 1.0 for a Q4_0 or Q4_1 file, about 0.8 for a Q4_K_M one
+    (some value and down projections in Q6_K), 0 for Q8_0 or F16. Reads the header only."""
+    from tfport.models.gguf.reader import GGUFFile
+
+    file = GGUFFile(source)
+    sizes = {name: int(np.prod(file.shape(name))) for name in file.tensor_names()
+             if name.startswith("blk.") and len(file.shape(name)) >= 2}
+    total = sum(sizes.values())
+    return sum(n for name, n in sizes.items() if file.tensor_type(name) in FOUR_BIT_TYPES) / total if total else 0.0
+
+
 def _key(keys: list[bytes]) -> str:
     """A weight product's identity from its rows' keys (``row_keys``): equal rows, equal keys."""
     return hashlib.sha1(b"".join(keys)).hexdigest()

@@ -117,3 +117,51 @@ def test_keep_refuses_a_float16_export(dtype, files, tmp_path):
         export_checkpoint_or_preset(str(files["Q4_0"].path), tmp_path / "k", ExportOptions(
             quantize="keep", dtype=dtype))
     assert not (tmp_path / "k").exists()
+
+
+def test_int4_alone_of_a_four_bit_file_keeps_its_blocks_on_mixed_activations(files, tmp_path, capsys):
+    """Issue 43: re-quantising a 4-bit file's weights to 4 bits loses answers its own blocks keep
+    (SmolLM2: 5 of 10 against 9 of 10, tests/gguf/test_quantized.py), so ``--quantize int4``
+    alone of a Q4_0 / Q4_1 / Q4_K file exports those blocks, on mixed activations for ``ort``."""
+    from tfport.cli import main
+
+    assert main(["export", str(files["Q4_1"].path), "--out", str(tmp_path / "k"), "--target", "ort",
+                 "--quantize", "int4"]) == 0
+    quantization = Manifest.read(tmp_path / "k").quantization
+    assert quantization["format"] == "keep" and quantization["types"] == ["Q4_1"]
+    assert quantization["activation_type"] == "mixed" and quantization["requantized"] == 0
+    printed = capsys.readouterr().out
+    assert "keep Q4_1" in printed and "--quantize int4 of a file in 4-bit blocks keeps those blocks" in printed
+
+
+@pytest.mark.parametrize("kind, options, kept, activations", [
+    ("Q4_0", {"target": "ort"}, True, "mixed"),
+    ("Q4_K", {"target": "portable"}, True, None),  # one accuracy level per session: int8 as ever
+    ("Q4_0", {"target": "ort", "activations": "int8"}, True, "int8"),  # asked for: kept
+    ("Q4_0", {"target": "ort", "calibration": "builtin"}, False, None),  # GPTQ asked for
+    ("Q4_0", {"target": "ort", "block_size": 64}, False, None),
+    ("Q4_0", {"target": "ort", "head_bits": 8}, False, None),
+    ("Q4_0", {"target": "ort", "dtype": "float16"}, False, None),  # blocks keep float32 scales
+    ("Q8_0", {"target": "ort"}, False, None),  # not 4-bit: re-quantised as before
+    ("Q5_0", {"target": "ort"}, False, None),
+])
+def test_which_int4_exports_keep_the_files_blocks(kind, options, kept, activations, files):
+    from tfport.export import source_options
+
+    resolved = source_options(ExportOptions(quantize="int4", **options), str(files[kind].path))
+    assert isinstance(resolved.quantize, KeptQuantization) == kept
+    if not kept:
+        assert resolved == ExportOptions(quantize="int4", **options)
+    assert resolved.activations == activations
+
+
+def test_four_bit_share_counts_the_layers_values(tmp_path):
+    """A Q4_K_M-style file: the share of its layers' values in 4-bit blocks, against gguf-py's own
+    reading of the same file's tensor types and shapes."""
+    from tfport.export.quant.keep import four_bit_share
+
+    path = write_tiny_llama(tmp_path / "m.gguf", _encode, "Q4_K", tensor_types={"attn_v": "Q6_K"}).path
+    tensors = [t for t in gguf.GGUFReader(path).tensors if t.name.startswith("blk.") and len(t.shape) >= 2]
+    four = sum(int(t.n_elements) for t in tensors if t.tensor_type.name == "Q4_K")
+    assert 0 < four < sum(int(t.n_elements) for t in tensors)
+    assert four_bit_share(path) == pytest.approx(four / sum(int(t.n_elements) for t in tensors))

@@ -35,8 +35,8 @@ def test_written_models_load_with_the_shape_they_say(tmp_path):
 
 
 def test_bench_scale_reports_export_and_decode(tmp_path, capsys):
-    """One row per export: the default's and, with ``--activations int8,float``, one on float
-    activations (an export directory of its own)."""
+    """One row per export, with ``--activations int8,float``: one on int8 and one on float
+    activations (an export directory each)."""
     from tfport.manifest import Manifest
 
     out, work = tmp_path / "scale.json", tmp_path / "work"
@@ -45,14 +45,15 @@ def test_bench_scale_reports_export_and_decode(tmp_path, capsys):
                  "--activations", "int8,float", "--json", str(out)])
     assert code == 0
     table = capsys.readouterr().out
-    assert "| test-tiny | Q4_0 | tfport |" in table and "| test-tiny | Q4_0, float activations | tfport |" in table
+    assert "| test-tiny | Q4_0, int8 activations | tfport |" in table
+    assert "| test-tiny | Q4_0, float activations | tfport |" in table
     rows = json.loads(out.read_text())["rows"]
-    assert [r["format"] for r in rows] == ["Q4_0", "Q4_0, float activations"]
+    assert [r["format"] for r in rows] == ["Q4_0, int8 activations", "Q4_0, float activations"]
     for row in rows:
         assert row["export_seconds"] > 0 and row["export_peak"] > row["weight_bytes"] > 0
         run = row["engines"]["tfport"]
         assert run["decode1"] > 0 and run["decoden"] > 0 and run["peak"] >= run["loaded"] > 0
-    assert "activation_type" not in Manifest.read(work / "test-tiny.Q4_0.gguf.export").quantization
+    assert "activation_type" not in Manifest.read(work / "test-tiny.Q4_0.gguf.export.int8").quantization
     assert Manifest.read(work / "test-tiny.Q4_0.gguf.export.float").quantization["activation_type"] == "float"
 
 
@@ -63,19 +64,19 @@ def test_bench_scale_refuses_unknown_shapes(capsys):
 
 
 def test_bench_scale_exports_with_the_default_int4(tmp_path):
-    """``--quantize int4`` exports a GGUF file with tfport's default int4 (GPTQ on the built-in
-    text, through the tokenizer the file ships) into an export directory of its own; ``--logits
-    last`` exports the last position's logits alone."""
+    """``--quantize int4`` exports a Q8_0 GGUF file with tfport's default int4 (GPTQ on the built-in
+    text, through the tokenizer the file ships; a 4-bit file would keep its blocks) into an export
+    directory of its own; ``--logits last`` exports the last position's logits alone."""
     from tfport.manifest import Manifest
 
     work = tmp_path / "work"
-    code = main(["bench-scale", "--shapes", "test-tiny", "--formats", "Q4_0", "--quantize", "int4", "--work",
+    code = main(["bench-scale", "--shapes", "test-tiny", "--formats", "Q8_0", "--quantize", "int4", "--work",
                  str(work), "--prompt", "16", "--new-tokens", "3", "--rows", "1", "--repeats", "1", "--no-llama-cpp",
                  "--no-validate", "--logits", "last", "--json", str(tmp_path / "scale.json")])
     assert code == 0
     row = json.loads((tmp_path / "scale.json").read_text())["rows"][0]
-    assert row["format"] == "Q4_0 -> int4, logits last" and row["export_seconds"] > 0
-    manifest = Manifest.read(work / "test-tiny.Q4_0.gguf.int4.export.logits-last")
+    assert row["format"] == "Q8_0 -> int4, logits last" and row["export_seconds"] > 0
+    manifest = Manifest.read(work / "test-tiny.Q8_0.gguf.int4.export.logits-last")
     assert manifest.logits == "last"
     quantization = manifest.quantization
     assert quantization["format"] == "int4" and quantization["method"] == "gptq"

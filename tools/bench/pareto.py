@@ -153,7 +153,7 @@ def run_pareto(settings: BenchSettings, source_name: str, layouts: tuple[str, ..
     with the front marked on ``metric``."""
     from tokenizers import Tokenizer
 
-    from tfport.export.exporter import export_model
+    from tfport.export.exporter import export_model, source_options
     from tfport.export.options import ExportOptions
     from tfport.tools.parity import accuracy
     from tfport.export.source import load_source
@@ -191,11 +191,10 @@ def run_pareto(settings: BenchSettings, source_name: str, layouts: tuple[str, ..
         names = (["float32"] if include_float else []) + list(layouts)
         for name in names:
             out = Path(tmp) / name
-            layout = dict(options.get(name, {}))
-            if layout.get("quantize") == KEEP.name:  # the source file's own blocks
-                layout["quantize"] = KEEP.for_source(source_name, "float32")
-            export_model(source.model, out, ExportOptions(
-                target=settings.targets[0], tokenizer=source.tokenizer, validate=False, **layout))
+            # as tfport export of the file: keep bound to it; int4 alone of a 4-bit file, its blocks
+            export_model(source.model, out, source_options(ExportOptions(
+                target=settings.targets[0], tokenizer=source.tokenizer, validate=False, **options.get(name, {})),
+                source_name))
             measures.append(measured(accuracy.export_logits(out, ids),
                                      lambda prompts, stops, out=out: accuracy.export_answers(out, prompts, stops)))
             model = load_model(out, settings.provider, intra_op_threads=settings.threads)

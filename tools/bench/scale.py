@@ -171,28 +171,30 @@ def _size(path: Path) -> int:
 
 QUANTIZE = {  # --quantize: how each format is exported
     "source": "a GGUF file's own blocks (keep), safetensors as int4 round-to-nearest (--calibration none)",
-    "int4": "tfport's default int4 (GPTQ on the built-in text where the source ships a tokenizer: GGUF)",
+    "int4": "tfport's default --quantize int4 (a 4-bit GGUF file's own blocks on mixed activations; GPTQ on "
+            "the built-in text for the others, which ship a tokenizer: Q8_0)",
 }
 
 
 def export_args(source: Path, fmt: str, out: Path, validate: bool, quantize: str = "source",
-                activations: str = ACTIVATIONS[0], logits: str = LOGITS[0]) -> list[str]:
+                activations: str | None = None, logits: str = LOGITS[0]) -> list[str]:
     """``tfport export`` arguments of the benchmark's export of ``fmt`` (``quantize``: ``QUANTIZE``;
-    ``activations``: ``tfport.contract.ACTIVATIONS``; ``logits``: ``tfport.contract.LOGITS``)."""
+    ``activations``: one of ``tfport.contract.ACTIVATIONS``, None for the export's default;
+    ``logits``: ``tfport.contract.LOGITS``)."""
     if quantize == "int4":
         how = ["--quantize", INT4.name]
     elif fmt in GGUF_KINDS:
         how = ["--quantize", KEEP.name]
     else:
         how = ["--quantize", INT4.name, "--calibration", "none"]
-    if activations != ACTIVATIONS[0]:
+    if activations is not None:
         how += ["--activations", activations]
     if logits != LOGITS[0]:
         how += ["--logits", logits]
     return [str(source), "--out", str(out), "--target", "ort", *how, *([] if validate else ["--no-validate"])]
 
 
-def measure(shape: Shape, fmt: str, settings: argparse.Namespace, activations: str = ACTIVATIONS[0],
+def measure(shape: Shape, fmt: str, settings: argparse.Namespace, activations: str | None = None,
             peers: bool = True) -> ScaleRow:
     """The figures of one shape and format with quantised products on ``activations`` (see the
     module doc); llama.cpp's too when ``peers``."""
@@ -201,7 +203,7 @@ def measure(shape: Shape, fmt: str, settings: argparse.Namespace, activations: s
     quantize = getattr(settings, "quantize", "source")
     label = fmt if quantize == "source" else f"{fmt} -> {quantize}"
     name = f"{source.name}.export" if quantize == "source" else f"{source.name}.{quantize}.export"
-    if activations != ACTIVATIONS[0]:
+    if activations is not None:
         label, name = f"{label}, {activations} activations", f"{name}.{activations}"
     logits = getattr(settings, "logits", LOGITS[0])
     if logits != LOGITS[0]:
@@ -269,7 +271,7 @@ def run_scale(settings: argparse.Namespace) -> list[ScaleRow]:
     rows = []
     for name in settings.shapes:
         for fmt in settings.formats:
-            for i, activations in enumerate(getattr(settings, "activations", ACTIVATIONS[:1])):
+            for i, activations in enumerate(getattr(settings, "activations", (None,))):
                 rows.append(measure(SHAPES[name], fmt, settings, activations, peers=i == 0))
                 print(format_rows(rows[-1:], settings), flush=True)
     return rows
@@ -294,9 +296,10 @@ def add_parsers(subparsers) -> None:
                    help=f"comma-separated, from {', '.join(FORMATS)} (default Q4_0)")
     p.add_argument("--quantize", choices=list(QUANTIZE), default="source",
                    help="; ".join(f"{k}: {v}" for k, v in QUANTIZE.items()) + " (default source)")
-    p.add_argument("--activations", type=_choices(ACTIVATIONS, "activations"), default=ACTIVATIONS[:1],
+    p.add_argument("--activations", type=_choices(ACTIVATIONS, "activations"), default=(None,),
                    help=f"comma-separated, from {', '.join(ACTIVATIONS)}: an export each, with its quantised "
-                        f"products on int8 (default) or float activations (tfport export --activations)")
+                        f"products on those activations (tfport export --activations; default: the "
+                        f"export's own)"),
     p.add_argument("--logits", choices=LOGITS, default=LOGITS[0],
                    help="tfport exports' decoder logits (tfport export --logits): all positions (default) "
                         "or the last, which a prompt's prefill then computes the head for alone")
