@@ -41,7 +41,7 @@ def test_bench_scale_reports_export_and_decode(tmp_path, capsys):
 
     out, work = tmp_path / "scale.json", tmp_path / "work"
     code = main(["bench-scale", "--shapes", "test-tiny", "--formats", "Q4_0", "--work", str(work),
-                 "--prompt", "16", "--new-tokens", "3", "--rows", "2", "--repeats", "1", "--no-llama-cpp",
+                 "--prompt", "40", "--new-tokens", "3", "--rows", "2", "--repeats", "1", "--no-llama-cpp",
                  "--activations", "int8,float", "--json", str(out)])
     assert code == 0
     table = capsys.readouterr().out
@@ -53,6 +53,7 @@ def test_bench_scale_reports_export_and_decode(tmp_path, capsys):
         assert row["export_seconds"] > 0 and row["export_peak"] > row["weight_bytes"] > 0
         run = row["engines"]["tfport"]
         assert run["decode1"] > 0 and run["decoden"] > 0 and run["peak"] >= run["loaded"] > 0
+        assert run["cached"] > 0  # the prefix cache's keys and values of the prompts, counted as KV
     assert "activation_type" not in Manifest.read(work / "test-tiny.Q4_0.gguf.export.int8").quantization
     assert Manifest.read(work / "test-tiny.Q4_0.gguf.export.float").quantization["activation_type"] == "float"
 

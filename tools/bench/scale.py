@@ -12,7 +12,8 @@ memory does not count in the next:
   ``--no-validate``);
 * tfport: load time and resident memory after loading, time to first token of a
   ``--prompt``-token prompt, decode tokens/s at batch 1 and at ``--rows`` rows, peak resident
-  memory, against the weights' bytes plus the KV cache;
+  memory, against the weights' bytes plus the KV cache (one row's, ``--prompt`` + ``--new-tokens``
+  tokens in float32, and the keys and values the runtime's prefix cache holds of earlier prompts);
 * llama.cpp (llama-cpp-python, where installed; GGUF files only): the same figures on the same
   file, with ``--threads`` threads as tfport.
 
@@ -119,8 +120,10 @@ try:
     many = rate(short, new) if rows > 1 else None
 except NotImplementedError:
     many = None
+# keys and values tfport's prefix cache holds of earlier prompts (full by then: it fills first)
+cached = getattr(getattr(model, "prefix_cache", None), "bytes", 0)
 print(json.dumps({"load": load, "loaded": loaded, "ttft": ttft, "decode1": one, "decoden": many,
-                  "peak": peak_resident()}))
+                  "peak": peak_resident(), "cached": cached}))
 """
 
 
@@ -254,7 +257,8 @@ def format_rows(rows: list[ScaleRow], settings: argparse.Namespace) -> str:
         for engine, run in row.engines.items() or {"-": {}}.items():
             base = (row.weight_bytes if engine == "tfport" else row.source_bytes) or 0
             resident = run.get("peak")
-            ratio = f" ({resident / (base + (row.kv_bytes or 0)):.2f}x)" if resident and base else ""
+            kv = (row.kv_bytes or 0) + run.get("cached", 0)  # the prefix cache holds keys and values too
+            ratio = f" ({resident / (base + kv):.2f}x)" if resident and base else ""
             export = engine == "tfport"
             lines.append(
                 f"| {row.shape} | {row.format} | {engine} | "
