@@ -32,8 +32,11 @@ from .rows import RowBatch
 # Tokens per prefill run: a longer prompt of one row runs in pieces on top of its own cache, so
 # a prefill's activations (attention over the context so far) and logits stay those of this many
 # tokens. Whole, a 4,096-token prompt on the Llama-3.2-1B shape peaked at 4.9 GiB resident (0.8 GB
-# of weights; 1.7 GiB at 512 tokens): a quarter of it its logits for every position.
-PREFILL_PIECE = 512
+# of weights): a quarter of it its logits for every position. Pieces of 128 against 512, one
+# 512-token prompt (Intel Xeon AVX-512 VNNI, 2 threads, docs/scale.md#long-prompts): first token
+# 6.3 s against 7.6 and peak 1.46 GiB against 1.80 on the 1B shape; 37.1 s against 39.5 and 6.53
+# GiB against 7.02 on the 8B shape; 0.99 s against 1.21 on SmolLM2-135M; pieces of 64 were slower.
+PREFILL_PIECE = 128
 
 
 def prefill_pieces(start: int, stop: int) -> list[tuple[int, int]]:
