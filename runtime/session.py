@@ -21,6 +21,7 @@ import onnxruntime as ort
 from tfport.config.checks import is_int
 from tfport.contract import ACTIVATION_KEY, ACTIVATIONS, MATMULNBITS_ACCURACY, QDQ_ACCURACY_CONFIG, GraphSpec
 
+from .residency import release_weight_pages
 from .threads import share_pool, shared_pool, thread_policy
 
 logger = logging.getLogger(__name__)
@@ -203,6 +204,9 @@ def open_session(path: str | Path, spec: GraphSpec, settings: SessionSettings,
         logger.info("provider='auto': %s runs on %s%s; session providers %s",
                     path.name, chosen, reason, got)
     check_session(session, spec, path, argument)
+    data = path.with_name(path.name + ".data")  # the export's external weights (export.EXTERNAL_SUFFIX)
+    if data.is_file():
+        release_weight_pages(data)  # what packing read and no kernel reads again
     return session
 
 
