@@ -54,6 +54,7 @@ def test_bench_scale_reports_export_and_decode(tmp_path, capsys):
         run = row["engines"]["tfport"]
         assert run["decode1"] > 0 and run["decoden"] > 0 and run["peak"] >= run["loaded"] > 0
         assert run["cached"] > 0  # the prefix cache's keys and values of the prompts, counted as KV
+        assert run["peak_since_load"] and run["load_peak"] >= run["loaded"]  # the peak is the running's
     assert "activation_type" not in Manifest.read(work / "test-tiny.Q4_0.gguf.export.int8").quantization
     assert Manifest.read(work / "test-tiny.Q4_0.gguf.export.float").quantization["activation_type"] == "float"
 

@@ -12,8 +12,10 @@ memory does not count in the next:
   ``--no-validate``);
 * tfport: load time and resident memory after loading, time to first token of a
   ``--prompt``-token prompt, decode tokens/s at batch 1 and at ``--rows`` rows, peak resident
-  memory, against the weights' bytes plus the KV cache (one row's, ``--prompt`` + ``--new-tokens``
-  tokens in float32, and the keys and values the runtime's prefix cache holds of earlier prompts);
+  memory while running (the high-water mark is reset once the model is loaded; the loading's
+  own peak is ``load_peak`` in the JSON) against the weights' bytes plus the KV cache (one
+  row's, ``--prompt`` + ``--new-tokens`` tokens in float32, and the keys and values the
+  runtime's prefix cache holds of earlier prompts);
 * llama.cpp (llama-cpp-python, where installed; GGUF files only): the same figures on the same
   file, with ``--threads`` threads as tfport.
 
@@ -98,7 +100,13 @@ else:
             if produced == n:
                 break
 load = time.perf_counter() - start
-loaded = resident()
+loaded, load_peak = resident(), peak_resident()
+try:  # the peak while running from here on: Linux resets VmHWM to the current resident size
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    running_peak = True
+except OSError:  # the peak stays the whole process's, loading included
+    running_peak = False
 
 def timed(prompts, n):
     start = time.perf_counter()
@@ -123,7 +131,8 @@ except NotImplementedError:
 # keys and values tfport's prefix cache holds of earlier prompts (full by then: it fills first)
 cached = getattr(getattr(model, "prefix_cache", None), "bytes", 0)
 print(json.dumps({"load": load, "loaded": loaded, "ttft": ttft, "decode1": one, "decoden": many,
-                  "peak": peak_resident(), "cached": cached}))
+                  "peak": peak_resident(), "cached": cached, "load_peak": load_peak,
+                  "peak_since_load": running_peak}))
 """
 
 
