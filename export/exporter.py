@@ -21,7 +21,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tfport.config import ModelConfig
-from tfport.contract import ACTIVATION_KEY, ACTIVATIONS, CHAT_TEMPLATE_FILE, CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE
+from tfport.contract import (ACTIVATION_KEY, ACTIVATIONS, CHAT_TEMPLATE_FILE, CONFIG_FILE, EXTERNAL_SUFFIX, MANIFEST_FILE,
+                             TOKENIZER_FILE)
 from tfport.files import atomic_directory
 from tfport.integrity import graph_metadata, record_files
 from tfport.manifest import Manifest
@@ -39,7 +40,6 @@ from .quant.keep import FOUR_BIT_SHARE, four_bit_share
 from .targets import get_target
 
 log = logging.getLogger(__name__)
-EXTERNAL_SUFFIX = ".data"  # <graph>.onnx.data: a graph's external weights
 
 
 def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOptions | None = None) -> Manifest:

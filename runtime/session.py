@@ -19,7 +19,8 @@ from typing import Any
 import onnxruntime as ort
 
 from tfport.config.checks import is_int
-from tfport.contract import ACTIVATION_KEY, ACTIVATIONS, MATMULNBITS_ACCURACY, QDQ_ACCURACY_CONFIG, GraphSpec
+from tfport.contract import (ACTIVATION_KEY, ACTIVATIONS, EXTERNAL_SUFFIX, MATMULNBITS_ACCURACY, QDQ_ACCURACY_CONFIG,
+                             GraphSpec)
 
 from .residency import release_weight_pages
 from .threads import share_pool, shared_pool, thread_policy
@@ -204,7 +205,7 @@ def open_session(path: str | Path, spec: GraphSpec, settings: SessionSettings,
         logger.info("provider='auto': %s runs on %s%s; session providers %s",
                     path.name, chosen, reason, got)
     check_session(session, spec, path, argument)
-    data = path.with_name(path.name + ".data")  # the export's external weights (export.EXTERNAL_SUFFIX)
+    data = path.with_name(path.name + EXTERNAL_SUFFIX)  # the export's external weights
     if data.is_file():
         release_weight_pages(data)  # what packing read and no kernel reads again
     return session

@@ -59,6 +59,7 @@ MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+EXTERNAL_SUFFIX = ".data"  # <graph>.onnx.data: a graph's external weights
 DTYPES = tuple(COMPUTE_DTYPES)  # export dtypes: float32, float16, bfloat16 (weights stored bfloat16)
 KV_DTYPES = tuple(dict.fromkeys(d for allowed in CACHE_DTYPES.values() for d in allowed))
 

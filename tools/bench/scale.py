@@ -312,7 +312,7 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--activations", type=_choices(ACTIVATIONS, "activations"), default=(None,),
                    help=f"comma-separated, from {', '.join(ACTIVATIONS)}: an export each, with its quantised "
                         f"products on those activations (tfport export --activations; default: the "
-                        f"export's own)"),
+                        f"export's own)")
     p.add_argument("--logits", choices=LOGITS, default=LOGITS[0],
                    help="tfport exports' decoder logits (tfport export --logits): all positions (default) "
                         "or the last, which a prompt's prefill then computes the head for alone")
