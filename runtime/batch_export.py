@@ -5,12 +5,13 @@ over, given or measured where the two exports' speeds cross (``use_batch_export`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def check_batch_rows(batch_rows) -> None:
                          "x new tokens)")
 
 
-def measure_batch_rows(runner: GraphRunner, score: Callable[[GraphRunner, np.ndarray], np.ndarray],
+def measure_batch_rows(runner: GraphRunner, score: Callable[[GraphRunner, np.ndarray], Iterator[np.ndarray]],
                        vocab: int, max_rows: int, repeats: int = 3) -> tuple[int | None, dict[int, tuple[float, float]]]:
     """From how many rows ``runner.batch_session`` runs a decoder faster than ``runner.session``
     -> (``crossover`` of the times, {rows: (own, batch) median seconds}). Each probe (``PROBE_ROWS``
@@ -56,11 +57,11 @@ def measure_batch_rows(runner: GraphRunner, score: Callable[[GraphRunner, np.nda
     for rows in probes:
         samples: dict[int, list[float]] = {0: [], 1: []}
         for side in (own, other):
-            score(side, ids[:, :rows])
+            collections.deque(score(side, ids[:, :rows]), maxlen=0)  # run it: score yields its pieces
         for _ in range(repeats):
             for index, side in enumerate((own, other)):
                 start = time.perf_counter()
-                score(side, ids[:, :rows])
+                collections.deque(score(side, ids[:, :rows]), maxlen=0)
                 samples[index].append(time.perf_counter() - start)
         times[rows] = (statistics.median(samples[0]), statistics.median(samples[1]))
     return crossover(times), times

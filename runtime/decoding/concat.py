@@ -9,7 +9,7 @@ whole runtime side: the fixed-batch strategy (``ConcatCache``), the row batch fo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import weakref
@@ -261,14 +261,15 @@ class ConcatRelayout:
         return feeds, None, None
 
 
-def score(runner: GraphRunner, ids: np.ndarray) -> np.ndarray:
-    """Every position's logits [S, V] of one sequence ``ids`` int64 [1, S] (a decoder that
-    returns them all, ``logits="all"``), from an empty cache."""
+def score(runner: GraphRunner, ids: np.ndarray) -> Iterator[np.ndarray]:
+    """Every position's logits of one sequence ``ids`` int64 [1, S] (a decoder that returns them
+    all, ``logits="all"``), from an empty cache: one piece [S, V] (this layout's runs return the
+    cache apart from the logits; the inplace layout's score runs in pieces)."""
     mask = np.ones_like(ids)
     feeds = {"input_ids": ids, "attention_mask": mask, **empty_cache(runner.spec, 1)}
     if "position_ids" in runner.input_names:
         feeds["position_ids"] = positions_from_mask(mask, ids.shape[1])
-    return runner.run(feeds, host_outputs=["logits"])["logits"].numpy()[0]
+    yield runner.run(feeds, host_outputs=["logits"])["logits"].numpy()[0]
 
 
 DECODING = register_decoding(LayoutDecoding(CONCAT, ConcatCache(), ConcatRows, ConcatRelayout(), score))

@@ -22,7 +22,7 @@ This module is the layout's runtime side as the registry sees it: the fixed-batc
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -34,7 +34,7 @@ from ..binding import PAST, PRESENT, Feed, GraphRunner
 from ..inputs import pad_batch
 from .inplace_binding import (InplaceDecoder, StepFeeds, bind_cache, fill_prefix, keep, lease, logits_layout,
                               require_finite, row_views)
-from .layout import LayoutDecoding, prefill_pieces, register_decoding
+from .layout import LayoutDecoding, prefill_pieces, register_decoding, row_groups
 from .prefix import NO_PREFIX, Prefix, PrefixCache, cache_chunk, cached_start
 from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
 
@@ -67,9 +67,12 @@ class InplaceBuffer:
                     piece = decoder(ids[b:b + 1, first:stop], np.array([stop - 1]), None if batch == 1 else b)
                 last_logits.append(piece[0, -1])
             logits = np.stack(last_logits)  # [B, V]
+        elif decoder.host is not None:
+            # groups of rows of at most a piece's tokens on their slice of the buffers
+            logits = np.concatenate([last_tokens(decoder(ids[a:b, :lengths[a:b].max()], lengths[a:b] - 1, a),
+                                                 lengths[a:b]) for a, b in row_groups(lengths.tolist())])
         else:
-            logits = decoder(ids, lengths - 1)  # [B, S, V], or [B, 1, V]: each row's last token
-            logits = logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(batch), lengths - 1]  # [B, V]
+            logits = last_tokens(decoder(ids, lengths - 1), lengths)
 
         top = int(lengths.max())
         fed = [int(t) for t in rows[0]] if cached else None  # the tokens in the cache
@@ -83,6 +86,12 @@ class InplaceBuffer:
         # The request is over when advance goes: its blocks are kept, then its buffers.
         weakref.finalize(advance, _hand_back, runner, decoder, prefix if cached else None, fed)
         return logits, advance
+
+
+def last_tokens(logits: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Each row's last real token's logits [B, V] of a prefill's [B, S, V] (or [B, 1, V], from an
+    export with ``logits="last"``), rows of ``lengths`` tokens."""
+    return logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(len(lengths)), lengths - 1]
 
 
 def _hand_back(runner: GraphRunner, decoder: InplaceDecoder, prefix: PrefixCache | None,
@@ -319,9 +328,13 @@ class InplaceRelayout:
         return laid, buffers, to_reference_layout
 
 
-def score(runner: GraphRunner, ids: np.ndarray) -> np.ndarray:
-    """Every position's logits [S, V] of one sequence ``ids`` int64 [1, S] (``logits="all"``)."""
-    return InplaceDecoder(runner, 1, ids.shape[1])(ids, np.array([ids.shape[1] - 1]))[0]
+def score(runner: GraphRunner, ids: np.ndarray) -> Iterator[np.ndarray]:
+    """Every position's logits of one sequence ``ids`` int64 [1, S] (``logits="all"``), as the
+    logits [s, V] of its consecutive pieces of at most ``PREFILL_PIECE`` tokens, each run on top
+    of the cache of those before: a long text holds one piece's activations and logits."""
+    decoder = InplaceDecoder(runner, 1, ids.shape[1])
+    for first, stop in prefill_pieces(0, ids.shape[1]):
+        yield decoder(ids[:, first:stop], np.array([stop - 1]))[0]
 
 
 DECODING = register_decoding(LayoutDecoding(INPLACE, InplaceBuffer(), InplaceRows, InplaceRelayout(), score))

@@ -83,7 +83,7 @@ class InplaceDecoder:
     def __call__(self, input_ids: np.ndarray, seqlens_k: np.ndarray, row: int | None = None) -> np.ndarray:
         """input_ids [B, S] (right-padded), seqlens_k [B] -> logits float32 [B, S, V], or [B, 1, V]
         (each row's last new token) from an export with ``logits="last"``; the array is the
-        caller's (a new one each call). ``row``: run that row alone (input_ids [1, S]) on its
+        caller's (a new one each call). ``row``: run the B rows from that one alone on their
         slice of the buffers (the CPU's host arrays), the others untouched.
 
         ``seqlens_k[b]`` is the index of row b's last real token counting its cache: a prefill passes
@@ -97,10 +97,10 @@ class InplaceDecoder:
             session, binding = self._binding(input_ids.size)
             self._bindings[id(session)] = (binding, False)
         else:
-            assert batch == 1 and self.host is not None and 0 <= row < self.batch, (input_ids.shape, row)
+            assert self.host is not None and 0 <= row and row + batch <= self.batch, (input_ids.shape, row)
             session = choose_session(self.session, self.batch_session, self.batch_rows, input_ids.size, self.runs)
             binding = session.io_binding()
-            views = row_views(self.host, row, row + 1)  # alive until the run is over
+            views = row_views(self.host, row, row + batch)  # alive until the run is over
             bind_cache(binding, views)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))

@@ -10,14 +10,14 @@ differently for it, registered as one ``LayoutDecoding``:
 - ``rows``: the ``RowBatch`` class continuous batching runs (``rows.py`` says the interface),
   ``rows(runner, capacity, max_length, pad_token_id, prefix=None)``;
 - ``relayout``: how a parity case made in the ``concat`` layout is fed to this layout's graph;
-- ``score``: every position's logits of one sequence (perplexity).
+- ``score``: every position's logits of one sequence, piece by piece (prompt log-probabilities).
 
 The token loop (sampling, stops) is not a layout's: ``engine.choose`` serves every layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +44,20 @@ def prefill_pieces(start: int, stop: int) -> list[tuple[int, int]]:
     (one run when ``stop - start`` is at most that; ``start < stop``)."""
     assert 0 <= start < stop, (start, stop)
     return [(a, min(a + PREFILL_PIECE, stop)) for a in range(start, stop, PREFILL_PIECE)]
+
+
+def row_groups(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Rows [0, len(lengths)) of prompts of at most ``PREFILL_PIECE`` tokens each as consecutive
+    groups [a, b) of at most ``PREFILL_PIECE`` tokens in all, rows counted at the group's longest
+    prompt (its padded width): a batch's prefill then holds one piece's activations and logits."""
+    assert all(0 < n <= PREFILL_PIECE for n in lengths), lengths
+    groups, first, width = [], 0, 0
+    for b, n in enumerate(lengths):
+        if max(width, n) * (b - first + 1) > PREFILL_PIECE:
+            groups.append((first, b))
+            first, width = b, 0
+        width = max(width, n)
+    return groups + [(first, len(lengths))]
 
 
 # advance(tokens int64 [B], step) -> logits float32 [B, V] after feeding those tokens (the
@@ -84,11 +98,16 @@ class LayoutDecoding:
     strategy: DecodeStrategy
     rows: Callable[..., RowBatch]
     relayout: Relayout
-    score: Callable[[GraphRunner, np.ndarray], np.ndarray]
+    score: Callable[[GraphRunner, np.ndarray], Iterator[np.ndarray]]
 
     @property
     def name(self) -> str:
         return self.layout.name
+
+    def logits(self, runner: GraphRunner, ids: np.ndarray) -> np.ndarray:
+        """Every position's logits [S, V] of one sequence ``ids`` int64 [1, S]: ``score``'s
+        pieces joined (S x V floats held at once: reduce the pieces instead for a long text)."""
+        return np.concatenate(list(self.score(runner, ids)))
 
 
 DECODINGS: dict[str, LayoutDecoding] = {}

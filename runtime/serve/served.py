@@ -243,11 +243,14 @@ class ServedModel(RequestLimits):
     def prompt_logprobs(self, prompt: list[int], top: int) -> list[TokenLogprob | None]:
         """Each prompt token's log-probability after the tokens before it and its ``top``
         alternatives (None for the first: nothing precedes it), from one forward over the
-        prompt (the export's decoder returning every position's logits). Runs the decoder: call
-        it in a worker thread."""
-        logits = self.model.decoding.score(self.model.runner("decoder", "echo"),
-                                           np.asarray(prompt, dtype=np.int64)[None])  # [S, V]
-        return [None, *token_logprobs(logits[:-1], prompt[1:], top)]
+        prompt (the export's decoder returning every position's logits), reduced piece by piece.
+        Runs the decoder: call it in a worker thread."""
+        found: list[TokenLogprob | None] = [None]
+        for logits in self.model.decoding.score(self.model.runner("decoder", "echo"),
+                                                np.asarray(prompt, dtype=np.int64)[None]):  # [s, V]
+            # position i predicts token i + 1: the prompt's last position predicts nothing
+            found += token_logprobs(logits, prompt[len(found):len(found) + len(logits)], top)
+        return found
 
     def completion_inputs(self, body: CompletionRequest) -> tuple[list[list[int]], Request]:
         """A completion request -> (prompt ids, its ``decoding``); ``ApiError`` 400 for a

@@ -98,7 +98,7 @@ def test_local_completions_equal_tfport_and_the_pytorch_module(exported, tmp_pat
     reference = [loglikelihood(logits, c, k) for logits, (c, k) in zip(module_logits, requests)]
     library = load_model(directory, intra_op_threads=1)
     runner = library.runner("decoder", "echo")
-    own = [loglikelihood(library.decoding.score(runner, np.array([c + k])), c, k) for c, k in requests]
+    own = [loglikelihood(library.decoding.logits(runner, np.array([c + k])), c, k) for c, k in requests]
     np.testing.assert_allclose([ll for ll, _ in own], [ll for ll, _ in reference], atol=ATOL)
 
     (tmp_path / f"{NAME}.yaml").write_text((TASK / f"{NAME}.yaml").read_text().replace("DATA_DIR", str(TASK)))

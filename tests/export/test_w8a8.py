@@ -82,7 +82,7 @@ def test_the_shipped_graph_rounds_each_rows_activations(target, tmp_path):
     _export(model, tmp_path / "q", target)
     runtime = load_model(tmp_path / "q")
     ids = np.random.default_rng(1).integers(0, config.vocab_size, size=(1, 11))
-    got = runtime.decoding.score(runtime.runners["decoder"], ids)  # [S, V]
+    got = runtime.decoding.logits(runtime.runners["decoder"], ids)  # [S, V]
     with torch.no_grad():
         x = torch.from_numpy(ids)
         rounded = W8A8().reference(model, activations=True)(x, torch.ones_like(x))[0][0].numpy()

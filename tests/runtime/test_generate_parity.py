@@ -85,6 +85,49 @@ def test_a_prompt_longer_than_a_prefill_piece_runs_in_pieces(key, loaded, monkey
         assert runner.runs["own"] - before == 6 + STEPS - 1
 
 
+def test_a_batch_of_short_prompts_runs_in_groups_of_rows(loaded, monkeypatch):
+    """In the inplace layout on the CPU, a batch of prompts of at most ``PREFILL_PIECE`` tokens is
+    prefilled in groups of consecutive rows of at most that many tokens in all (each group on its
+    slice of the buffers, padded to its longest row): the same greedy tokens as PyTorch's."""
+    exported, model = loaded("decoder-ort")
+    monkeypatch.setattr(layout, "PREFILL_PIECE", 10)
+    assert layout.row_groups([5, 4, 2]) == [(0, 2), (2, 3)]  # 2 x 5 tokens, then 1 x 2
+    runner = model.runners["decoder"]
+    expected = np.concatenate([reference(exported, [prompt]) for prompt in PROMPTS])
+    before = runner.runs["own"]
+    np.testing.assert_array_equal(model.generate(PROMPTS, max_new_tokens=STEPS, stop_token_ids=()), expected)
+    assert runner.runs["own"] - before == 2 + STEPS - 1
+
+
+@pytest.mark.parametrize("key", ["decoder-rope", "decoder-ort"])  # the concat and inplace layouts
+def test_score_pieces_are_the_modules_logits(key, loaded, monkeypatch):
+    """``score`` yields a sequence's logits piece by piece (the inplace layout in runs of
+    ``PREFILL_PIECE`` tokens on its cache, the concat layout whole): joined, PyTorch's."""
+    exported, model = loaded(key)
+    monkeypatch.setattr(layout, "PREFILL_PIECE", 2)
+    ids = np.array([PROMPTS[0]])
+    pieces = list(model.decoding.score(model.runners["decoder"], ids))
+    assert [len(p) for p in pieces] == ([2, 2, 1] if key == "decoder-ort" else [5])
+    with torch.no_grad():
+        expected = exported.model(torch.from_numpy(ids))[0][0].numpy()  # [S, V]
+    np.testing.assert_allclose(np.concatenate(pieces), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(("lengths", "groups"), [
+    ([128] * 3, [(0, 1), (1, 2), (2, 3)]),
+    ([32] * 8, [(0, 4), (4, 8)]),
+    ([1] * 130, [(0, 128), (128, 130)]),
+    ([100, 10, 10], [(0, 1), (1, 3)]),
+    ([10, 10, 100], [(0, 2), (2, 3)]),  # the third would make the group 3 x 100 tokens
+    ([60, 64, 1], [(0, 2), (2, 3)]),
+])
+def test_row_groups(lengths, groups):
+    assert layout.PREFILL_PIECE == 128
+    assert layout.row_groups(lengths) == groups
+    for a, b in groups:  # every group within a piece, padded to its longest row
+        assert max(lengths[a:b]) * (b - a) <= layout.PREFILL_PIECE
+
+
 @pytest.mark.parametrize("key", DECODER_CASES)
 def test_cache_step_equals_prefill(key, loaded):
     """Prefill of prompt + [t] gives the logits of prefill(prompt) then one cached step of t."""

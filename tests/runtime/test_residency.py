@@ -53,11 +53,11 @@ def test_weight_pages_are_given_back_and_the_logits_stay(export, monkeypatch):
     ids = np.random.default_rng(0).integers(0, 100, size=(1, 12))
     released = load_model(export, intra_op_threads=1)
     assert _resident_kib(data) == 0  # right after opening: none of its mappings' pages
-    logits = released.decoding.score(released.runners["decoder"], ids)
+    logits = released.decoding.logits(released.runners["decoder"], ids)
     monkeypatch.setattr(session, "release_weight_pages", lambda path: 0)
     kept = load_model(export, intra_op_threads=1)
     assert _resident_kib(data) > 0  # without it, what packing read stays resident
-    np.testing.assert_array_equal(logits, kept.decoding.score(kept.runners["decoder"], ids))
+    np.testing.assert_array_equal(logits, kept.decoding.logits(kept.runners["decoder"], ids))
 
 
 def test_a_written_mapping_is_left_alone(tmp_path):

@@ -165,7 +165,7 @@ def test_sampled_tokens_follow_the_target_distribution(models, drafter):
     prompt = prompts(model.config.vocab_size)[0][:9]
 
     def next_probs(source, context) -> np.ndarray:
-        logits = source.decoding.score(source.runners["decoder"], np.array([context]))
+        logits = source.decoding.logits(source.runners["decoder"], np.array([context]))
         return distribution(logits[-1:], params)[0]
 
     first = next_probs(model, prompt)
@@ -221,7 +221,7 @@ def test_a_draft_that_stops_on_its_own_doubt_keeps_the_target_distribution(model
     prompt = prompts(model.config.vocab_size)[0][:9]
 
     def next_probs(context) -> np.ndarray:
-        logits = model.decoding.score(model.runners["decoder"], np.array([context]))
+        logits = model.decoding.logits(model.runners["decoder"], np.array([context]))
         return distribution(logits[-1:], params)[0]
 
     first = next_probs(prompt)

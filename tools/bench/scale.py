@@ -147,7 +147,7 @@ class ScaleRow:
     export_seconds: float | None = None
     export_peak: int | None = None
     weight_bytes: int | None = None  # the export's files
-    kv_bytes: int | None = None  # the KV cache at the longest run (float32)
+    kv_bytes: int | None = None  # the largest KV cache of a run (float32)
     engines: dict[str, dict] = field(default_factory=dict)  # "tfport" / "llama.cpp" -> run figures
     notes: list[str] = field(default_factory=list)
 
@@ -236,7 +236,8 @@ def measure(shape: Shape, fmt: str, settings: argparse.Namespace, activations: s
             return row
         row.export_seconds, row.export_peak = figures["seconds"], figures["peak"]
     row.weight_bytes = _size(out)
-    tokens = max(settings.prompt, 32 * settings.rows) + settings.new_tokens
+    # the largest cache a run holds: the long prompt's row, or the rows of 32-token prompts
+    tokens = max(settings.prompt + settings.new_tokens, settings.rows * (32 + settings.new_tokens))
     row.kv_bytes = 2 * shape.layers * shape.kv_heads * shape.head_dim * 4 * tokens
     args = [str(settings.prompt), str(settings.new_tokens), str(settings.rows), str(settings.repeats),
             str(settings.threads), str(shape.vocab)]

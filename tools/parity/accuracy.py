@@ -60,7 +60,7 @@ def export_logits(model_dir: str | Path, ids: np.ndarray) -> np.ndarray:
     if runner.spec.outputs[0].shape[1] == 1:
         raise ValueError(f"model_dir={str(model_dir)!r}: exported with logits='last'; perplexity "
                          "needs every position's logits (re-export with logits='all')")
-    return model.decoding.score(runner, np.asarray(ids, dtype=np.int64)[None])  # [S, V]
+    return model.decoding.logits(runner, np.asarray(ids, dtype=np.int64)[None])  # [S, V]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from tfport.runtime.decoding import layout
+
 from tests.runtime.test_sampling_api import (_torch_on_one_thread, reference_greedy,  # noqa: F401
                                              reference_log_softmax, torch_logits)
 
@@ -138,8 +140,11 @@ def test_chat_logprobs_streamed_and_not(server, client, module, stream):
         np.testing.assert_allclose([e.logprob for e in entry.top_logprobs], reference[best], atol=2e-4)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_echo_with_logprobs_scores_the_prompt(server, client, module, stream):
+@pytest.mark.parametrize(("stream", "piece"), [(False, None), (True, None), (False, 3)])
+def test_echo_with_logprobs_scores_the_prompt(server, client, module, stream, piece, monkeypatch):
+    """``piece``: the prompt scored in runs of that many tokens (7 tokens: 3 + 3 + 1)."""
+    if piece is not None:
+        monkeypatch.setattr(layout, "PREFILL_PIECE", piece)
     answer = client.completions.create(model="dec-ort", prompt=TEXT_PROMPT, max_tokens=3,
                                        temperature=0, logprobs=1, echo=True, stream=stream,
                                        extra_body={"ignore_eos": True})
