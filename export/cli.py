@@ -11,7 +11,7 @@ from tfport.flags import add_flags, from_args
 from .hessians import AUTO, BUILTIN, DEFAULT_TOKENS, NONE, Calibration
 from .exporter import export_checkpoint_or_preset
 from .options import ExportOptions
-from .quant import INT4, KEEP, get_format
+from .quant import get_format
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,6 @@ def run_export(args: argparse.Namespace) -> int:
     quantized = "" if manifest.quantization is None else f", {describe_quantization(manifest.quantization)}"
     print(f"exported {manifest.config.family} model to {args.out}: {graphs} "
           f"({manifest.dtype}{cache}, opset {manifest.opset}{quantized})")
-    if args.quantize == INT4.name and manifest.quantization["format"] == KEEP.name:
-        print("--quantize int4 of a file in 4-bit blocks keeps those blocks (re-quantising them to 4 bits "
-              "loses answers); --calibration builtin re-quantises them with GPTQ instead")
     return 0
 
 

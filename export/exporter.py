@@ -256,7 +256,8 @@ def source_options(options: ExportOptions, source: str) -> ExportOptions:
         if activations is None and get_target(options.target).per_product_activations:
             activations = "mixed"
         log.info("quantize='int4' of %s, a file of 4-bit blocks: its own blocks are kept (quantize='keep', "
-                 "activations=%r); calibration='builtin' re-quantises them with GPTQ instead", source, activations)
+                 "activations=%r; re-quantising 4-bit weights to 4 bits loses answers); calibration='builtin' "
+                 "re-quantises them with GPTQ instead", source, activations)
         options = options.replace(quantize=KEEP.name, activations=activations)
     if isinstance(options.quantize, str):  # a format read from the source file (keep: its own blocks)
         bound = get_format(options.quantize).for_source(source, options.dtype)

@@ -85,6 +85,22 @@ def test_keep_is_refused_before_anything_is_timed(tmp_path):
         run_compare(dataclasses.replace(settings, dtype="float16"), str(gguf), ("keep",))
 
 
+def test_int4_of_a_4bit_gguf_file_is_what_export_makes_of_it(tmp_path):
+    """``--quantize int4`` of a Q4_0 file times the export's int4 of it (the file's own blocks,
+    mixed activations on ``ort``), and says so; portable has no per-product activations."""
+    gguf = pytest.importorskip("gguf", reason="the 'dev' extra installs gguf-py")
+    from tests.gguf.tiny import write_tiny_llama
+
+    def encode(values, kind):
+        return gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
+
+    path = write_tiny_llama(tmp_path / "q4.gguf", encode, "Q4_0", tied=False).path
+    settings = dataclasses.replace(QUICK, batches=(1,), contexts=(8,), targets=("ort", "portable"), torch=False)
+    labels = [row["label"] for row in run_compare(settings, str(path), ("int4",))["rows"]]
+    assert labels == ["tfport ort fp32", "tfport ort int4 (the file's blocks, mixed activations)",
+                      "tfport portable fp32", "tfport portable int4 (the file's blocks, int8 activations)"]
+
+
 def test_bfloat16_bytes_are_read_through_the_cast(model, tmp_path):
     """bfloat16 weights reach their products through a Cast to float32: 2 bytes a weight."""
     export_model(model, tmp_path / "b", ExportOptions(dtype="bfloat16", validate=False))

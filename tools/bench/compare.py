@@ -103,7 +103,7 @@ def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tu
     from tfport.runtime.model import Model
     from tfport.runtime.session import SessionSettings
 
-    from tfport.export.exporter import export_model
+    from tfport.export.exporter import export_model, source_options
     from tfport.export.options import ExportOptions
 
     sides = []
@@ -119,8 +119,13 @@ def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tu
                 layout = get_format(quantize)
                 symmetric = not fmt.endswith(ASYMMETRIC) if layout.layout_options else None
                 quantize = layout.for_source(source_name, settings.dtype) or quantize  # keep: the file's blocks
-            export_model(source.model, out, ExportOptions(dtype=settings.dtype, target=target, quantize=quantize,
-                                                          logits="last", symmetric=symmetric, validate=False))
+            options = ExportOptions(dtype=settings.dtype, target=target, quantize=quantize, logits="last",
+                                    symmetric=symmetric, validate=False)
+            if fmt == "int4":  # as `tfport export --quantize int4` takes the source: a 4-bit file keeps its blocks
+                kept = source_options(options.replace(symmetric=None), source_name)
+                if kept.quantize != quantize:
+                    options, label = kept, f"{label} (the file's blocks, {kept.activations or 'int8'} activations)"
+            export_model(source.model, out, options)
             model = load_model(out, settings.provider, intra_op_threads=settings.threads)
             sides.append(Side(label, "tfport", lambda p, n, m=model: time_tfport(m, p, n),
                               product_weight_bytes(out / "decoder.onnx"), fmt, target))
