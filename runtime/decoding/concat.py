@@ -71,6 +71,15 @@ def past_from(runner: GraphRunner, prefix: Prefix) -> dict[str, np.ndarray]:
     return {name: value[None] for name, value in prefix.kv.items()}
 
 
+def prefill_row(runner: GraphRunner, prompt: np.ndarray, start: Prefix, stop: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """``prompt[start.length:stop]`` (int64 [S]) on top of ``start``, batch 1, in pieces ->
+    (logits [1, V], the cache name -> [1, Hkv, stop, D] on the host)."""
+    cache = past_from(runner, start)
+    for first, last in prefill_pieces(start.length, stop):
+        logits, cache = decoder_forward(runner, prompt[None, first:last], np.ones((1, last), dtype=np.int64), cache, {})
+    return logits, host_cache(cache)
+
+
 def host_cache(cache: Mapping[str, Feed]) -> dict[str, np.ndarray]:
     """``cache`` with every OrtValue copied to a host array."""
     return {name: np.asarray(value.numpy() if isinstance(value, ort.OrtValue) else value)
@@ -91,10 +100,24 @@ class ConcatCache:
         start = cached_start(prefix, rows[0]) if cached else NO_PREFIX
         past = past_from(runner, start) if cached else empty_cache(runner.spec, ids.shape[0])
         state = DecodeState(mask, past)
-        # one row in pieces on top of its cache (a piece of a left-padded batch could be all padding)
-        pieces = prefill_pieces(start.length, ids.shape[1]) if len(rows) == 1 else [(start.length, ids.shape[1])]
-        for first, stop in pieces:
-            logits, state.cache = decoder_forward(runner, ids[:, first:stop], mask[:, :stop], state.cache, static)
+        if len(rows) == 1:  # in pieces on top of its cache
+            for first, stop in prefill_pieces(start.length, ids.shape[1]):
+                logits, state.cache = decoder_forward(runner, ids[:, first:stop], mask[:, :stop], state.cache, static)
+        elif not static and len(prefill_pieces(0, ids.shape[1])) > 1:
+            # each row alone in pieces (a piece of a left-padded batch could be all padding), its
+            # keys and values then laid out as the batch's, left-padded as its mask says
+            last = []
+            state.cache = {}
+            for b, prompt in enumerate(rows):
+                row_logits, row_cache = prefill_row(runner, np.asarray(prompt, dtype=np.int64), NO_PREFIX, len(prompt))
+                last.append(row_logits[0])
+                for name, value in row_cache.items():  # [1, Hkv, L, D]
+                    if name not in state.cache:
+                        state.cache[name] = np.zeros((len(rows), value.shape[1], ids.shape[1], value.shape[3]), value.dtype)
+                    state.cache[name][b, :, ids.shape[1] - len(prompt):] = value[0]
+            logits = np.stack(last)  # [B, V]
+        else:
+            logits, state.cache = decoder_forward(runner, ids, mask, state.cache, static)
         fed = [int(t) for t in rows[0]] if cached else None  # the tokens in the cache
 
         def advance(token: np.ndarray, step: int) -> np.ndarray:
@@ -153,13 +176,7 @@ class ConcatRows:
         return row, logits[0]
 
     def _prefill(self, prompt: np.ndarray, start: Prefix, stop: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """``prompt[start.length:stop]`` on top of ``start``, batch 1 -> (logits [1, V], the
-        cache name -> [1, Hkv, stop, D] on the host)."""
-        cache = past_from(self.runner, start)
-        for first, last in prefill_pieces(start.length, stop):
-            logits, cache = decoder_forward(self.runner, prompt[None, first:last], np.ones((1, last), dtype=np.int64),
-                                            cache, {})
-        return logits, host_cache(cache)
+        return prefill_row(self.runner, prompt, start, stop)
 
     def prefill_chunk(self, prompt: np.ndarray, budget: int) -> int:
         if self.prefix is None:

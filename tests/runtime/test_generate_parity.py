@@ -61,8 +61,8 @@ def test_greedy_batched_with_eos(key, loaded):
 def test_a_prompt_longer_than_a_prefill_piece_runs_in_pieces(key, loaded, monkeypatch):
     """A prompt of one row longer than ``PREFILL_PIECE`` is prefilled in runs of that many tokens
     on top of its cache (bounded activations and logits): the same greedy tokens as PyTorch's,
-    through ``generate`` (the library) and the row batch (the server); in the inplace layout a
-    batch too, each row alone on its slice of the buffers."""
+    through ``generate`` (the library) and the row batch (the server); a batch too, each row
+    alone (inplace: on its slice of the buffers; concat: then laid out left-padded)."""
     exported, model = loaded(key)
     monkeypatch.setattr(layout, "PREFILL_PIECE", 2)
     runner = model.runners["decoder"]
@@ -78,11 +78,11 @@ def test_a_prompt_longer_than_a_prefill_piece_runs_in_pieces(key, loaded, monkey
         for _ in range(STEPS - 1):
             tokens.append(int(rows.step(np.array([tokens[-1]]))[0].argmax()))
         np.testing.assert_array_equal(tokens, expected[0])
-    if key == "decoder-ort":  # a batch: on the CPU each row alone, in pieces (5, 4 and 2 tokens: 3 + 2 + 1)
-        expected = np.concatenate([reference(exported, [prompt]) for prompt in PROMPTS])
-        before = runner.runs["own"]
-        np.testing.assert_array_equal(model.generate(PROMPTS, max_new_tokens=STEPS, stop_token_ids=()), expected)
-        assert runner.runs["own"] - before == 6 + STEPS - 1
+    # a batch: each row alone, in pieces (5, 4 and 2 tokens: 3 + 2 + 1 runs)
+    expected = np.concatenate([reference(exported, [prompt]) for prompt in PROMPTS])
+    before = runner.runs["own"]
+    np.testing.assert_array_equal(model.generate(PROMPTS, max_new_tokens=STEPS, stop_token_ids=()), expected)
+    assert runner.runs["own"] - before == 6 + STEPS - 1
 
 
 def test_a_batch_of_short_prompts_runs_in_groups_of_rows(loaded, monkeypatch):
