@@ -280,13 +280,13 @@ class ConcatRelayout:
 
 def score(runner: GraphRunner, ids: np.ndarray) -> Iterator[np.ndarray]:
     """Every position's logits of one sequence ``ids`` int64 [1, S] (a decoder that returns them
-    all, ``logits="all"``), from an empty cache: one piece [S, V] (this layout's runs return the
-    cache apart from the logits; the inplace layout's score runs in pieces)."""
-    mask = np.ones_like(ids)
-    feeds = {"input_ids": ids, "attention_mask": mask, **empty_cache(runner.spec, 1)}
-    if "position_ids" in runner.input_names:
-        feeds["position_ids"] = positions_from_mask(mask, ids.shape[1])
-    yield runner.run(feeds, host_outputs=["logits"])["logits"].numpy()[0]
+    all, ``logits="all"``), as the logits [s, V] of its consecutive pieces of at most
+    ``PREFILL_PIECE`` tokens, each run on the cache of those before (from an empty one)."""
+    cache = empty_cache(runner.spec, 1)
+    for first, stop in prefill_pieces(0, ids.shape[1]):
+        logits, cache = decoder_forward(runner, ids[:, first:stop], np.ones((1, stop), dtype=np.int64), cache, {},
+                                        every_position=True)
+        yield logits[0]
 
 
 DECODING = register_decoding(LayoutDecoding(CONCAT, ConcatCache(), ConcatRows, ConcatRelayout(), score))

@@ -101,13 +101,13 @@ def test_a_batch_of_short_prompts_runs_in_groups_of_rows(loaded, monkeypatch):
 
 @pytest.mark.parametrize("key", ["decoder-rope", "decoder-ort"])  # the concat and inplace layouts
 def test_score_pieces_are_the_modules_logits(key, loaded, monkeypatch):
-    """``score`` yields a sequence's logits piece by piece (the inplace layout in runs of
-    ``PREFILL_PIECE`` tokens on its cache, the concat layout whole): joined, PyTorch's."""
+    """``score`` yields a sequence's logits piece by piece, in runs of ``PREFILL_PIECE`` tokens
+    on the cache of the runs before: joined, PyTorch's."""
     exported, model = loaded(key)
     monkeypatch.setattr(layout, "PREFILL_PIECE", 2)
     ids = np.array([PROMPTS[0]])
     pieces = list(model.decoding.score(model.runners["decoder"], ids))
-    assert [len(p) for p in pieces] == ([2, 2, 1] if key == "decoder-ort" else [5])
+    assert [len(p) for p in pieces] == [2, 2, 1]
     with torch.no_grad():
         expected = exported.model(torch.from_numpy(ids))[0][0].numpy()  # [S, V]
     np.testing.assert_allclose(np.concatenate(pieces), expected, rtol=1e-4, atol=1e-4)
