@@ -9,7 +9,7 @@ import pytest
 # The files that take longest (seconds in one process on a 2-core VM, 2026-12-02), run first: `make
 # test` runs whole files in two processes (pytest-xdist --dist loadfile), and a long file handed
 # out last keeps one process busy while the other has nothing left to run.
-LONG_FILES = ("gguf/test_quantized.py",  # 227: GPTQ on SmolLM2, twice (121 alone once they shared Hessians)
+LONG_FILES = ("gguf/test_quantized.py",  # 227: GPTQ on SmolLM2, twice then (once since 2026-12-07)
               "gguf/test_smollm2.py",  # 58: transformers' GGUF import
               "runtime/serve/test_ray.py",  # 46: Ray in a private network
               "export/test_quantize.py",  # 28

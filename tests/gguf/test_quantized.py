@@ -7,12 +7,13 @@ Perplexity is read on the fixed text ``tfport parity --accuracy`` uses
 (``tools/data/perplexity.txt``, 1,844 SmolLM2 tokens, which calibration never reads), against the
 float32 PyTorch module's perplexity on the same ids. The bounds are the targets, not the measured
 values (docs/quantisation.md#the-defaults, docs/benchmarks.md): GPTQ int4 (blocks of 32, the int4
-default of a float source, measured +8.6%), int4 with the head at int8 (+6.7%) and w8a8 (+5.3%)
-within 10%; int8 (+0.1%) within 3%; the int4 default of this 4-bit file (its own blocks on mixed
+default of a float source, measured +8.6%) and w8a8 (+5.3%) within 10%; int8 (+0.1%) within 3%; the int4 default of this 4-bit file (its own blocks on mixed
 activations, ``exporter.source_options``: +0.05%) within 1%. Beside perplexity, both int4 layouts
 are held to float32's greedy chat answers and to bounds on the KL divergence and top-1 agreement
 (issue 43), on the same exports.
-A regression in the quantiser, the calibration or a lowering moves them past the bound. The
+A regression in the quantiser, the calibration or a lowering moves them past the bound (int4
+with the head at int8, +6.7%, only makes GPTQ's head more precise: its run here, 50 s of the
+suite's time, was dropped; `--head-bits` is tested on tiny models). The
 exactness of each graph against its own dequantised weights is tested on tiny models
 (tests/export/test_quantize.py, test_calibrate.py).
 """
@@ -35,7 +36,6 @@ from .smollm2 import smollm2_path
 SCHEMES = {
     "int8 round-to-nearest": ("int8", "none", None, 1.03),
     "int4 GPTQ (blocks of 32)": ("int4", "builtin", None, 1.10),  # the int4 default of a float source
-    "int4 --head-bits 8": ("int4", "auto", 8, 1.10),
     "w8a8 (int8 activations per row)": ("w8a8", "none", None, 1.10),  # measured +5.3%; one scale per step: +71%
     "int4 default (the file's blocks)": ("int4", "auto", None, 1.01),  # what --quantize int4 alone gives: +0.05%
 }
