@@ -39,13 +39,14 @@ def self_cache_inputs(spec: GraphSpec) -> list[str]:
     return [t.name for t in spec.inputs if t.name.startswith(PAST) and ".encoder." not in t.name]
 
 
-def empty_cache(spec: GraphSpec, batch: int) -> dict[str, np.ndarray]:
-    """Zero-length past for the prefill: each self-attention cache input [B, Hkv, 0, D]."""
+def empty_cache(spec: GraphSpec, batch: int, length: int = 0) -> dict[str, np.ndarray]:
+    """Zeros for each self-attention cache input [B, Hkv, length, D]: with ``length`` 0 the past
+    of a prefill, else a cache to fill."""
     cache = {}
     for name in self_cache_inputs(spec):
         tensor = spec.input(name)
         _, heads, _, dim = tensor.shape
-        cache[name] = np.zeros((batch, heads, 0, dim), dtype=NUMPY_DTYPES[tensor.dtype])
+        cache[name] = np.zeros((batch, heads, length, dim), dtype=NUMPY_DTYPES[tensor.dtype])
     return cache
 
 

@@ -18,7 +18,6 @@ import numpy as np
 import onnxruntime as ort
 
 from tfport.contract import CONCAT
-from tfport.dtypes import NUMPY_DTYPES
 
 from ..binding import PRESENT, Feed, GraphRunner, KVCache, empty_cache, past_name, self_cache_inputs
 from ..inputs import pad_batch, positions_from_mask
@@ -107,13 +106,11 @@ class ConcatCache:
             # each row alone in pieces (a piece of a left-padded batch could be all padding), its
             # keys and values then laid out as the batch's, left-padded as its mask says
             last = []
-            state.cache = {}
+            state.cache = empty_cache(runner.spec, len(rows), ids.shape[1])
             for b, prompt in enumerate(rows):
                 row_logits, row_cache = prefill_row(runner, np.asarray(prompt, dtype=np.int64), NO_PREFIX, len(prompt))
                 last.append(row_logits[0])
                 for name, value in row_cache.items():  # [1, Hkv, L, D]
-                    if name not in state.cache:
-                        state.cache[name] = np.zeros((len(rows), value.shape[1], ids.shape[1], value.shape[3]), value.dtype)
                     state.cache[name][b, :, ids.shape[1] - len(prompt):] = value[0]
             logits = np.stack(last)  # [B, V]
         else:
@@ -168,22 +165,19 @@ class ConcatRows:
 
     def add(self, prompt: np.ndarray) -> tuple[Row, np.ndarray]:
         prompt = check_prompt(self, prompt)
-        logits, cache = self._prefill(prompt, cached_start(self.prefix, prompt), prompt.size)
+        logits, cache = prefill_row(self.runner, prompt, cached_start(self.prefix, prompt), prompt.size)
         row = Row(len(self.rows), prompt.size, prompt.tolist(), cache)
         if self.prefix is not None:
             self.prefix.insert(row.tokens, {name: value[0] for name, value in row.pending.items()})
         self.rows.append(row)
         return row, logits[0]
 
-    def _prefill(self, prompt: np.ndarray, start: Prefix, stop: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        return prefill_row(self.runner, prompt, start, stop)
-
     def prefill_chunk(self, prompt: np.ndarray, budget: int) -> int:
         if self.prefix is None:
             return 0
         prompt = check_prompt(self, prompt)
         return cache_chunk(self.prefix, prompt, budget, lambda start, stop: {
-            name: value[0] for name, value in self._prefill(prompt, start, stop)[1].items()})
+            name: value[0] for name, value in prefill_row(self.runner, prompt, start, stop)[1].items()})
 
     def remove(self, row: Row) -> None:
         assert self.rows[row.index] is row, (row, self.rows)
@@ -212,11 +206,7 @@ class ConcatRows:
         width = max(row.length for row in self.rows)
         n = len(self.rows)
         mask = np.zeros((n, width), dtype=np.int64)
-        cache = {}
-        for name in self.names:
-            spec = self.runner.spec.input(name)
-            _, heads, _, dim = spec.shape
-            cache[name] = np.zeros((n, heads, width, dim), dtype=NUMPY_DTYPES[spec.dtype])
+        cache = empty_cache(self.runner.spec, n, width)
         for b, row in enumerate(self.rows):
             mask[b, width - row.length:] = 1
             real = None if row.pending is not None else self.mask[old[id(row)]].astype(bool)
