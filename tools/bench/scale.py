@@ -13,9 +13,10 @@ memory does not count in the next:
 * tfport: load time and resident memory after loading, time to first token of a
   ``--prompt``-token prompt, decode tokens/s at batch 1 and at ``--rows`` rows, peak resident
   memory while running (the high-water mark is reset once the model is loaded; the loading's
-  own peak is ``load_peak`` in the JSON) against the weights' bytes plus the KV cache (one
-  row's, ``--prompt`` + ``--new-tokens`` tokens in float32, and the keys and values the
-  runtime's prefix cache holds of earlier prompts);
+  own peak is ``load_peak`` in the JSON) against the weights' bytes plus the KV cache (the
+  largest a run holds, in float32: one row of ``--prompt`` + ``--new-tokens`` tokens or
+  ``--rows`` rows of 32 + ``--new-tokens``; and the keys and values the runtime's prefix cache
+  holds of earlier prompts);
 * llama.cpp (llama-cpp-python, where installed; GGUF files only): the same figures on the same
   file, with ``--threads`` threads as tfport.
 
