@@ -70,9 +70,6 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
     ``head_block_size`` (default: the largest block size up to ``block_size`` that divides their
     width, ``calibrate.head_block``).
 
-    ``logits="last"`` makes the decoder return only the logits the next token is picked from
-    ([B, 1, V], ``tfport.contract.LOGITS``): a prefill skips the head for the rest of the prompt.
-
     ``dtype`` "bfloat16" stores the weights as bfloat16 and computes in float32 (ONNX Runtime's
     CPU provider has no bfloat16 kernels for the products; ``tfport.dtypes``). ``kv_dtype``
     ("float32" or "float16"; default float16 for float16 exports, float32 otherwise) is the KV
@@ -100,8 +97,7 @@ def export_model(model: nn.Module, out_dir: str | os.PathLike, options: ExportOp
                         kv_dtype=plan.kv_dtype,
                         tokenizer=TOKENIZER_FILE if options.tokenizer is not None else None,
                         chat_template=CHAT_TEMPLATE_FILE if options.chat_template is not None else None,
-                        graphs=plan.specs, quantization=_quantization_entry(scheme, options),
-                        logits=options.logits)
+                        graphs=plan.specs, quantization=_quantization_entry(scheme, options))
     model = model.eval()
     with atomic_directory(plan.out_dir) as tmp:
         _write_graphs(model, plan, scheme, manifest, tmp)

@@ -78,9 +78,8 @@ def build_decoder_graph(model: nn.Module, spec: GraphSpec, dtype: str, target: T
     table = token_table(g, model.decoder.embed.tokens)
     states, presents = emit.stack(g, model.decoder, config, target, inputs, token_table=table,
                                   pasts=pasts, memories=memories, progress=progress, name="decoder")
-    if spec.outputs[0].shape[1] == 1:  # logits="last": the head runs on one position per row
-        states = target.last_positions(g, states, inputs)
-    values = {"logits": lm_head(g, states, model, table)}
+    # the head runs on each row's last new token alone when the ``last_logits`` input says so
+    values = {"logits": lm_head(g, target.last_positions(g, states, inputs), model, table)}
     values.update(_presents(presents, n, kind))
     _outputs(g, spec, values)
     return g

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tfport.config import ModelConfig
 from tfport.config.checks import is_int
-from tfport.contract import ACTIVATIONS, DTYPES, KV_DTYPES, LOGITS, GraphSpec, graph_specs
+from tfport.contract import ACTIVATIONS, DTYPES, KV_DTYPES, GraphSpec, graph_specs
 from tfport.dtypes import cache_dtype
 from tfport.embedding import EmbeddingSettings
 from tfport.files import check_output_dir
@@ -64,8 +64,7 @@ class ExportOptions:
     else round-to-nearest; "none": round-to-nearest; "builtin", a text file or a
     ``Calibration``: GPTQ)
     ``head_bits`` (8 or 4) and ``head_block_size`` (default: ``calibrate.head_block``) re-choose
-    an int4/int8 quantisation's codes. ``logits``: "all" or
-    "last" (``tfport.contract.LOGITS``). ``kv_dtype``: the KV cache's dtype (None: float16 for
+    an int4/int8 quantisation's codes. ``kv_dtype``: the KV cache's dtype (None: float16 for
     float16 exports, else float32). ``max_loss`` (a fraction or "10%") picks the fastest int4 /
     int8 layout whose measured loss on ``loss_text`` (default: the calibration text) is within it
     (``export.budget``); ``block_size`` / ``head_bits`` then fix those fields of the search.
@@ -103,9 +102,6 @@ class ExportOptions:
         help="--quantize int4/int8 without zero points (codes centred on 0) or, with --no-symmetric, "
              "with a zero point per block; default: symmetric for int4 of a decoder or "
              "encoder-decoder (zero points cost ~10% of decode speed), zero points otherwise")
-    logits: str = option("all", choices=LOGITS,
-                         help="decoder logits for every position (all, default) or only the one the next "
-                              "token is picked from (last: [B, 1, V]; a prefill skips the head for the rest)")
     kv_dtype: str | None = option(None, choices=KV_DTYPES,
                                   help="KV cache dtype of a decoder (default: float16 for --dtype float16, "
                                        "else float32); float16 halves the bytes per cached token of a "
@@ -197,7 +193,7 @@ def plan_export(options: ExportOptions, config: ModelConfig, out_dir: str | os.P
                          f"(family={config.family!r})")
     if options.tokenizer is not None:
         _check_tokenizer(Path(options.tokenizer))
-    specs = graph_specs(config, dtype, target.layout, options.logits, kv_dtype)
+    specs = graph_specs(config, dtype, target.layout, kv_dtype)
     return ExportPlan(options, target, opset, kv_dtype, scheme, out_dir, specs)
 
 

@@ -32,8 +32,6 @@ class FixedBatch:
     of every row, and returns the live rows' logits. What ``generate`` decodes on without
     speculation; nothing is freed before the batch goes (a row removed only stops counting)."""
 
-    all_logits = False  # speculation runs on a layout's ``RowBatch`` instead
-
     def __init__(self, strategy: DecodeStrategy, runner: GraphRunner, pad_token_id: int,
                  static: Mapping[str, Feed] | None = None, prefix: PrefixCache | None = None):
         self.strategy, self.runner = strategy, runner

@@ -38,7 +38,7 @@ GRAPH_OPTIMIZATIONS = {
 }
 # contract dtype -> the type string ONNX Runtime reports for a graph input or output.
 ORT_TYPES = {"int64": "tensor(int64)", "int32": "tensor(int32)", "float32": "tensor(float)",
-             "float16": "tensor(float16)"}
+             "float16": "tensor(float16)", "bool": "tensor(bool)"}
 
 
 THREADS_PER_CPU = 8  # more threads than this per CPU only slows session creation (minutes at 2048/CPU)

@@ -15,8 +15,10 @@ Graphs per family (dims are named as in the ONNX files):
   once per request.
 * ``decoder``  -- ``input_ids`` int64 [batch, sequence], ``attention_mask`` int64
   [batch, total_sequence], ``position_ids`` int64 [batch, sequence] (sinusoidal, learned, RoPE),
-  ``past_key_values.{i}.key|value`` [batch, Hkv, past_sequence, D] -> ``logits`` float32
-  [batch, sequence, V], ``present.{i}.key|value`` [batch, Hkv, total_sequence, D].
+  ``past_key_values.{i}.key|value`` [batch, Hkv, past_sequence, D], ``last_logits`` bool
+  scalar -> ``logits`` float32 [batch, positions, V] (every position, positions = sequence; or
+  with ``last_logits`` each row's last new token's alone, positions = 1: a prefill runs the
+  head once per row), ``present.{i}.key|value`` [batch, Hkv, total_sequence, D].
   For encoder-decoder models the self-attention cache is ``...{i}.decoder.key|value``, and the
   graph also takes ``encoder_attention_mask`` int64 [batch, encoder_sequence] and
   ``past_key_values.{i}.encoder.key|value`` [batch, Hkv, encoder_sequence, D].
@@ -114,8 +116,16 @@ def _ids(name: str, length: str) -> TensorSpec:
     return TensorSpec(name, "int64", ("batch", length))
 
 
-def _logits(config: ModelConfig) -> TensorSpec:
-    return TensorSpec("logits", "float32", ("batch", "sequence", config.vocab_size))
+# The decoder's bool scalar input choosing its logits' positions: false, every new token's
+# [B, S, V]; true, each row's last new token's [B, 1, V] (the one the next token is picked
+# from: S - 1 in layout "concat", whose prompts are left-padded; the row's own last in
+# "inplace"), so a prefill that only picks the next token runs the head once per row.
+LAST_LOGITS = "last_logits"
+
+
+def _next_token_logits(config: ModelConfig) -> TensorSpec:
+    """A decoder's logits: [B, S, V], or [B, 1, V] with ``last_logits`` (``LAST_LOGITS``)."""
+    return TensorSpec("logits", "float32", ("batch", "positions", config.vocab_size))
 
 
 def _concat_decoder(config: ModelConfig, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -131,7 +141,8 @@ def _concat_decoder(config: ModelConfig, dtype: str) -> tuple[list[TensorSpec], 
     inputs += _cache_specs(config, n, "past_key_values", kind, "past_sequence", dtype)
     if seq2seq:
         inputs += _cache_specs(config, n, "past_key_values", "encoder", "encoder_sequence", dtype)
-    outputs = [_logits(config)] + _cache_specs(config, n, "present", kind, "total_sequence", dtype)
+    inputs.append(TensorSpec(LAST_LOGITS, "bool", ()))
+    outputs = [_next_token_logits(config)] + _cache_specs(config, n, "present", kind, "total_sequence", dtype)
     return inputs, outputs
 
 
@@ -141,7 +152,8 @@ def _inplace_decoder(config: ModelConfig, dtype: str) -> tuple[list[TensorSpec],
     inputs = [_ids("input_ids", "sequence"), TensorSpec("seqlens_k", "int32", ("batch",)),
               TensorSpec("total_sequence_length", "int32", ())]
     inputs += _cache_specs(config, n, "past_key_values", None, "max_sequence", dtype)
-    outputs = [_logits(config)] + _cache_specs(config, n, "present", None, "max_sequence", dtype)
+    inputs.append(TensorSpec(LAST_LOGITS, "bool", ()))
+    outputs = [_next_token_logits(config)] + _cache_specs(config, n, "present", None, "max_sequence", dtype)
     return inputs, outputs
 
 
@@ -174,7 +186,7 @@ class CacheLayout:
 
     def last_positions(self, query_mask: np.ndarray) -> np.ndarray:
         """int [B]: each row's last real new token in ``query_mask`` [B, S] bool, the position a
-        ``logits="last"`` graph returns: S - 1 when left-padded, else the row's own last."""
+        decoder returns with ``last_logits``: S - 1 when left-padded, else the row's own last."""
         batch, new = query_mask.shape
         if self.padding == "left":
             return np.full(batch, new - 1)
@@ -196,11 +208,6 @@ def register_layout(layout: CacheLayout) -> CacheLayout:
 CONCAT = register_layout(CacheLayout("concat", _concat_decoder, padding="left"))
 INPLACE = register_layout(CacheLayout("inplace", _inplace_decoder, padding="right", decoder_only=True))
 
-
-# Which positions' logits a decoder graph returns: "all" [B, S, V], or "last" [B, 1, V], the
-# position the next token is picked from (concat layout: S - 1, prompts being left-padded;
-# inplace: each row's last new token). "last" skips the head for the rest of a prompt.
-LOGITS = ("all", "last")
 
 # What a quantised weight product computes its activations in (``tfport export --activations``;
 # the manifest's ``quantization[ACTIVATION_KEY]``, absent for the default "int8"): "int8" rounds
@@ -230,16 +237,10 @@ QDQ_ACCURACY_CONFIG = "session.qdq_matmulnbits_accuracy_level"
 
 
 def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "concat",
-                logits: str = "all", kv_dtype: str | None = None) -> dict[str, GraphSpec]:
+                kv_dtype: str | None = None) -> dict[str, GraphSpec]:
     """The graphs an export of ``config`` contains, keyed ``"encoder"`` / ``"decoder"`` (or
-    ``"classifier"`` alone: an encoder-decoder with ``n_labels``);
-    ``logits`` (``LOGITS``) says which positions the decoder's logits cover; caches are in
-    ``kv_dtype`` (None: the export dtype's default, ``tfport.dtypes.cache_dtype``)."""
-    if logits not in LOGITS:
-        raise ValueError(f"logits={logits!r}: expected one of {list(LOGITS)}")
-    if logits != "all" and (not config.has_decoder or config.classifier.n_labels):
-        raise ValueError(f"logits={logits!r}: applies to a decoder's next-token logits; this "
-                         f"{config.family} model{' (a classifier)' if config.classifier.n_labels else ''} has none")
+    ``"classifier"`` alone: an encoder-decoder with ``n_labels``); caches are in ``kv_dtype``
+    (None: the export dtype's default, ``tfport.dtypes.cache_dtype``)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {list(DTYPES)}")
     cache = cache_dtype(dtype, kv_dtype)
@@ -267,7 +268,5 @@ def graph_specs(config: ModelConfig, dtype: str = "float32", layout: str = "conc
         graphs["encoder"] = GraphSpec("encoder", "encoder.onnx", tuple(inputs), tuple(outputs))
     if config.has_decoder:
         inputs, outputs = LAYOUTS[layout].decoder_specs(config, cache)
-        if logits == "last":
-            outputs[0] = TensorSpec("logits", "float32", ("batch", 1, config.vocab_size))
         graphs["decoder"] = GraphSpec("decoder", "decoder.onnx", tuple(inputs), tuple(outputs))
     return graphs

@@ -16,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 NUMPY_DTYPES: dict[str, type] = {"float32": np.float32, "float16": np.float16, "int64": np.int64,
-                                 "int32": np.int32}
-# onnx.TensorProto.FLOAT, FLOAT16, INT64, INT32, BFLOAT16 (the enum is part of the ONNX file format).
-ONNX_DTYPES: dict[str, int] = {"float32": 1, "float16": 10, "int64": 7, "int32": 6, "bfloat16": 16}
+                                 "int32": np.int32, "bool": np.bool_}
+# onnx.TensorProto.FLOAT, FLOAT16, INT64, INT32, BFLOAT16, BOOL (the enum is part of the ONNX file format).
+ONNX_DTYPES: dict[str, int] = {"float32": 1, "float16": 10, "int64": 7, "int32": 6, "bfloat16": 16, "bool": 9}
 
 # Export dtype -> the dtype the graph's activations are computed and exchanged in.
 COMPUTE_DTYPES: dict[str, str] = {"float32": "float32", "float16": "float16", "bfloat16": "float32"}

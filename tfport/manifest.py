@@ -48,7 +48,6 @@ class Manifest:
     # Quantisation of the graphs' weight products (its scheme's to_dict, export/quant/: format,
     # then the format's own fields, e.g. bits, block_size, symmetric, embeddings), None for float weights.
     quantization: dict[str, Any] | None = None
-    logits: str = "all"  # LOGITS: the decoder returns every position's logits or the last one's
     kv_dtype: str | None = None  # the KV cache dtype (None: the dtype's default, set on creation)
 
     def __post_init__(self) -> None:
@@ -56,7 +55,7 @@ class Manifest:
             object.__setattr__(self, "kv_dtype", cache_dtype(self.dtype, self.kv_dtype))
         if not self.graphs:
             object.__setattr__(self, "graphs", graph_specs(self.config, self.dtype, self.layout,
-                                                           self.logits, self.kv_dtype))
+                                                           self.kv_dtype))
 
     @property
     def settings(self) -> str:
@@ -83,7 +82,6 @@ class Manifest:
             "graphs": {name: g.to_dict() for name, g in self.graphs.items()},
             "files": {name: record.to_dict() for name, record in self.files.items()},
             **({"quantization": dict(self.quantization)} if self.quantization else {}),
-            **({"logits": self.logits} if self.logits != "all" else {}),
             "kv_dtype": self.kv_dtype,
         }
 
@@ -156,7 +154,7 @@ class Manifest:
                            layout=data["layout"], device_refusals=refusals,
                            tokenizer=data.get("tokenizer"), chat_template=data.get("chat_template"),
                            files=files, quantization=data.get("quantization"),
-                           logits=data.get("logits", "all"), kv_dtype=data.get("kv_dtype"))
+                           kv_dtype=data.get("kv_dtype"))
         except ValueError as err:  # a config the layout cannot serve
             raise ValueError(f"{path}: {err}") from None
         for name, graph in manifest.graphs.items():

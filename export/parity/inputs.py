@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tfport.config import ModelConfig
-from tfport.contract import LAYOUTS, cache_names
+from tfport.contract import LAST_LOGITS, LAYOUTS, cache_names
 from tfport.models.cache import KVCache
 from tfport.models.positions import positions_from_mask
 
@@ -166,7 +166,7 @@ class CaseInputs:
         ids = self._ids(rng, (case.batch, case.new))
         position_ids = positions_from_mask(torch.from_numpy(mask), case.new).numpy()
         past = [self.random_cache(rng, case.batch, case.past) for _ in range(2 * c.n_decoder_layers)]
-        feeds = {"input_ids": ids, "attention_mask": mask}
+        feeds = {"input_ids": ids, "attention_mask": mask, LAST_LOGITS: np.array(False)}
         if c.uses_position_ids:
             feeds["position_ids"] = position_ids
         feeds.update(_cache_feeds("past_key_values", kind, past, c.n_decoder_layers))

@@ -9,6 +9,7 @@ output at real positions (``cases``). ``localize(runner, case)`` names the first
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import onnxruntime as ort
 import torch
 from torch import nn
 
+from tfport.contract import LAST_LOGITS
 from tfport.dtypes import COMPUTE_DTYPES
 from tfport.manifest import Manifest
 from tfport.models.lazy import is_lazy
@@ -29,6 +31,9 @@ from .cases import CACHE_ULPS, ROUNDING_FACTOR, TOLERANCES, Case, CaseResult, _c
 from .inputs import CaseInputs, Prepared
 from .reference import TORCH_DTYPES, reference_module
 
+# A decoder's logits run again with ``last_logits`` (the head on each row's last new token), as
+# checked beside the others.
+LAST_POSITIONS = "logits (last_logits)"
 
 def _tolerance(manifest: Manifest, provider: str) -> tuple[float, float]:
     """(rtol, atol) of an export: its dtype's, or the looser of that and its cache dtype's where
@@ -146,8 +151,14 @@ class Runner:
         """Run ``prepared`` on both sides (``reference``: the reference's outputs, computed
         earlier) and compare every output. The float64 reference (the rounding floor) is only run
         for a case the table's tolerance alone fails: a floor can only let more through, and its
-        float64 copy of the module doubles the reference's memory."""
+        float64 copy of the module doubles the reference's memory.
+
+        A decoder runs twice: with every position's logits (``last_logits`` false), then with the
+        head on each row's last new token alone (true), as the runtime's prefills run it."""
         actual = self.run_onnx(prepared)
+        if LAST_LOGITS in prepared.feeds:
+            feeds = {**prepared.feeds, LAST_LOGITS: np.array(True)}
+            actual[LAST_POSITIONS] = self.run_onnx(dataclasses.replace(prepared, feeds=feeds))["logits"]
         reference = prepared.reference() if reference is None else reference
         result = self._compare_outputs(prepared, case, actual, reference, {})
         if not result.ok and self.float64_reference() is not None:
@@ -166,12 +177,14 @@ class Runner:
             expected = tensor.float().numpy()
             real = self._real(name, expected, prepared)
             floor = self.rounding_floor(tensor, exact.get(name), real)
-            if name == "logits" and actual[name].shape[1] == 1 < expected.shape[1]:  # logits="last"
-                rows = np.arange(expected.shape[0])
-                last = self.inputs.layout.last_positions(prepared.query_mask)
-                expected, real = expected[rows, last][:, None], real[rows, last][:, None]
             result.diffs.append(_compare(name, expected, actual[name].astype(np.float32), real,
                                          tolerance, logits=name == "logits", floor=floor))
+            if name == "logits" and LAST_POSITIONS in actual:
+                rows = np.arange(expected.shape[0])
+                last = self.inputs.layout.last_positions(prepared.query_mask)
+                result.diffs.append(_compare(LAST_POSITIONS, expected[rows, last][:, None],
+                                             actual[LAST_POSITIONS].astype(np.float32),
+                                             real[rows, last][:, None], tolerance, logits=True, floor=floor))
         return result
 
     # ------------------------------------------------------------ the reference's own rounding

@@ -18,7 +18,7 @@ from onnxscript.values import OnnxFunction
 from torch import nn
 
 from tfport.config import ModelConfig
-from tfport.contract import ACTIVATIONS
+from tfport.contract import ACTIVATIONS, LAST_LOGITS
 from tfport.dtypes import ONNX_DTYPES
 
 from ..graph import GraphBuilder, to_numpy
@@ -236,10 +236,13 @@ class PortableTarget:
         return mixture_of_experts(g, x, module, ffn, linear, name)
 
     def last_positions(self, g: GraphBuilder, states: str, inputs: dict[str, str]) -> str:
-        """states [B, S, E] -> [B, 1, E] at the position the next token is picked from
-        (``logits="last"``): S - 1 in layout "concat", whose prompts are left-padded."""
-        return g.op("Slice", states, g.const([-1], name="last_start"), g.const([2**62], name="last_end"),
-                    g.const([1], name="last_axis"), name="last_position")
+        """states [B, S, E] -> the positions the head runs on: [B, 1, E] at the one the next
+        token is picked from when the ``last_logits`` input is true (S - 1 in layout "concat",
+        whose prompts are left-padded), else all of them [B, S, E]."""
+        start = g.op("Where", inputs[LAST_LOGITS], g.const([-1], name="last_start"),
+                     g.const([0], name="first_start"), name="logits_start")  # [1]
+        return g.op("Slice", states, start, g.const([2**62], name="last_end"),
+                    g.const([1], name="last_axis"), name="logits_positions")
 
     # ------------------------------------------------------------------- quantised weights
     def project_quantized(self, g: GraphBuilder, x: str, weight: BlockQuantized, name: str,

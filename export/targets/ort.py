@@ -12,7 +12,7 @@ from onnxscript import script, values
 from onnxscript import opset18 as op
 
 from tfport.config import ModelConfig
-from tfport.contract import MATMULNBITS_ACCURACY, accuracy_level
+from tfport.contract import LAST_LOGITS, MATMULNBITS_ACCURACY, accuracy_level
 from tfport.dtypes import COMPUTE_DTYPES, ONNX_DTYPES
 
 from ..functions import tfport
@@ -164,14 +164,25 @@ class OrtTarget(PortableTarget):
         return normed, summed
 
     def last_positions(self, g, states, inputs):
-        """Rows are right-padded: row b's last new token is at min(seqlens_k[b], S - 1) (a
-        prefill: its length - 1; a decode step or a batch-1 chunk on a past: S - 1)."""
-        last = g.op("Sub", g.op("Shape", inputs["input_ids"], start=1, end=2), g.const([1], name="one"))  # [1]
-        index = g.op("Min", g.op("Cast", inputs["seqlens_k"], to=7), last, name="last_index")  # [B] int64
-        shape = g.op("Concat", g.op("Shape", states, start=0, end=1), g.const([1], name="one"),
-                     g.op("Shape", states, start=2, end=3), axis=0)  # [B, 1, E]
-        index = g.op("Expand", g.op("Reshape", index, g.const([-1, 1, 1], name="index_shape")), shape)
-        return g.op("GatherElements", states, index, axis=1, name="last_position")  # [B, 1, E]
+        """Rows are right-padded: with ``last_logits``, row b's last new token, at
+        min(seqlens_k[b], S - 1) (a prefill: its length - 1; a decode step or a batch-1 chunk on
+        a past: S - 1); else every position. One ``GatherElements`` of the positions
+        start[b] + [0, n): n = 1 and start = that index, or n = S and start = 0."""
+        length = g.op("Shape", inputs["input_ids"], start=1, end=2, name="logits.length")  # [1] = S
+        last = inputs[LAST_LOGITS]
+        one, zero = g.const([1], name="one"), g.const(0, name="zero_i64")
+        index = g.op("Min", g.op("Cast", inputs["seqlens_k"], to=7), g.op("Sub", length, one),
+                     name="last_index")  # [B] int64
+        start = g.op("Where", last, index, zero, name="logits.start")  # [B]
+        count = g.op("Where", last, one, length, name="logits.count")  # [1]
+        steps = g.op("Range", zero, g.op("Squeeze", count, g.const([0], name="zero_1d")),
+                     g.const(1, name="one_i64"), name="logits.steps")  # [n]
+        positions = g.op("Add", g.op("Unsqueeze", start, g.const([1], name="axis_1d")),
+                         g.op("Unsqueeze", steps, g.const([0], name="zero_1d")), name="logits.positions")  # [B, n]
+        shape = g.op("Concat", g.op("Shape", states, start=0, end=1), count,
+                     g.op("Shape", states, start=2, end=3), axis=0)  # [B, n, E]
+        positions = g.op("Expand", g.op("Unsqueeze", positions, g.const([2], name="axis_2d")), shape)
+        return g.op("GatherElements", states, positions, axis=1, name="logits_positions")  # [B, n, E]
 
     # ------------------------------------------------------------------- quantised weights
     def check_quantized(self, scheme, opset):

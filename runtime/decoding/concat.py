@@ -17,14 +17,13 @@ import weakref
 import numpy as np
 import onnxruntime as ort
 
-from tfport.contract import CONCAT
+from tfport.contract import CONCAT, LAST_LOGITS
 
 from ..binding import PRESENT, Feed, GraphRunner, KVCache, empty_cache, past_name, self_cache_inputs
 from ..inputs import pad_batch, positions_from_mask
 from .layout import LayoutDecoding, prefill_pieces, register_decoding
 from .prefix import NO_PREFIX, Prefix, PrefixCache, cache_chunk, cached_start
 from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
-from .inplace_binding import logits_layout
 
 
 @dataclass
@@ -41,13 +40,15 @@ def decoder_forward(runner: GraphRunner, input_ids: np.ndarray, attention_mask: 
                     every_position: bool = False) -> tuple[np.ndarray, KVCache]:
     """One decoder call: input_ids [B, S], attention_mask [B, P+S], cache [B, Hkv, P, D]
     -> (last-position logits float32 [B, V], or [B, S, V] with ``every_position``; present cache
-    [B, Hkv, P+S, D] as OrtValues).
+    [B, Hkv, P+S, D] as OrtValues). Without ``every_position`` the graph runs its head on the
+    last position alone (its ``last_logits`` input).
 
     ``static`` holds the inputs that do not change between steps (seq2seq
     ``encoder_attention_mask`` and cross-attention K/V). ``position_ids`` [B, S] are counted
     from the mask when the graph takes them.
     """
-    feeds: dict[str, Feed] = {"input_ids": input_ids, "attention_mask": attention_mask}
+    feeds: dict[str, Feed] = {"input_ids": input_ids, "attention_mask": attention_mask,
+                              LAST_LOGITS: np.array(not every_position)}
     if "position_ids" in runner.input_names:
         feeds["position_ids"] = positions_from_mask(attention_mask, input_ids.shape[1])
     feeds.update(cache)
@@ -158,7 +159,6 @@ class ConcatRows:
         self.cache: dict = {}  # name -> OrtValue or array [n, Hkv, P, D]
         self.mask = np.zeros((0, 0), dtype=np.int64)  # [n, P]
         self._members: list[Row] = []  # the rows the current cache holds, in order
-        self.all_logits = logits_layout(runner)[0] is None  # every position's (extend needs it)
         if any(".encoder." in t.name for t in runner.spec.inputs):
             raise ValueError("ConcatRows: seq2seq decoders (cross-attention inputs) are not "
                              "batched per row; serve decoder-only exports")
@@ -237,7 +237,7 @@ class ConcatRows:
         return self._feed(tokens[:, None], np.ones((len(self.rows), 1), dtype=np.int64))[:, -1]
 
     def extend(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
-        chunks = check_chunks(self, chunks, self.all_logits)
+        chunks = check_chunks(self, chunks)
         width = max(c.size for c in chunks)
         ids = np.full((len(chunks), width), self.pad_token_id, dtype=np.int64)
         new_mask = np.zeros((len(chunks), width), dtype=np.int64)  # a short chunk: masked tail
@@ -269,8 +269,8 @@ class ConcatRelayout:
 
 
 def score(runner: GraphRunner, ids: np.ndarray) -> Iterator[np.ndarray]:
-    """Every position's logits of one sequence ``ids`` int64 [1, S] (a decoder that returns them
-    all, ``logits="all"``), as the logits [s, V] of its consecutive pieces of at most
+    """Every position's logits of one sequence ``ids`` int64 [1, S], as the logits [s, V] of its
+    consecutive pieces of at most
     ``PREFILL_PIECE`` tokens, each run on the cache of those before (from an empty one)."""
     cache = empty_cache(runner.spec, 1)
     for first, stop in prefill_pieces(0, ids.shape[1]):

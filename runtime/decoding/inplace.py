@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from tfport.contract import INPLACE
+from tfport.contract import INPLACE, LAST_LOGITS
 from tfport.dtypes import NUMPY_DTYPES
 
 from ..binding import PAST, PRESENT, Feed, GraphRunner
@@ -69,10 +69,10 @@ class InplaceBuffer:
             logits = np.stack(last_logits)  # [B, V]
         elif decoder.host is not None:
             # groups of rows of at most a piece's tokens on their slice of the buffers
-            logits = np.concatenate([last_tokens(decoder(ids[a:b, :lengths[a:b].max()], lengths[a:b] - 1, a),
-                                                 lengths[a:b]) for a, b in row_groups(lengths.tolist())])
+            logits = np.concatenate([decoder(ids[a:b, :lengths[a:b].max()], lengths[a:b] - 1, a)[:, 0]
+                                     for a, b in row_groups(lengths.tolist())])
         else:
-            logits = last_tokens(decoder(ids, lengths - 1), lengths)
+            logits = decoder(ids, lengths - 1)[:, 0]
 
         top = int(lengths.max())
         fed = [int(t) for t in rows[0]] if cached else None  # the tokens in the cache
@@ -86,12 +86,6 @@ class InplaceBuffer:
         # The request is over when advance goes: its blocks are kept, then its buffers.
         weakref.finalize(advance, _hand_back, runner, decoder, prefix if cached else None, fed)
         return logits, advance
-
-
-def last_tokens(logits: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Each row's last real token's logits [B, V] of a prefill's [B, S, V] (or [B, 1, V], from an
-    export with ``logits="last"``), rows of ``lengths`` tokens."""
-    return logits[:, 0] if logits.shape[1] == 1 else logits[np.arange(len(lengths)), lengths - 1]
 
 
 def _hand_back(runner: GraphRunner, decoder: InplaceDecoder, prefix: PrefixCache | None,
@@ -134,8 +128,7 @@ class InplaceRows:
                 self.buffers[spec.name] = np.zeros((self.capacity, heads, self.slots, dim),
                                                    dtype=NUMPY_DTYPES[spec.dtype])
         self._bindings: dict[tuple[int, int, bool], tuple[ort.IOBinding, dict[str, ort.OrtValue]]] = {}
-        self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
-        self.all_logits = self.rows_out is None  # every position's (extend needs it)
+        self.vocab, self.logits_dtype = logits_layout(runner)
         # A step's host feeds per row count, bound once (InplaceDecoder.step's fast path); the
         # binding of the rows [0:n] (per session) holds them until a ``_run`` on it rebinds it.
         self._steps: dict[int, StepFeeds] = {}
@@ -167,17 +160,20 @@ class InplaceRows:
             self._bindings[key] = (binding, values)  # values: keep the views alive
         return session, self._bindings[key][0], key
 
-    def _run(self, start: int, stop: int, input_ids: np.ndarray, seqlens_k: np.ndarray) -> np.ndarray:
-        """input_ids [n, S] on rows [start:stop], seqlens_k [n] -> logits [n, S, V] (or [n, 1, V]
-        from an export with ``logits="last"``), written by the run into a fresh host array bound
-        as the output: the other outputs (the rows' caches, bound in place) are never read back."""
+    def _run(self, start: int, stop: int, input_ids: np.ndarray, seqlens_k: np.ndarray,
+             every_position: bool = False) -> np.ndarray:
+        """input_ids [n, S] on rows [start:stop], seqlens_k [n] -> logits [n, 1, V] of each row's
+        last new token (or [n, S, V] ``every_position``), written by the run into a fresh host
+        array bound as the output: the other outputs (the rows' caches, bound in place) are
+        never read back."""
         session, binding, key = self._binding(start, stop, input_ids.size)
         self._step_bound.discard(key)
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
         binding.bind_cpu_input("total_sequence_length",
                                np.array(seqlens_k.max() + 1, dtype=np.int32))
-        logits = np.empty((stop - start, self.rows_out or input_ids.shape[1], self.vocab), self.logits_dtype)
+        binding.bind_cpu_input(LAST_LOGITS, np.array(not every_position))
+        logits = np.empty((stop - start, input_ids.shape[1] if every_position else 1, self.vocab), self.logits_dtype)
         binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         session.run_with_iobinding(binding)
         return logits
@@ -195,8 +191,8 @@ class InplaceRows:
         return row, require_finite(logits[0, -1])
 
     def _prefill(self, index: int, prompt: np.ndarray, start: Prefix, stop: int) -> np.ndarray:
-        """``prompt[start.length:stop]`` on top of ``start`` in row ``index``'s buffers -> logits
-        [1, S, V] (or [1, 1, V])."""
+        """``prompt[start.length:stop]`` on top of ``start`` in row ``index``'s buffers -> its last
+        token's logits [1, 1, V]."""
         fill_prefix(self._row_cache(index), start)
         for first, last in prefill_pieces(start.length, stop):
             logits = self._run(index, index + 1, prompt[None, first:last], np.array([last - 1]))
@@ -247,14 +243,15 @@ class InplaceRows:
     def extend(self, chunks: list[np.ndarray]) -> list[np.ndarray]:
         """Each row's chunk on its own slice (the CPU kernel takes several new tokens on top of a
         cache only at batch 1); rows of one token each step together."""
-        chunks = check_chunks(self, chunks, self.all_logits)
+        chunks = check_chunks(self, chunks)
         if all(c.size == 1 for c in chunks):
             return list(self.step(np.concatenate(chunks))[:, None])
         self._reserve(max(row.length + chunk.size for row, chunk in zip(self.rows, chunks)))
         out = []
         for row, chunk in zip(self.rows, chunks):
             index = row.index
-            out.append(self._run(index, index + 1, chunk[None], np.array([row.length + chunk.size - 1]))[0])
+            out.append(self._run(index, index + 1, chunk[None], np.array([row.length + chunk.size - 1]),
+                                 every_position=True)[0])
             row.length += chunk.size
             row.tokens.extend(chunk.tolist())
         return out
@@ -301,7 +298,8 @@ class InplaceRelayout:
         for b in range(batch):
             ids[b, :new_real[b].sum()] = feeds["input_ids"][b][new_real[b]]
         laid = {"input_ids": ids, "seqlens_k": (real.sum(1) - 1).astype(np.int32),
-                "total_sequence_length": np.array(real.sum(1).max(), dtype=np.int32)}
+                "total_sequence_length": np.array(real.sum(1).max(), dtype=np.int32),
+                LAST_LOGITS: feeds[LAST_LOGITS]}
         buffers = {}
         for name, cached in feeds.items():
             if name.startswith(PAST):
@@ -329,12 +327,12 @@ class InplaceRelayout:
 
 
 def score(runner: GraphRunner, ids: np.ndarray) -> Iterator[np.ndarray]:
-    """Every position's logits of one sequence ``ids`` int64 [1, S] (``logits="all"``), as the
-    logits [s, V] of its consecutive pieces of at most ``PREFILL_PIECE`` tokens, each run on top
+    """Every position's logits of one sequence ``ids`` int64 [1, S], as the logits [s, V] of its
+    consecutive pieces of at most ``PREFILL_PIECE`` tokens, each run on top
     of the cache of those before: a long text holds one piece's activations and logits."""
     decoder = InplaceDecoder(runner, 1, ids.shape[1])
     for first, stop in prefill_pieces(0, ids.shape[1]):
-        yield decoder(ids[:, first:stop], np.array([stop - 1]))[0]
+        yield decoder(ids[:, first:stop], np.array([stop - 1]), every_position=True)[0]
 
 
 DECODING = register_decoding(LayoutDecoding(INPLACE, InplaceBuffer(), InplaceRows, InplaceRelayout(), score))

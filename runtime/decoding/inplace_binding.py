@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnxruntime as ort
 
+from tfport.contract import LAST_LOGITS
 from tfport.dtypes import NUMPY_DTYPES
 
 from ..binding import PAST, PRESENT, GraphRunner, choose_session
@@ -22,12 +23,10 @@ from .prefix import Prefix
 KEPT = "inplace"  # GraphRunner.kept key of the idle decoder
 
 
-def logits_layout(runner: GraphRunner) -> tuple[int | None, int, type]:
-    """(positions per row: 1 for an export with ``logits="last"``, None for every position;
-    vocabulary size V; numpy dtype) of the decoder's logits output."""
+def logits_layout(runner: GraphRunner) -> tuple[int, type]:
+    """(vocabulary size V, numpy dtype) of the decoder's logits output."""
     logits = next(t for t in runner.spec.outputs if t.name == "logits")
-    rows = logits.shape[1] if isinstance(logits.shape[1], int) else None
-    return rows, logits.shape[-1], NUMPY_DTYPES[logits.dtype]
+    return logits.shape[-1], NUMPY_DTYPES[logits.dtype]
 
 
 def require_finite(logits: np.ndarray) -> np.ndarray:
@@ -41,8 +40,8 @@ def require_finite(logits: np.ndarray) -> np.ndarray:
 class InplaceDecoder:
     """The decoder graph with its KV buffers [B, Hkv, slots, D] bound once, as past and present.
 
-    A call binds ``input_ids``, ``seqlens_k``, ``total_sequence_length`` and a fresh host array
-    for the logits, runs, and returns that array: the per-call host work does not depend on the
+    A call binds ``input_ids``, ``seqlens_k``, ``total_sequence_length``, ``last_logits`` and a
+    fresh host array for the logits, runs, and returns that array: the per-call host work does not depend on the
     number of layers (the binding's other outputs are never read back). ``step`` is the decode
     step's faster path: its inputs and logits live in host arrays bound once.
     """
@@ -53,7 +52,7 @@ class InplaceDecoder:
         self.session, self.batch_session, self.batch_rows = runner.session, runner.batch_session, runner.batch_rows
         self.runs = runner.runs  # the runner's counts, by export (a dict: no reference to the runner)
         self.batch, self.slots = batch, slots
-        self.rows_out, self.vocab, self.logits_dtype = logits_layout(runner)
+        self.vocab, self.logits_dtype = logits_layout(runner)
         self.cache: dict[str, ort.OrtValue] = {}
         # On the CPU the buffers are these host arrays (an OrtValue over a numpy array shares
         # its memory there): a cached prefix is copied in, a finished request's blocks read out.
@@ -80,11 +79,12 @@ class InplaceDecoder:
             self._bindings[id(session)] = (binding, False)
         return session, self._bindings[id(session)][0]
 
-    def __call__(self, input_ids: np.ndarray, seqlens_k: np.ndarray, row: int | None = None) -> np.ndarray:
-        """input_ids [B, S] (right-padded), seqlens_k [B] -> logits float32 [B, S, V], or [B, 1, V]
-        (each row's last new token) from an export with ``logits="last"``; the array is the
-        caller's (a new one each call). ``row``: run the B rows from that one alone on their
-        slice of the buffers (the CPU's host arrays), the others untouched.
+    def __call__(self, input_ids: np.ndarray, seqlens_k: np.ndarray, row: int | None = None,
+                 every_position: bool = False) -> np.ndarray:
+        """input_ids [B, S] (right-padded), seqlens_k [B] -> logits float32 [B, 1, V] of each
+        row's last new token (the head runs on it alone), or [B, S, V] with ``every_position``;
+        the array is the caller's (a new one each call). ``row``: run the B rows from that one
+        alone on their slice of the buffers (the CPU's host arrays), the others untouched.
 
         ``seqlens_k[b]`` is the index of row b's last real token counting its cache: a prefill passes
         each prompt's length - 1 (its padded slots are ignored), a decode step the cached length.
@@ -105,7 +105,8 @@ class InplaceDecoder:
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
         binding.bind_cpu_input("total_sequence_length", np.array(seqlens_k.max() + 1, dtype=np.int32))
-        logits = np.empty((batch, self.rows_out or length, self.vocab), dtype=self.logits_dtype)
+        binding.bind_cpu_input(LAST_LOGITS, np.array(not every_position))
+        logits = np.empty((batch, length if every_position else 1, self.vocab), dtype=self.logits_dtype)
         binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         session.run_with_iobinding(binding)
         return require_finite(logits)
@@ -137,16 +138,17 @@ class InplaceDecoder:
 
 class StepFeeds:
     """A decode step's host arrays (input_ids [B, 1], seqlens_k [B], total_sequence_length,
-    logits [B, 1, V]) and the OrtValues over them (shared memory: writing an array feeds the
-    next run)."""
+    last_logits, logits [B, 1, V]) and the OrtValues over them (shared memory: writing an array
+    feeds the next run)."""
 
     def __init__(self, batch: int, vocab: int, logits_dtype: np.dtype):
         self.input_ids = np.zeros((batch, 1), dtype=np.int64)
         self.seqlens_k = np.zeros(batch, dtype=np.int32)
         self.total_sequence_length = np.zeros((), dtype=np.int32)
+        self.last_logits = np.ones((), dtype=bool)
         self.logits = np.zeros((batch, 1, vocab), dtype=logits_dtype)
         self.values = {name: ort.OrtValue.ortvalue_from_numpy(getattr(self, name))
-                       for name in ("input_ids", "seqlens_k", "total_sequence_length", "logits")}
+                       for name in ("input_ids", "seqlens_k", "total_sequence_length", LAST_LOGITS, "logits")}
 
     def bind(self, binding: ort.IOBinding) -> None:
         for name, value in self.values.items():

@@ -51,8 +51,6 @@ class RowBatch(Protocol):
     rows: list[Row]
     capacity: int
     max_length: int
-    all_logits: bool  # whether the graph returns every position's logits (extend needs it)
-
     def add(self, prompt: np.ndarray) -> tuple[Row, np.ndarray]:
         """Prefill ``prompt`` int64 [S] into a free row -> (the row, last logits float32 [V])."""
         ...
@@ -93,17 +91,14 @@ def check_prompt(batch: RowBatch, prompt: np.ndarray) -> np.ndarray:
     return prompt
 
 
-def check_chunks(batch: RowBatch, chunks: list[np.ndarray], all_logits: bool) -> list[np.ndarray]:
+def check_chunks(batch: RowBatch, chunks: list[np.ndarray]) -> list[np.ndarray]:
     """``chunks`` checked for ``batch.extend``: one non-empty int64 [S_b] per live row that fits
-    in the row's ``max_length``; ``all_logits``: whether the graph returns every position's."""
+    in the row's ``max_length``."""
     if len(chunks) != len(batch.rows):
         raise ValueError(f"chunks: expected {len(batch.rows)} (one per live row), got {len(chunks)}")
     chunks = [np.asarray(c, dtype=np.int64).reshape(-1) for c in chunks]
     if any(c.size == 0 for c in chunks):
         raise ValueError("chunks: every row needs at least one token")
-    if not all_logits and any(c.size > 1 for c in chunks):
-        raise ValueError("extend: this export returns the last position's logits only "
-                         "(logits='last'); several tokens per row need logits='all'")
     full = [row.index for row, c in zip(batch.rows, chunks) if row.length + c.size > batch.max_length]
     if full:
         raise ValueError(f"rows {full}: the chunk would pass max_length={batch.max_length} tokens")

@@ -184,7 +184,7 @@ def speculate(model, rows: Sequence[np.ndarray], states: Sequence[SequenceState]
     prefix = model.prefix_cache if len(rows) == 1 else None
     batch = model.decoding.rows(runner, len(rows), min(length, config.max_positions), config.fill_token_id,
                                 prefix=prefix)
-    check_speculative(model, batch, speculative)
+    check_speculative(model, speculative)
     speculator = Speculator(batch, runner, speculative, drafter, stats)
     return _speculative_steps(batch, rows, states, speculator, config.fill_token_id)
 
@@ -200,9 +200,9 @@ def _speculative_steps(batch: RowBatch, prompts: Sequence[np.ndarray], states: S
                            prompts, pad_token_id)
 
 
-def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:
-    """``ValueError`` for a target that cannot verify proposals (``batch`` is its row batch), or
-    whose verified tokens can differ from plain decoding's while ``speculation.exact``."""
+def check_speculative(model, speculation: Speculation) -> None:
+    """``ValueError`` for a target whose verified tokens can differ from plain decoding's while
+    ``speculation.exact``."""
     quantization = model.manifest.quantization
     if speculation.exact and getattr(model, "batch_manifest", None) is not None:
         raise ValueError(
@@ -220,10 +220,6 @@ def check_speculative(model, batch: RowBatch, speculation: Speculation) -> None:
             "it), so verified tokens can differ from plain greedy decoding. Speculate on a float "
             "export (a quantised export can be its draft), or accept inexact tokens: "
             "Speculation(..., exact=False), --speculative-inexact")
-    if not batch.all_logits:
-        raise ValueError("speculative: this export returns the last position's logits only "
-                         "(logits='last'); verifying proposals needs every position's (re-export "
-                         "with logits='all')")
 
 
 LOOKUP = "lookup"  # --speculative's name for prompt lookup; any other value is a draft export's directory

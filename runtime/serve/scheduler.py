@@ -110,7 +110,7 @@ class Scheduler:
                                  self.model.config.fill_token_id, prefix=self.prefix)
         speculator = None
         if self.speculation is not None:
-            check_speculative(self.model, batch, self.speculation)
+            check_speculative(self.model, self.speculation)
             speculator = Speculator(batch, self.runner, self.speculation, self._drafter, self.speculation_stats)
         return DecodeLoop(batch, speculator)
 

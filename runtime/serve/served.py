@@ -261,10 +261,6 @@ class ServedModel(RequestLimits):
         if self.family == "encoder-decoder":
             refuse_for_seq2seq(body)
         self.constraint(body)  # compiled here, off the event loop; submit finds it cached
-        if body.echo and body.logprobs is not None and not self.scheduler.batch.all_logits:
-            raise ApiError(400, "echo with logprobs: the prompt's log-probabilities need every "
-                                "position's logits, and this export returns the last position's "
-                                "only (re-export with --logits all)", "echo")
         prompts = self.prompts(body.prompt)
         request = self.decoding(body, prompts, "prompt", COMPLETIONS,
                                 self.stop_ids(body.ignore_eos, body.stop_token_ids))

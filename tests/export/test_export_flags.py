@@ -29,7 +29,6 @@ CASES = [
     (("--quantize", "int8", "--block-size", "64"), {"quantize": "int8", "block_size": 64}),
     (("--symmetric",), {"symmetric": True}),
     (("--no-symmetric",), {"symmetric": False}),
-    (("--logits", "last"), {"logits": "last"}),
     (("--kv-dtype", "float16"), {"kv_dtype": "float16"}),
     (("--quantize", "keep", "--activations", "float"), {"quantize": "keep", "activations": "float"}),
     (("--calibration", "none"), {"calibration": "none"}),

@@ -1,8 +1,10 @@
-"""``logits="last"``: the decoder returns only the logits the next token is picked from.
+"""The decoder's ``last_logits`` input: false, every new token's logits [B, S, V]; true, each
+row's last new token's alone [B, 1, V] (the head runs once per row).
 
-Every target's export is validated against the reference at that position (left-padded concat
-rows: S - 1; inplace rows: each row's last new token), and the runtime generates the same tokens
-from it as from the "all" export of the same module.
+Every target's export is validated in both modes against the reference (left-padded concat
+rows: S - 1; inplace rows: each row's last new token), a graph that returns the wrong position
+is refused by that validation, and the runtime (which asks for the last position at a prefill
+and for every position when scoring) generates the module's own tokens.
 """
 
 from __future__ import annotations
@@ -10,15 +12,17 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+import torch
 
 from tests.matrix import matrix_config
 from tfport.config.classifier import ClassifierConfig
-from tfport.contract import graph_specs
+from tfport.contract import LAST_LOGITS, LAYOUTS, graph_specs
 from tfport.export import ExportOptions, export_model
 from tfport.export.parity import CASES, Runner
+from tfport.export.parity.runner import LAST_POSITIONS
 from tfport.export.targets import TARGETS
-from tfport.manifest import Manifest
 from tfport.models import build_model
+from tfport.models.generate import generate
 from tfport.runtime import load_model
 
 
@@ -32,38 +36,63 @@ def _decoder_for(target):
     pytest.fail(f"target {target.name!r} takes no decoder of the matrix")
 
 
-def test_contract_shape():
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_contract(layout):
     config = matrix_config("decoder", "rope", "gqa")
-    assert graph_specs(config, logits="last")["decoder"].outputs[0].shape == ("batch", 1, config.vocab_size)
-    assert graph_specs(config)["decoder"].outputs[0].shape == ("batch", "sequence", config.vocab_size)
-    with pytest.raises(ValueError, match="logits='first'"):
-        graph_specs(config, logits="first")
-    # an encoder's MLM logits or a classifier's have no "next token": refused, not ignored
+    decoder = graph_specs(config, layout=layout)["decoder"]
+    assert decoder.input(LAST_LOGITS).dtype == "bool" and decoder.input(LAST_LOGITS).shape == ()
+    assert decoder.outputs[0].shape == ("batch", "positions", config.vocab_size)
+    # a seq2seq decoder takes it too; an encoder's MLM logits or a classifier's have no next token
+    assert graph_specs(matrix_config("encoder-decoder", "relative", "mha"))["decoder"].input(LAST_LOGITS)
     for other in (matrix_config("encoder", "learned", "mha").replace(mlm_head=True),
                   matrix_config("encoder-decoder", "relative", "mha").replace(
                       classifier=ClassifierConfig(n_labels=3, pooling="last_eos"))):
-        with pytest.raises(ValueError, match="logits='last': applies to a decoder's next-token logits"):
-            graph_specs(other, logits="last")
+        assert all(spec.input(LAST_LOGITS) is None for spec in graph_specs(other).values())
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_every_target_parity_and_generation(target, tmp_path):
     target = TARGETS[target]
     model = build_model(_decoder_for(target).replace(tie_embeddings=False), seed=1)
-    export_model(model, tmp_path / "all", ExportOptions(target=target))
-    export_model(model, tmp_path / "last", ExportOptions(target=target, logits="last"))  # validated at the last position
-    assert Manifest.read(tmp_path / "last").logits == "last"
-    runner = Runner(model, tmp_path / "last")
-    for case in CASES:  # every padding and phase, compared where the graph has logits
-        assert all(result.ok for result in runner.run(case)), case
+    export_model(model, tmp_path / "export", ExportOptions(target=target))  # validated in both modes
+    runner = Runner(model, tmp_path / "export")
+    for case in CASES:  # every padding and phase: both modes compared
+        for result in runner.run(case):
+            assert result.ok, result.describe()
+            if result.graph == "decoder":
+                assert LAST_POSITIONS in {d.output for d in result.diffs}, result.describe()
     prompts = [[1, 5, 7, 9, 11], [4, 2]]
-    expected = load_model(tmp_path / "all").generate(prompts, max_new_tokens=6)
-    np.testing.assert_array_equal(load_model(tmp_path / "last").generate(prompts, max_new_tokens=6), expected)
+    got = load_model(tmp_path / "export").generate(prompts, max_new_tokens=6)
+    for prompt, row in zip(prompts, got):
+        expected = generate(model, torch.tensor([prompt]), max_new_tokens=6)[0].numpy()
+        np.testing.assert_array_equal(row[:len(expected)], expected)
 
 
-def test_the_head_runs_on_one_position(tmp_path):
+def test_the_head_runs_on_the_chosen_positions(tmp_path):
     model = build_model(matrix_config("decoder", "rope", "gqa"), seed=0)
-    export_model(model, tmp_path / "last", ExportOptions(logits="last", validate=False))
-    nodes = onnx.load(str(tmp_path / "last" / "decoder.onnx")).graph.node
+    export_model(model, tmp_path / "export", ExportOptions(validate=False))
+    nodes = onnx.load(str(tmp_path / "export" / "decoder.onnx")).graph.node
     head = next(n for n in nodes if n.name == "lm_head")
-    assert any(n.name == "last_position" for n in nodes) and head.input[0].startswith("last_position")
+    assert head.input[0].startswith("logits_positions")
+
+
+@pytest.mark.parametrize("target", ["portable", "ort"])
+def test_validation_refuses_a_wrong_last_position(target, tmp_path, monkeypatch):
+    """A graph whose ``last_logits`` picks the first position instead is refused at export."""
+    target = TARGETS[target]
+    model = build_model(_decoder_for(target), seed=2)
+
+    def first_position(g, states, inputs):
+        return g.op("Slice", states, g.const([0], name="s"), g.const([1], name="e"), g.const([1], name="a"),
+                    name="logits_positions")
+
+    original = type(target).last_positions
+
+    def wrong(self, g, states, inputs):
+        right = original(self, g, states, inputs)
+        return g.op("Where", inputs[LAST_LOGITS], first_position(g, states, inputs), right)
+
+    monkeypatch.setattr(type(target), "last_positions", wrong)
+    with pytest.raises(RuntimeError, match=r"export validation failed[\s\S]*logits \(last_logits\)"):
+        export_model(model, tmp_path / "export", ExportOptions(target=target))
+    assert not (tmp_path / "export").exists()

@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from tfport.contract import LAST_LOGITS
 from tfport.export import ExportOptions, export_model
 from tfport.export.targets import TARGETS
 from tfport.manifest import Manifest
@@ -73,7 +74,7 @@ def _run(session, manifest: Manifest, ids: torch.Tensor, mask: torch.Tensor, pas
     """Logits [B, S, V] and presents of one graph call; ``past`` None is an empty cache."""
     config = manifest.config
     feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(),
-             "position_ids": positions_from_mask(mask, ids.shape[1]).numpy()}
+             "position_ids": positions_from_mask(mask, ids.shape[1]).numpy(), LAST_LOGITS: np.array(False)}
     empty = np.zeros((ids.shape[0], config.kv_heads, 0, config.dim_per_head), np.float32)
     for i in range(config.n_decoder_layers):
         for j, part in enumerate(("key", "value")):

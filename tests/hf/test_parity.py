@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from tfport.contract import LAST_LOGITS
 from tfport.export import export_model
 from tfport.manifest import Manifest
 from tfport.models.positions import positions_from_mask
@@ -84,10 +85,13 @@ def test_encoder(imported, padding):
 
 
 def onnx_feeds(manifest: Manifest, graph: str, ids, mask, extra: dict) -> dict[str, np.ndarray]:
-    """Inputs per tfport.contract: ids, mask, position_ids counted from the mask, empty past."""
+    """Inputs per tfport.contract: ids, mask, position_ids counted from the mask, empty past,
+    every position's logits (``last_logits`` false)."""
     spec = manifest.graphs[graph]
     config = manifest.config
     feeds = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), **extra}
+    if spec.input(LAST_LOGITS) is not None:
+        feeds[LAST_LOGITS] = np.array(False)
     if spec.input("position_ids") is not None:
         feeds["position_ids"] = positions_from_mask(mask, ids.shape[1]).numpy()
     for t in spec.inputs:
@@ -109,9 +113,13 @@ def test_onnx_export_matches_transformers(imported, tmp_path, name):
     ids, mask = batch(padding, seed=14)
     real = mask.bool().numpy()
     if it.case.decoder:
-        logits = session.run(["logits"], onnx_feeds(manifest, graph, ids, mask, {}))[0]  # [B, S, V]
+        feeds = onnx_feeds(manifest, graph, ids, mask, {})
+        logits = session.run(["logits"], feeds)[0]  # [B, S, V]
         expected, _ = hf_decoder_step(it.hf, it.case, ids, mask)
         assert_close(logits, expected, real, f"{name} onnx logits")
+        # the head on the last position alone (prompts are left-padded: S - 1), as a prefill asks
+        last = session.run(["logits"], {**feeds, LAST_LOGITS: np.array(True)})[0]  # [B, 1, V]
+        assert_close(last, expected[:, -1:], real[:, -1:], f"{name} onnx last-position logits")
     else:
         types = torch.zeros_like(ids)
         outputs = session.run(None, onnx_feeds(manifest, graph, ids, mask, {"token_type_ids": types.numpy()}))

@@ -328,9 +328,6 @@ def test_bad_arguments_are_refused(models, tmp_path):
                     overrides={"vocab_size": model.config.vocab_size + 8})
     with pytest.raises(ValueError, match="vocab_size"):
         model.generate([[5, 6]], speculative=other)
-    last = _export(tmp_path, "last", "tiny-decoder", "portable", seed=1, logits="last")
-    with pytest.raises(ValueError, match="logits='last'"):
-        last.generate([[5, 6]], speculative="lookup")
     from tfport.runtime.decoding.speculative import open_drafter  # the CLI's and the server's --speculative
     with pytest.raises(ValueError, match=r"--speculative='nowhere': expected 'lookup' or the directory of a draft"):
         open_drafter("nowhere", model, "--speculative")

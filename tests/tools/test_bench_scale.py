@@ -68,18 +68,17 @@ def test_bench_scale_refuses_unknown_shapes(capsys):
 def test_bench_scale_exports_with_the_default_int4(tmp_path):
     """``--quantize int4`` exports a Q8_0 GGUF file with tfport's default int4 (GPTQ on the built-in
     text, through the tokenizer the file ships; a 4-bit file would keep its blocks) into an export
-    directory of its own; ``--logits last`` exports the last position's logits alone."""
+    directory of its own."""
     from tfport.manifest import Manifest
 
     work = tmp_path / "work"
     code = main(["bench-scale", "--shapes", "test-tiny", "--formats", "Q8_0", "--quantize", "int4", "--work",
                  str(work), "--prompt", "16", "--new-tokens", "3", "--rows", "1", "--repeats", "1", "--no-llama-cpp",
-                 "--no-validate", "--logits", "last", "--json", str(tmp_path / "scale.json")])
+                 "--no-validate", "--json", str(tmp_path / "scale.json")])
     assert code == 0
     row = json.loads((tmp_path / "scale.json").read_text())["rows"][0]
-    assert row["format"] == "Q8_0 -> int4, logits last" and row["export_seconds"] > 0
-    manifest = Manifest.read(work / "test-tiny.Q8_0.gguf.int4.export.logits-last")
-    assert manifest.logits == "last"
+    assert row["format"] == "Q8_0 -> int4" and row["export_seconds"] > 0
+    manifest = Manifest.read(work / "test-tiny.Q8_0.gguf.int4.export")
     quantization = manifest.quantization
     assert quantization["format"] == "int4" and quantization["method"] == "gptq"
     assert quantization["calibration"]["text"] == "builtin"

@@ -1,9 +1,9 @@
 """``tfport bench --source ... --quantize int4,int8 [--genai DIR] [--llama-cpp GGUF]``: tfport's
 float and quantised exports against other CPU engines on the same weights, batch 1.
 
-One run exports the source once per (target, format) -- ``logits="last"``, as a deployment
-would -- opens every side, then alternates timed runs between all of them (a prefill of
-``--contexts`` tokens and ``--new-tokens`` greedy steps, ``--repeats`` rounds; medians). Each
+One run exports the source once per (target, format), opens every side, then alternates timed
+runs between all of them (a prefill of ``--contexts`` tokens and ``--new-tokens`` greedy steps,
+``--repeats`` rounds; medians). Each
 tfport row has its own roofline: the bytes its weight products read per token, taken from the
 export's graph (quantised codes, scales and zero points; gathered embedding rows excluded), over
 the bandwidth measured in the same run. Ratios are within the run: each row against the fastest
@@ -119,7 +119,7 @@ def _tfport_sides(source, source_name: str, settings: BenchSettings, formats: tu
                 layout = get_format(quantize)
                 symmetric = not fmt.endswith(ASYMMETRIC) if layout.layout_options else None
                 quantize = layout.for_source(source_name, settings.dtype) or quantize  # keep: the file's blocks
-            options = ExportOptions(dtype=settings.dtype, target=target, quantize=quantize, logits="last",
+            options = ExportOptions(dtype=settings.dtype, target=target, quantize=quantize,
                                     symmetric=symmetric, validate=False)
             if fmt == "int4":  # as `tfport export --quantize int4` takes the source: a 4-bit file keeps its blocks
                 kept = source_options(options.replace(symmetric=None), source_name)

@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tfport.contract import ACTIVATIONS, LOGITS
+from tfport.contract import ACTIVATIONS
 from tfport.files import write_text_atomic
 
 from tfport.export.quant import INT4, KEEP
@@ -190,10 +190,9 @@ QUANTIZE = {  # --quantize: how each format is exported
 
 
 def export_args(source: Path, fmt: str, out: Path, validate: bool, quantize: str = "source",
-                activations: str | None = None, logits: str = LOGITS[0]) -> list[str]:
+                activations: str | None = None) -> list[str]:
     """``tfport export`` arguments of the benchmark's export of ``fmt`` (``quantize``: ``QUANTIZE``;
-    ``activations``: one of ``tfport.contract.ACTIVATIONS``, None for the export's default;
-    ``logits``: ``tfport.contract.LOGITS``)."""
+    ``activations``: one of ``tfport.contract.ACTIVATIONS``, None for the export's default)."""
     if quantize == "int4":
         how = ["--quantize", INT4.name]
     elif fmt in GGUF_KINDS:
@@ -202,8 +201,6 @@ def export_args(source: Path, fmt: str, out: Path, validate: bool, quantize: str
         how = ["--quantize", INT4.name, "--calibration", "none"]
     if activations is not None:
         how += ["--activations", activations]
-    if logits != LOGITS[0]:
-        how += ["--logits", logits]
     return [str(source), "--out", str(out), "--target", "ort", *how, *([] if validate else ["--no-validate"])]
 
 
@@ -218,9 +215,6 @@ def measure(shape: Shape, fmt: str, settings: argparse.Namespace, activations: s
     name = f"{source.name}.export" if quantize == "source" else f"{source.name}.{quantize}.export"
     if activations is not None:
         label, name = f"{label}, {activations} activations", f"{name}.{activations}"
-    logits = getattr(settings, "logits", LOGITS[0])
-    if logits != LOGITS[0]:
-        label, name = f"{label}, logits {logits}", f"{name}.logits-{logits}"
     row = ScaleRow(shape.name, label, shape.parameters(), _size(source))
     out = work / name
     if out.exists() and settings.reuse_exports:
@@ -230,8 +224,8 @@ def measure(shape: Shape, fmt: str, settings: argparse.Namespace, activations: s
             import shutil
 
             shutil.rmtree(out)
-        figures = _child(EXPORT_CHILD, export_args(source, fmt, out, settings.validate, quantize, activations,
-                                                   logits), settings.timeout)
+        figures = _child(EXPORT_CHILD, export_args(source, fmt, out, settings.validate, quantize, activations),
+                         settings.timeout)
         if figures["code"] != 0:
             row.notes.append(f"export failed (exit {figures['code']})")
             return row
@@ -315,9 +309,6 @@ def add_parsers(subparsers) -> None:
                    help=f"comma-separated, from {', '.join(ACTIVATIONS)}: an export each, with its quantised "
                         f"products on those activations (tfport export --activations; default: the "
                         f"export's own)")
-    p.add_argument("--logits", choices=LOGITS, default=LOGITS[0],
-                   help="tfport exports' decoder logits (tfport export --logits): all positions (default) "
-                        "or the last, which a prompt's prefill then computes the head for alone")
     p.add_argument("--work", default="out/scale", help="where models and exports are kept (default out/scale)")
     p.add_argument("--prompt", type=int, default=512, help="prompt tokens for time to first token (default 512)")
     p.add_argument("--new-tokens", type=int, default=33, help="tokens generated per decode run (default 33)")

@@ -51,15 +51,12 @@ def reference_logits(model: nn.Module, ids: np.ndarray) -> np.ndarray:
 
 
 def export_logits(model_dir: str | Path, ids: np.ndarray) -> np.ndarray:
-    """An export's logits [S, V] for one sequence ``ids`` [S] (its decoder must return every
-    position's logits, ``logits="all"``), through the runtime's sessions and cache layout."""
+    """An export's logits [S, V] for one sequence ``ids`` [S], through the runtime's sessions and
+    cache layout."""
     from tfport.runtime import load_model
 
     model = load_model(model_dir)
     runner = model.runners["decoder"]
-    if runner.spec.outputs[0].shape[1] == 1:
-        raise ValueError(f"model_dir={str(model_dir)!r}: exported with logits='last'; perplexity "
-                         "needs every position's logits (re-export with logits='all')")
     return model.decoding.logits(runner, np.asarray(ids, dtype=np.int64)[None])  # [S, V]
 
 

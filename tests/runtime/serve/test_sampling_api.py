@@ -268,15 +268,6 @@ def test_out_of_range_options_are_400_naming_the_field(server, path, body, param
     assert response.json()["error"]["param"] == param, response.json()
 
 
-def test_echo_with_logprobs_needs_every_positions_logits(server, monkeypatch):
-    url, state = server
-    monkeypatch.setattr(state.models["dec-ort"].scheduler.batch, "all_logits", False)  # as logits="last"
-    response = httpx.post(url + "/v1/completions", json={"model": "dec-ort", "prompt": "w5", "echo": True,
-                                                         "logprobs": 0, "max_tokens": 2})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "echo", response.text
-    assert "--logits all" in response.json()["error"]["message"]
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_speculating_scheduler_with_penalties_returns_the_plain_tokens(serve_exports, module, name):
     """The scheduler behind ``tfport serve --speculative lookup`` (K fixed: adaptive K depends on
