@@ -270,8 +270,8 @@ class ConcatRelayout:
 
 def score(runner: GraphRunner, ids: np.ndarray) -> Iterator[np.ndarray]:
     """Every position's logits of one sequence ``ids`` int64 [1, S], as the logits [s, V] of its
-    consecutive pieces of at most
-    ``PREFILL_PIECE`` tokens, each run on the cache of those before (from an empty one)."""
+    consecutive pieces of at most ``PREFILL_PIECE`` tokens, each run on the cache of those before
+    (from an empty one)."""
     cache = empty_cache(runner.spec, 1)
     for first, stop in prefill_pieces(0, ids.shape[1]):
         logits, cache = decoder_forward(runner, ids[:, first:stop], np.ones((1, stop), dtype=np.int64), cache, {},

@@ -328,8 +328,8 @@ class InplaceRelayout:
 
 def score(runner: GraphRunner, ids: np.ndarray) -> Iterator[np.ndarray]:
     """Every position's logits of one sequence ``ids`` int64 [1, S], as the logits [s, V] of its
-    consecutive pieces of at most ``PREFILL_PIECE`` tokens, each run on top
-    of the cache of those before: a long text holds one piece's activations and logits."""
+    consecutive pieces of at most ``PREFILL_PIECE`` tokens, each run on top of the cache of those
+    before: a long text holds one piece's activations and logits."""
     decoder = InplaceDecoder(runner, 1, ids.shape[1])
     for first, stop in prefill_pieces(0, ids.shape[1]):
         yield decoder(ids[:, first:stop], np.array([stop - 1]), every_position=True)[0]
