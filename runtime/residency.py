@@ -18,7 +18,6 @@ tokens and decode time.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -53,7 +52,7 @@ def release_weight_pages(path: str | os.PathLike) -> int:
     external data file, after its session opened) -> the bytes of address range advised."""
     if not sys.platform.startswith("linux") or not os.path.exists("/proc/self/smaps"):
         return 0
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)  # the process's own symbols: libc is linked in
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     advised = 0
     for start, length, written in _mappings(Path(path).resolve()):

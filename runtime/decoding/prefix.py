@@ -118,8 +118,7 @@ class PrefixCache:
         keys = self._keys(tokens, (len(tokens) - 1) // self.block_size)
         with self._lock:
             found = self._found(keys)
-            for key in reversed(keys[:len(found)]):  # deepest first: the first blocks stay newest
-                self._blocks.move_to_end(key)
+            self._touch(keys[:len(found)])
             length = len(found) * self.block_size
             if count:
                 self.hit_tokens += length
@@ -133,29 +132,44 @@ class PrefixCache:
         """Keep the full blocks of ``tokens`` whose keys and values ``kv`` holds: name ->
         [Hkv, >= len(tokens), D], position i the keys/values of ``tokens[i]`` (read, not kept:
         new blocks are copied). Blocks already cached are touched; a block with non-finite
-        values is not kept (nor the blocks after it)."""
+        values is not kept (nor the blocks after it). Room is made before each block is copied,
+        by evicting other prompts' blocks, so the cache never holds more than ``max_bytes`` plus
+        the block being checked; where that would evict this prompt's own, its deeper blocks are
+        not kept."""
         keys = self._keys(tokens, len(tokens) // self.block_size)
         with self._lock:
+            self._touch(keys)  # its cached blocks newest: room is made from other prompts'
             for b, key in enumerate(keys):
                 if key in self._blocks:
                     continue
                 span = slice(b * self.block_size, (b + 1) * self.block_size)
+                size = sum(value[:, span].nbytes for value in kv.values())
+                if size > self.max_bytes or not self._make_room(size, set(keys)):
+                    break
                 block = {name: np.array(value[:, span]) for name, value in kv.items()}  # copies
-                size = sum(value.nbytes for value in block.values())
-                if size > self.max_bytes or not all(np.isfinite(v).all() for v in block.values()):
+                if not all(np.isfinite(v).all() for v in block.values()):
                     break
                 self._blocks[key] = block
                 self.bytes += size
-            for key in reversed(keys):
-                if key in self._blocks:
-                    self._blocks.move_to_end(key)
-            self._evict()
+            self._touch(keys)
 
-    def _evict(self) -> None:
-        while self.bytes > self.max_bytes:
+    def _touch(self, keys: list[bytes]) -> None:
+        """The cached ones of a prompt's ``keys`` made the newest, deepest first: the first
+        blocks stay newest, so eviction takes a prompt's deeper blocks before its first."""
+        for key in reversed(keys):
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+
+    def _make_room(self, size: int, keep: set[bytes]) -> bool:
+        """Evict the oldest blocks until ``size`` more bytes fit in ``max_bytes`` -> whether they
+        do without evicting a block of ``keep`` (the prompt being inserted)."""
+        while self.bytes + size > self.max_bytes:
+            if not self._blocks or next(iter(self._blocks)) in keep:
+                return False
             _, block = self._blocks.popitem(last=False)
             self.bytes -= sum(value.nbytes for value in block.values())
             self.evicted_tokens += self.block_size
+        return True
 
 
 def cached_start(cache: PrefixCache | None, tokens: Sequence[int]) -> Prefix:

@@ -92,6 +92,43 @@ def test_least_recently_used_blocks_go_first_under_the_bound():
     assert cache.bytes == 3 * block
 
 
+def test_room_is_made_before_a_block_is_copied():
+    """A full cache taking another prompt holds at most its bound plus the block being copied
+    at any time (tracemalloc sees numpy's buffers): it evicts before it copies."""
+    import tracemalloc
+
+    def kv_of(seed):  # blocks of 64 tokens x 2 heads x 256 dims, 256 KiB: far above the bookkeeping
+        return {name: np.random.default_rng(seed).standard_normal((HEADS, 512, 256)).astype(np.float32)
+                for name in NAMES}
+
+    block = 64 * HEADS * 256 * 4 * len(NAMES)
+    cache = PrefixCache(8 * block, block_size=64)
+    kv = kv_of(2)
+    tracemalloc.start()
+    try:
+        cache.insert(list(range(1000, 1512)), kv_of(1))  # full: 8 blocks
+        tracemalloc.reset_peak()
+        held, _ = tracemalloc.get_traced_memory()
+        cache.insert(list(range(2000, 2512)), kv)  # 8 new blocks, all of the first prompt's go
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    peak -= held
+    assert cache.bytes == 8 * block and cache.evicted_tokens == 512
+    assert cache.lookup(list(range(2000, 2513))).length == 512
+    assert peak < 2 * block, (peak, block)  # one block in flight, not the prompt's eight
+
+
+def test_a_prompt_longer_than_the_cache_keeps_its_first_blocks():
+    block = _block_bytes(4)
+    cache = PrefixCache(3 * block, block_size=4)
+    cache.insert(list(range(50, 54)), _kv(4, 1))
+    tokens = list(range(100, 120))  # five blocks: the other prompt's goes, then its first three stay
+    cache.insert(tokens, _kv(20, 2))
+    assert cache.bytes == 3 * block and cache.lookup(tokens).length == 12
+    assert cache.lookup(list(range(50, 55))).length == 0
+
+
 def test_a_block_with_non_finite_values_is_not_kept():
     cache = PrefixCache(1 << 20, block_size=4)
     kv = _kv(12)
