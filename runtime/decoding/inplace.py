@@ -32,8 +32,8 @@ from tfport.dtypes import NUMPY_DTYPES
 
 from ..binding import PAST, PRESENT, Feed, GraphRunner
 from ..inputs import pad_batch
-from .inplace_binding import (InplaceDecoder, StepFeeds, bind_cache, fill_prefix, keep, lease, logits_layout,
-                              require_finite, row_views)
+from .inplace_binding import (InplaceDecoder, StepFeeds, bind_cache, keep, lease, logits_layout, require_finite,
+                              row_views)
 from .layout import LayoutDecoding, prefill_pieces, register_decoding, row_groups
 from .prefix import NO_PREFIX, Prefix, PrefixCache, cache_chunk, cached_start
 from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
@@ -57,7 +57,7 @@ class InplaceBuffer:
         cached = prefix is not None and batch == 1 and decoder.host is not None
         start = cached_start(prefix, rows[0]) if cached else NO_PREFIX
         if start.length:
-            fill_prefix({name: value[0] for name, value in decoder.host.items()}, start)
+            start.copy_into({name: value[0] for name, value in decoder.host.items()})
         if batch == 1 or (decoder.host is not None and len(prefill_pieces(0, int(lengths.max()))) > 1):
             # each row alone, in pieces on top of its cache (the CPU kernel takes several new
             # tokens over a cache at batch 1 only): each piece's last token is a real one
@@ -193,7 +193,7 @@ class InplaceRows:
     def _prefill(self, index: int, prompt: np.ndarray, start: Prefix, stop: int) -> np.ndarray:
         """``prompt[start.length:stop]`` on top of ``start`` in row ``index``'s buffers -> its last
         token's logits [1, 1, V]."""
-        fill_prefix(self._row_cache(index), start)
+        start.copy_into(self._row_cache(index))
         for first, last in prefill_pieces(start.length, stop):
             logits = self._run(index, index + 1, prompt[None, first:last], np.array([last - 1]))
         return logits  # the last piece's

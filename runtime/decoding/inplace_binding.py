@@ -18,7 +18,6 @@ from tfport.contract import LAST_LOGITS
 from tfport.dtypes import NUMPY_DTYPES
 
 from ..binding import PAST, PRESENT, GraphRunner, choose_session
-from .prefix import Prefix
 
 KEPT = "inplace"  # GraphRunner.kept key of the idle decoder
 
@@ -185,9 +184,3 @@ def keep(runner: GraphRunner, decoder: InplaceDecoder) -> None:
     """Keep ``decoder`` as the runner's idle one (one at most: the last handed back)."""
     runner.kept[KEPT] = decoder
 
-
-def fill_prefix(buffers: Mapping[str, np.ndarray], prefix: Prefix) -> None:
-    """Copy ``prefix``'s keys and values into the first slots of one row's ``buffers`` (name ->
-    [Hkv, slots, D])."""
-    for name, value in prefix.kv.items():
-        buffers[name][:, :prefix.length] = value

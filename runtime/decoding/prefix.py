@@ -9,7 +9,7 @@ dtype; the arrays are never written after insertion (a row copies them into its 
 
     cache = PrefixCache(max_bytes=256 * 2**20)
     prefix = cache.lookup(prompt)              # the longest cached block-aligned prefix < len(prompt)
-    ... fill the row's cache with prefix.kv[name] [Hkv, prefix.length, D], prefill prompt[prefix.length:]
+    prefix.copy_into(row_cache)                # its first prefix.length slots; prefill prompt[prefix.length:]
     cache.insert(tokens, kv)                   # kv[name] [Hkv, >= len(tokens), D]: its full blocks
 
 Bytes are accounted per block; past ``max_bytes`` the least recently used blocks are evicted.
@@ -50,13 +50,30 @@ BLOCK_SIZE = 32
 @dataclass(frozen=True)
 class Prefix:
     """The cached start of a sequence: ``length`` tokens (a multiple of the block size, 0 on a
-    miss) and ``kv`` name -> [Hkv, length, D] (empty when ``length`` is 0)."""
+    miss) in ``blocks``, each name -> [Hkv, block_size, D] (the cache's own arrays, never
+    written: read them, or copy them with ``kv`` / ``copy_into``)."""
 
     length: int
-    kv: dict[str, np.ndarray]
+    blocks: tuple[dict[str, np.ndarray], ...] = ()
+
+    @property
+    def kv(self) -> dict[str, np.ndarray]:
+        """name -> [Hkv, length, D], a new array (empty when ``length`` is 0)."""
+        if not self.blocks:
+            return {}
+        return {name: np.concatenate([block[name] for block in self.blocks], axis=1) for name in self.blocks[0]}
+
+    def copy_into(self, buffers: Mapping[str, np.ndarray]) -> None:
+        """Write the prefix into the first ``length`` slots of one row's ``buffers`` (name ->
+        [Hkv, slots, D]) block by block: no copy of the whole prefix in between."""
+        start = 0
+        for block in self.blocks:
+            for name, value in block.items():
+                buffers[name][:, start:start + value.shape[1]] = value
+            start += next(iter(block.values())).shape[1]
 
 
-NO_PREFIX = Prefix(0, {})
+NO_PREFIX = Prefix(0)
 
 
 class PrefixCache:
@@ -123,10 +140,7 @@ class PrefixCache:
             if count:
                 self.hit_tokens += length
                 self.miss_tokens += len(tokens) - length
-        if not found:
-            return NO_PREFIX
-        return Prefix(length, {name: np.concatenate([block[name] for block in found], axis=1)
-                               for name in found[0]})
+        return Prefix(length, tuple(found)) if found else NO_PREFIX
 
     def insert(self, tokens: Sequence[int], kv: Mapping[str, np.ndarray]) -> None:
         """Keep the full blocks of ``tokens`` whose keys and values ``kv`` holds: name ->

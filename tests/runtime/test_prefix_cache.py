@@ -42,7 +42,11 @@ def test_lookup_finds_the_longest_cached_block_prefix_shorter_than_the_tokens():
                             ([99] + tokens[1:], 0)]:
         prefix = cache.lookup(query)
         assert prefix.length == expected, query
+        row = {name: np.zeros((HEADS, 12, DIM), np.float32) for name in NAMES}  # a row's cache
+        prefix.copy_into(row)  # block by block
         for name in NAMES:
+            np.testing.assert_array_equal(row[name][:, :expected], kv[name][:, :expected])
+            assert not row[name][:, expected:].any()
             if expected:
                 np.testing.assert_array_equal(prefix.kv[name], kv[name][:, :expected])
             else:
