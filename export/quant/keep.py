@@ -66,9 +66,9 @@ def four_bit_share(source: str | Path) -> float:
     """The share of a GGUF file's layer weights (the values of its ``blk.*`` matrices) stored in
     4-bit blocks (``FOUR_BIT_TYPES``): 1.0 for a Q4_0 or Q4_1 file, about 0.8 for a Q4_K_M one
     (some value and down projections in Q6_K), 0 for Q8_0 or F16. Reads the header only."""
-    from tfport.models.gguf.reader import GGUFFile
+    from tfport.models.gguf.reader import open_gguf
 
-    file = GGUFFile(source)
+    file = open_gguf(source)
     sizes = {name: int(np.prod(file.shape(name))) for name in file.tensor_names()
              if name.startswith("blk.") and len(file.shape(name)) >= 2}
     total = sum(sizes.values())
@@ -94,11 +94,11 @@ class KeptQuantization(Blockwise):
     embeddings = True
 
     def __init__(self, path: str | Path, fallback: QuantScheme | None = None):
-        from tfport.models.gguf.reader import GGUFFile, on_tensor_read
+        from tfport.models.gguf.reader import on_tensor_read, open_gguf
 
         self.path = Path(path)
         self.fallback = fallback or QuantScheme(8, BLOCK, symmetric=True)
-        self.file = GGUFFile(self.path)
+        self.file = open_gguf(self.path)
         # kept tensors: name -> ggml type (a stack of experts [N, rows, K] holds N * rows rows of K)
         self.kinds = {name: self.file.tensor_type(name) for name in self.file.tensor_names()
                       if self.file.tensor_type(name) in KEPT_TYPES and len(self.file.shape(name)) in (2, 3)}

@@ -23,7 +23,7 @@ from torch import nn
 
 from .architectures import (LLAMA3_TENSOR, LONGROPE_TENSORS, ROPE_TENSORS, GGUFArchitecture,
                             architecture, unpermute_rows)
-from .reader import GGUFFile, Shape, own_float32
+from .reader import GGUFFile, Shape, open_gguf, own_float32
 
 log = logging.getLogger(__name__)
 
@@ -369,7 +369,7 @@ class GGUFCheckpoint:
 def read_gguf(path: str | os.PathLike) -> tuple[GGUFFile, GGUFArchitecture, dict[str, Any], GGUFTensors]:
     """Open ``path`` and check it: architecture, tensor types, names -> (file, entry, HF config,
     tensor source)."""
-    file = GGUFFile(path)
+    file = open_gguf(path)
     arch = architecture(file.architecture, file.path.name)
     file.check_types()
     config = hf_config(file, arch)

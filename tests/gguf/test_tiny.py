@@ -153,6 +153,20 @@ def test_import_matches_transformers(tiny_files, kind):
 
 
 # ------------------------------------------------------------------------------------ refusals
+def test_a_file_is_parsed_once_until_it_changes(tmp_path):
+    """``open_gguf`` shares the parsed header among an export's readers, and parses a file
+    written again at the same path afresh."""
+    from tfport.models.gguf.reader import open_gguf
+
+    path = tmp_path / "model.gguf"
+    first = write_tiny_llama(path, encoder(0), "F32")
+    opened = open_gguf(first.path)
+    assert open_gguf(str(path)) is opened and read_gguf(path)[0] is opened
+    write_tiny_llama(tmp_path / "other.gguf", encoder(1), "Q8_0").path.replace(path)  # same path, new file
+    again = open_gguf(path)
+    assert again is not opened and again.tensor_type("token_embd.weight") == "Q8_0"
+
+
 def test_refuses_unknown_and_not_yet_supported_architectures(tmp_path):
     for arch, message in (("fancynet", "unknown GGUF architecture 'fancynet'"),
                           ("nemotron", "GGUF architecture 'nemotron' is not supported yet")):
