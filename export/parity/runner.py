@@ -153,10 +153,11 @@ class Runner:
         for a case the table's tolerance alone fails: a floor can only let more through, and its
         float64 copy of the module doubles the reference's memory.
 
-        A decoder runs twice: with every position's logits (``last_logits`` false), then with the
-        head on each row's last new token alone (true), as the runtime's prefills run it."""
+        A decoder with several new tokens runs twice: with every position's logits
+        (``last_logits`` false), then with the head on each row's last new token alone (true), as
+        the runtime's prefills run it (with one new token both are the same position)."""
         actual = self.run_onnx(prepared)
-        if LAST_LOGITS in prepared.feeds:
+        if LAST_LOGITS in prepared.feeds and prepared.feeds["input_ids"].shape[1] > 1:
             feeds = {**prepared.feeds, LAST_LOGITS: np.array(True)}
             actual[LAST_POSITIONS] = self.run_onnx(dataclasses.replace(prepared, feeds=feeds))["logits"]
         reference = prepared.reference() if reference is None else reference
