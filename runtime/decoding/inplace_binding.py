@@ -40,9 +40,10 @@ class InplaceDecoder:
     """The decoder graph with its KV buffers [B, Hkv, slots, D] bound once, as past and present.
 
     A call binds ``input_ids``, ``seqlens_k``, ``total_sequence_length``, ``last_logits`` and a
-    fresh host array for the logits, runs, and returns that array: the per-call host work does not depend on the
-    number of layers (the binding's other outputs are never read back). ``step`` is the decode
-    step's faster path: its inputs and logits live in host arrays bound once.
+    fresh host array for the logits, runs, and returns that array: the per-call host work does
+    not depend on the number of layers (the binding's other outputs are never read back).
+    ``step`` is the decode step's faster path: its inputs and logits live in host arrays bound
+    once.
     """
 
     def __init__(self, runner: GraphRunner, batch: int, slots: int):
