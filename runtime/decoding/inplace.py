@@ -33,7 +33,7 @@ from tfport.dtypes import NUMPY_DTYPES
 from ..binding import PAST, PRESENT, Feed, GraphRunner
 from ..inputs import pad_batch
 from .inplace_binding import (InplaceDecoder, StepFeeds, bind_cache, keep, lease, logits_layout, require_finite,
-                              row_views)
+                              row_views, run_tokens)
 from .layout import LayoutDecoding, prefill_pieces, register_decoding, row_groups
 from .prefix import NO_PREFIX, Prefix, PrefixCache, cache_chunk, cached_start
 from .rows import Row, check_chunks, check_prompt, check_rewind, check_step
@@ -168,15 +168,7 @@ class InplaceRows:
         never read back."""
         session, binding, key = self._binding(start, stop, input_ids.size)
         self._step_bound.discard(key)
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
-        binding.bind_cpu_input("total_sequence_length",
-                               np.array(seqlens_k.max() + 1, dtype=np.int32))
-        binding.bind_cpu_input(LAST_LOGITS, np.array(not every_position))
-        logits = np.empty((stop - start, input_ids.shape[1] if every_position else 1, self.vocab), self.logits_dtype)
-        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-        session.run_with_iobinding(binding)
-        return logits
+        return run_tokens(session, binding, input_ids, seqlens_k, every_position, self.vocab, self.logits_dtype)
 
     def add(self, prompt: np.ndarray) -> tuple[Row, np.ndarray]:
         prompt = check_prompt(self, prompt)

@@ -90,7 +90,7 @@ class InplaceDecoder:
         each prompt's length - 1 (its padded slots are ignored), a decode step the cached length.
         The new keys/values are written in place into the row's slots after its cache.
         """
-        batch, length = input_ids.shape
+        batch = input_ids.shape[0]
         assert seqlens_k.max() < self.slots, (seqlens_k, self.slots)
         if row is None:
             assert batch == self.batch, (input_ids.shape, self.batch)
@@ -102,14 +102,8 @@ class InplaceDecoder:
             binding = session.io_binding()
             views = row_views(self.host, row, row + batch)  # alive until the run is over
             bind_cache(binding, views)
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
-        binding.bind_cpu_input("total_sequence_length", np.array(seqlens_k.max() + 1, dtype=np.int32))
-        binding.bind_cpu_input(LAST_LOGITS, np.array(not every_position))
-        logits = np.empty((batch, length if every_position else 1, self.vocab), dtype=self.logits_dtype)
-        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-        session.run_with_iobinding(binding)
-        return require_finite(logits)
+        return require_finite(run_tokens(session, binding, input_ids, seqlens_k, every_position,
+                                         self.vocab, self.logits_dtype))
 
     def step(self, tokens: np.ndarray, seqlens_k: np.ndarray, total_sequence_length: int) -> np.ndarray:
         """One new token per row: tokens int64 [B], seqlens_k [B] (each row's cached length),
@@ -134,6 +128,21 @@ class InplaceDecoder:
         feeds.total_sequence_length[()] = total_sequence_length
         session.run_with_iobinding(binding)
         return feeds.logits[:, 0]  # [B, V]; NaN is refused where a token is picked (sampling.check_logits)
+
+
+def run_tokens(session: ort.InferenceSession, binding: ort.IOBinding, input_ids: np.ndarray,
+               seqlens_k: np.ndarray, every_position: bool, vocab: int, logits_dtype: type) -> np.ndarray:
+    """Bind one run's new tokens (input_ids [B, S], seqlens_k [B], ``total_sequence_length``,
+    ``last_logits``) and a fresh logits array on ``binding`` (its KV buffers bound already), run
+    -> that array, [B, 1, V] of each row's last new token or [B, S, V] ``every_position``."""
+    binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+    binding.bind_cpu_input("seqlens_k", seqlens_k.astype(np.int32))
+    binding.bind_cpu_input("total_sequence_length", np.array(seqlens_k.max() + 1, dtype=np.int32))
+    binding.bind_cpu_input(LAST_LOGITS, np.array(not every_position))
+    logits = np.empty((input_ids.shape[0], input_ids.shape[1] if every_position else 1, vocab), dtype=logits_dtype)
+    binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+    session.run_with_iobinding(binding)
+    return logits
 
 
 class StepFeeds:
