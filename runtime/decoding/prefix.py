@@ -151,6 +151,7 @@ class PrefixCache:
         the block being checked; where that would evict this prompt's own, its deeper blocks are
         not kept."""
         keys = self._keys(tokens, len(tokens) // self.block_size)
+        own = set(keys)
         with self._lock:
             self._touch(keys)  # its cached blocks newest: room is made from other prompts'
             for b, key in enumerate(keys):
@@ -158,7 +159,7 @@ class PrefixCache:
                     continue
                 span = slice(b * self.block_size, (b + 1) * self.block_size)
                 size = sum(value[:, span].nbytes for value in kv.values())
-                if size > self.max_bytes or not self._make_room(size, set(keys)):
+                if size > self.max_bytes or not self._make_room(size, own):
                     break
                 block = {name: np.array(value[:, span]) for name, value in kv.items()}  # copies
                 if not all(np.isfinite(v).all() for v in block.values()):
