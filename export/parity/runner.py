@@ -35,6 +35,7 @@ from .reference import TORCH_DTYPES, reference_module
 # checked beside the others.
 LAST_POSITIONS = "logits (last_logits)"
 
+
 def _tolerance(manifest: Manifest, provider: str) -> tuple[float, float]:
     """(rtol, atol) of an export: its dtype's, or the looser of that and its cache dtype's where
     the target runs attention in the cache dtype (``Target.attention_dtype``)."""
